@@ -1,0 +1,323 @@
+"""A local cluster: vLLM engines on their own cores plus the client-facing front.
+
+One launcher serves the demo, the tests and the benchmark. `Cluster` is a context manager:
+whatever happens while it starts or runs, leaving the block stops every process it started.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from turnkv_server.launcher.engine import (
+    EngineProcess,
+    EngineSpec,
+    EngineStartError,
+    Role,
+    read_tail,
+    resolve_dtype,
+)
+from turnkv_server.launcher.processes import ProcessRef, free_ports, stop_group
+from turnkv_server.launcher.state import ClusterState, ServerState, clear_current, set_current
+from turnkv_server.paths import turnkv_home
+
+Mode = Literal["single", "standard"]
+MODES: tuple[str, ...] = ("single", "standard")
+
+NIXL_CONNECTOR_MODULE = "turnkv_server.nixl_tuning"
+
+
+@dataclass
+class ClusterConfig:
+    """How to start a cluster. Defaults: one prefill and one decode engine, one core each."""
+
+    mode: Mode = "standard"
+    model: str = "smollm2"
+    num_prefill: int = 1
+    num_decode: int = 1
+    dtype: str = "auto"
+    # Turn the prefill engine's prefix cache off: the baseline of vLLM's multi-turn blog.
+    prefill_cache: bool = True
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+    cores_per_engine: int = 1
+    router_port: int | None = None
+    engine_ports: list[int] | None = None
+    run_dir: Path | None = None
+    startup_timeout: float = 300.0
+    # Record this cluster as the one `turnkv status` / `turnkv down` act on by default.
+    register_as_current: bool = False
+    engine_extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.mode != "single" and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("a prefill/decode cluster needs at least one engine of each role")
+        if self.cores_per_engine < 1:
+            raise ValueError("cores_per_engine must be at least 1")
+
+
+class ClusterStartError(RuntimeError):
+    """The cluster could not start; every process it had started is already stopped."""
+
+
+class Cluster:
+    """Start with `with Cluster(config) as state:` or `start()` / `stop()`."""
+
+    def __init__(self, config: ClusterConfig, console: Console | None = None) -> None:
+        self.config = config
+        self.console = console or Console(stderr=True)
+        self.run_dir = config.run_dir or _new_run_dir()
+        self.engines: list[EngineProcess] = []
+        self.router_ref: ProcessRef | None = None
+        self.state: ClusterState | None = None
+
+    def __enter__(self) -> ClusterState:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- start -----------------------------------------------------------------------------
+
+    def start(self) -> ClusterState:
+        from turnkv_server.models import resolve_model
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        model_path = resolve_model(self.config.model, progress=self._note)
+        served_name = _served_name(self.config.model, model_path)
+        specs = self._engine_specs(model_path, served_name)
+        self.engines = [EngineProcess(spec, self.run_dir) for spec in specs]
+        try:
+            for engine in self.engines:
+                engine.start()
+            self._wait_for_engines()
+            self._pin_engines()
+            router_url = self._start_router(served_name)
+        except BaseException:
+            self.stop()
+            raise
+        self.state = self._record(served_name, model_path, router_url)
+        return self.state
+
+    def _engine_specs(self, model_path: Path, served_name: str) -> list[EngineSpec]:
+        cfg = self.config
+        roles: list[Role] = ["single"]
+        if cfg.mode != "single":
+            prefill: list[Role] = ["prefill"] * cfg.num_prefill
+            decode: list[Role] = ["decode"] * cfg.num_decode
+            roles = prefill + decode
+        ports = cfg.engine_ports or free_ports(len(roles))
+        if len(ports) != len(roles):
+            raise ValueError(f"{len(roles)} engines need {len(roles)} ports, got {len(ports)}")
+        nixl_ports = free_ports(len(roles)) if cfg.mode != "single" else [None] * len(roles)
+        cores = _core_sets(len(roles), cfg.cores_per_engine)
+        counters: dict[str, int] = {}
+        specs = []
+        for role, port, nixl_port, core_set in zip(roles, ports, nixl_ports, cores, strict=True):
+            index = counters.get(role, 0)
+            counters[role] = index + 1
+            specs.append(
+                EngineSpec(
+                    name=role if role == "single" else f"{role}-{index}",
+                    role=role,
+                    model=model_path,
+                    served_model_name=served_name,
+                    port=port,
+                    cores=core_set,
+                    nixl_port=nixl_port,
+                    kv_transfer_config=_kv_transfer_config(role),
+                    dtype=resolve_dtype(cfg.dtype),
+                    prefix_caching=cfg.prefill_cache or role != "prefill",
+                    kv_cache_bytes=cfg.kv_cache_bytes,
+                    max_model_len=cfg.max_model_len,
+                    extra_args=cfg.engine_extra_args,
+                )
+            )
+        return specs
+
+    def _wait_for_engines(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout
+        with Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=True,
+        ) as progress:
+            tasks = {
+                e.spec.name: progress.add_task(f"starting {e.spec.name} on {e.spec.url}")
+                for e in self.engines
+            }
+            pending = list(self.engines)
+            while pending:
+                for engine in list(pending):
+                    if engine.is_healthy():
+                        pending.remove(engine)
+                        progress.update(
+                            tasks[engine.spec.name],
+                            description=f"[green]{engine.spec.name} healthy[/]",
+                        )
+                        progress.stop_task(tasks[engine.spec.name])
+                if pending and time.monotonic() > deadline:
+                    timeout = self.config.startup_timeout
+                    raise EngineStartError(
+                        pending[0].spec.name,
+                        f"not healthy after {timeout:.0f} s",
+                        pending[0].log_path,
+                        pending[0].log_tail(),
+                    )
+                time.sleep(0.5)
+
+    def _pin_engines(self) -> None:
+        for engine in self.engines:
+            strays = engine.pin()
+            if strays:
+                self._note(
+                    f"warning: {len(strays)} thread(s) of {engine.spec.name} could not be pinned "
+                    f"to cores {list(engine.spec.cores)}"
+                )
+
+    def _start_router(self, served_name: str) -> str:
+        if self.config.mode == "single":
+            return self.engines[0].spec.url
+        port = self.config.router_port or free_ports(1)[0]
+        prefill = [e.spec.url for e in self.engines if e.spec.role == "prefill"]
+        decode = [e.spec.url for e in self.engines if e.spec.role == "decode"]
+        cmd = [sys.executable, "-m", "turnkv_server.proxy", "--host", "127.0.0.1",
+               "--port", str(port)]
+        for url in prefill:
+            cmd += ["--prefill", url]
+        for url in decode:
+            cmd += ["--decode", url]
+        log_path = self.run_dir / "logs" / "router.log"
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        self.router_ref = ProcessRef.of(popen.pid)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            if popen.poll() is not None:
+                raise ClusterStartError(
+                    f"router exited with code {popen.returncode}; last lines of {log_path}:\n"
+                    + read_tail(log_path, 30)
+                )
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"router not healthy after 30 s; see {log_path}")
+            time.sleep(0.2)
+
+    def _record(self, served_name: str, model_path: Path, router_url: str) -> ClusterState:
+        def server(name: str, role: str, url: str, ref: ProcessRef, cores: list[int],
+                   nixl_port: int | None, log: Path) -> ServerState:
+            return ServerState(name=name, role=role, url=url, pid=ref.pid,
+                               create_time=ref.create_time, cores=cores,
+                               nixl_port=nixl_port, log=str(log))
+
+        engines = []
+        for e in self.engines:
+            assert e.ref is not None
+            engines.append(server(e.spec.name, e.spec.role, e.spec.url, e.ref,
+                                  list(e.spec.cores), e.spec.nixl_port, e.log_path))
+        router = None
+        if self.router_ref is not None:
+            router = server("router", "router", router_url, self.router_ref, [], None,
+                            self.run_dir / "logs" / "router.log")
+        state = ClusterState(
+            mode=self.config.mode,
+            model=str(model_path),
+            served_model_name=served_name,
+            run_dir=str(self.run_dir),
+            router=router_url,
+            engines=engines,
+            router_process=router,
+        )
+        state.save()
+        if self.config.register_as_current:
+            set_current(self.run_dir)
+        return state
+
+    # -- stop ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        if self.router_ref is not None:
+            stop_group(self.router_ref)
+            self.router_ref = None
+        for engine in self.engines:
+            engine.stop()
+        if self.config.register_as_current:
+            clear_current(self.run_dir)
+
+    def _note(self, message: str) -> None:
+        self.console.print(f"[dim]{message}[/]")
+
+
+def stop_cluster(state: ClusterState) -> None:
+    """Stop the processes recorded in a state file (the `turnkv down` path)."""
+    servers = ([state.router_process] if state.router_process else []) + state.engines
+    for server in servers:
+        stop_group(ProcessRef(pid=server.pid, create_time=server.create_time))
+    clear_current(Path(state.run_dir))
+
+
+def _kv_transfer_config(role: Role) -> dict[str, Any] | None:
+    if role == "single":
+        return None
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_connector_module_path": NIXL_CONNECTOR_MODULE,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+    }
+
+
+def _core_sets(count: int, per_engine: int) -> list[tuple[int, ...]]:
+    """Give each engine its own cores, wrapping around when engines outnumber cores."""
+    available = sorted(os.sched_getaffinity(0))
+    sets = []
+    for i in range(count):
+        start = (i * per_engine) % len(available)
+        sets.append(tuple(available[(start + j) % len(available)] for j in range(per_engine)))
+    return sets
+
+
+def _served_name(requested: str, path: Path) -> str:
+    from turnkv_server.models import SMOLLM2, TINY
+
+    if requested.lower() in ("smollm2", SMOLLM2):
+        return SMOLLM2
+    if requested.lower() == TINY:
+        return TINY
+    return path.name
+
+
+def _new_run_dir() -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = turnkv_home() / "runs"
+    for n in range(1000):
+        candidate = base / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a run folder under {base}")
+

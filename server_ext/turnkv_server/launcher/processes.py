@@ -1,0 +1,124 @@
+"""Process-group bookkeeping shared by the launcher and `turnkv down`.
+
+Every server the launcher starts leads its own process group (``start_new_session``), so the
+engine and the helper processes that vLLM spawns can be found, re-pinned and stopped together,
+and nothing else on the machine is ever touched. A recorded start time guards against a PID
+that the kernel has handed to an unrelated process since.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass(frozen=True)
+class ProcessRef:
+    """A process group leader as recorded in a cluster's state file."""
+
+    pid: int
+    create_time: float
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessRef:
+        return cls(pid=pid, create_time=psutil.Process(pid).create_time())
+
+    def is_alive(self) -> bool:
+        try:
+            proc = psutil.Process(self.pid)
+            return (
+                abs(proc.create_time() - self.create_time) < 0.01
+                and proc.status() != psutil.STATUS_ZOMBIE
+            )
+        except psutil.Error:
+            return False
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live processes of one process group (zombies excluded)."""
+    members = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return members
+
+
+def stop_group(ref: ProcessRef, timeout: float = 15.0) -> None:
+    """SIGTERM the group that ``ref`` leads, then SIGKILL whatever is left after ``timeout``."""
+    pgid = ref.pid
+    if not ref.is_alive() and not group_members(pgid):
+        return
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not group_members(pgid):
+            return
+        time.sleep(0.1)
+    _signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def pin_group(pgid: int, cores: Iterable[int]) -> None:
+    """Pin every thread of every process in the group to ``cores``.
+
+    Thread-level, not process-level: NIXL and OpenMP set per-thread affinities after start,
+    and a process-wide ``taskset -p`` would miss threads that already moved.
+    """
+    mask = set(cores)
+    for proc in group_members(pgid):
+        for tid in _thread_ids(proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+                os.sched_setaffinity(tid, mask)
+
+
+def unpinned_threads(pgid: int, cores: Iterable[int]) -> list[tuple[int, int, set[int]]]:
+    """(pid, tid, affinity) of each thread in the group not confined to ``cores``."""
+    allowed = set(cores)
+    strays = []
+    for proc in group_members(pgid):
+        for tid in _thread_ids(proc.pid):
+            try:
+                affinity = os.sched_getaffinity(tid)
+            except OSError:
+                continue
+            if not affinity <= allowed:
+                strays.append((proc.pid, tid, affinity))
+    return strays
+
+
+def _thread_ids(pid: int) -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports that are free right now (held open together while picking)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
