@@ -38,7 +38,7 @@ test-unit: install
 	$(PY) -m pytest -q -m "not integration"
 
 lint: install
-	$(VENV)/bin/ruff check sdk server_ext tests examples
+	$(VENV)/bin/ruff check sdk server_ext tests examples scripts
 
 typecheck: install
 	$(VENV)/bin/mypy sdk/turnkv server_ext/turnkv_server

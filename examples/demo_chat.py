@@ -110,12 +110,13 @@ def _table(reports: list[TurnReport], mode: str) -> Table:
     single = mode == "single"
     table = Table(
         title="per turn: time to first token, prompt tokens by source",
-        caption=None if single else "P = prefill engine, D = decode engine",
+        caption=None if single else "P = prefill engine, D = decode engine; comp = computed, "
+        "cache = own prefix cache, NIXL = received from the prefill engine",
     )
     columns = ["turn", "prompt", "TTFT ms"]
-    columns += ["computed", "cached"] if single else ["P computed", "P cached"]
+    columns += ["computed", "cached"] if single else ["P comp", "P cache"]
     if not single:
-        columns += ["D via NIXL", "D cached", "D computed"]
+        columns += ["D NIXL", "D cache", "D comp"]
     for column in [*columns, "output"]:
         table.add_column(column, justify="right")
     for r in reports:

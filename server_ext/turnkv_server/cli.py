@@ -110,6 +110,15 @@ def up(
         console.print("cluster stopped")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "help_option_names": []})
+def router(ctx: typer.Context) -> None:
+    """Run the session router alone in front of existing engines (`turnkv router -h`)."""
+    from turnkv_server.router.__main__ import main as router_main
+
+    router_main(list(ctx.args))
+
+
 @app.command()
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable endpoints")] = False,

@@ -7,6 +7,7 @@ accepted only at such a near-tie, and the verdict says where it happened and by 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,3 +88,57 @@ def compare(reference: Completion, candidate: Completion) -> Verdict:
     i = min(len(ref), len(cand))
     gap = reference.top2_gaps[i] if i < len(reference.top2_gaps) else float("inf")
     return Verdict(equal=False, diverged_at=i, gap=gap)
+
+
+@dataclass
+class RoutedCompletion:
+    """A completion through the router: the output plus the router's turn stats."""
+
+    completion: Completion
+    stats: dict[str, Any]
+    headers: dict[str, str]
+
+
+def routed_chat(
+    base_url: str, model: str, messages: list[dict[str, Any]], max_tokens: int, *,
+    session: dict[str, Any] | None, stream: bool, client: httpx.Client,
+    headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
+) -> RoutedCompletion:
+    """A greedy chat turn through the router, streaming or not, with token IDs."""
+    body: dict[str, Any] = {
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "return_token_ids": True, "stream": stream, **(extra or {}),
+    }
+    if session is not None:
+        body["turnkv"] = session
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if not stream:
+        response = client.post(f"{base_url}/v1/chat/completions", json=body, headers=headers)
+        response.raise_for_status()
+        data = response.json()
+        choice = data["choices"][0]
+        return RoutedCompletion(
+            Completion(list(choice.get("token_ids") or []), choice["message"]["content"] or "",
+                       usage=data.get("usage") or {}),
+            data["turnkv"], dict(response.headers))
+    token_ids: list[int] = []
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    stats: dict[str, Any] = {}
+    with client.stream("POST", f"{base_url}/v1/chat/completions", json=body,
+                       headers=headers) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            stats = chunk.get("turnkv") or stats
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                token_ids.extend(choice.get("token_ids") or [])
+                text.append((choice.get("delta") or {}).get("content") or "")
+        return RoutedCompletion(Completion(token_ids, "".join(text), usage=usage), stats,
+                                dict(response.headers))

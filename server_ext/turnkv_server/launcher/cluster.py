@@ -58,6 +58,8 @@ class ClusterConfig:
     # Record this cluster as the one `turnkv status` / `turnkv down` act on by default.
     register_as_current: bool = False
     engine_extra_args: tuple[str, ...] = field(default_factory=tuple)
+    # Extra command-line arguments for the router (see `python -m turnkv_server.router -h`).
+    router_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -195,8 +197,9 @@ class Cluster:
         port = self.config.router_port or free_ports(1)[0]
         prefill = [e.spec.url for e in self.engines if e.spec.role == "prefill"]
         decode = [e.spec.url for e in self.engines if e.spec.role == "decode"]
-        cmd = [sys.executable, "-m", "turnkv_server.proxy", "--host", "127.0.0.1",
-               "--port", str(port)]
+        router_mode = "standard" if self.config.prefill_cache else "standard-nocache"
+        cmd = [sys.executable, "-m", "turnkv_server.router", "--host", "127.0.0.1",
+               "--port", str(port), "--mode", router_mode, *self.config.router_args]
         for url in prefill:
             cmd += ["--prefill", url]
         for url in decode:

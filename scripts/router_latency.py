@@ -1,0 +1,90 @@
+"""Measure the latency the router adds to a turn.
+
+Starts a local P/D cluster (tiny model by default), warms the prefix caches, then interleaves
+two ways of serving the same request many times:
+
+- direct: this script itself does what the router does, prefill (max_tokens=1, remote decode)
+  then decode with the returned kv_transfer_params, against the engines;
+- routed: the same request through the router, tagged with a session.
+
+The engines answer from their caches both ways, so the difference of the medians is the
+router's own cost: one more HTTP hop, parsing, routing, the session table, stats.
+
+    python scripts/router_latency.py [--model tiny] [--requests 200] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import uuid
+
+import httpx
+from rich.console import Console
+
+from turnkv_server.launcher import Cluster, ClusterConfig
+from turnkv_server.router.modes import PREFILL_FOR_REMOTE_DECODE
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--json", help="write the measurements here")
+    args = parser.parse_args()
+    console = Console()
+
+    config = ClusterConfig(mode="standard", model=args.model, dtype="float32")
+    with Cluster(config, console=console) as state, httpx.Client(timeout=60) as client:
+        prefill = state.endpoints()["prefill"][0]  # type: ignore[index]
+        decode = state.endpoints()["decode"][0]  # type: ignore[index]
+        body = {"model": state.served_model_name, "max_tokens": 1, "temperature": 0,
+                "messages": [{"role": "user", "content": "Say hello in one word."}]}
+
+        def direct() -> float:
+            rid = str(uuid.uuid4())
+            start = time.perf_counter()
+            first = client.post(f"{prefill}/v1/chat/completions", headers={"X-Request-Id": rid},
+                                json={**body, "stream": False,
+                                      "kv_transfer_params": PREFILL_FOR_REMOTE_DECODE})
+            params = first.json()["kv_transfer_params"]
+            second = client.post(f"{decode}/v1/chat/completions", headers={"X-Request-Id": rid},
+                                 json={**body, "kv_transfer_params": params})
+            second.raise_for_status()
+            return time.perf_counter() - start
+
+        def routed(i: int) -> float:
+            start = time.perf_counter()
+            response = client.post(f"{state.router}/v1/chat/completions",
+                                   json={**body, "turnkv": {"session_id": f"lat-{i % 16}"}})
+            response.raise_for_status()
+            return time.perf_counter() - start
+
+        for i in range(10):  # warm caches, connections and the router's code paths
+            direct()
+            routed(i)
+        direct_s, routed_s = [], []
+        with console.status("measuring") as status:
+            for i in range(args.requests):
+                direct_s.append(direct())
+                routed_s.append(routed(i))
+                status.update(f"measuring {i + 1}/{args.requests}")
+
+    result = {
+        "requests": args.requests,
+        "model": args.model,
+        "direct_median_ms": 1000 * statistics.median(direct_s),
+        "routed_median_ms": 1000 * statistics.median(routed_s),
+    }
+    result["added_median_ms"] = result["routed_median_ms"] - result["direct_median_ms"]
+    console.print_json(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

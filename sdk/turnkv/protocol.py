@@ -1,0 +1,155 @@
+"""The turnkv wire protocol: what a client adds to a request and what the router returns.
+
+Shared by the SDK (which validates before sending) and the router (which validates on
+arrival), so both sides reject the same bad values with the same messages. See
+docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+# Session and prefix IDs travel in headers and URLs: keep them to a safe, bounded alphabet.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
+_ID_RE = re.compile(ID_PATTERN)
+
+SessionId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+
+MAX_TTL_SECONDS = 24 * 3600.0
+MIN_PRIORITY, MAX_PRIORITY = -10, 10
+
+# Request headers, for clients that cannot change the body.
+HEADER_SESSION = "X-TurnKV-Session"
+HEADER_TURN = "X-TurnKV-Turn"
+HEADER_PREFIX = "X-TurnKV-Prefix"
+HEADER_TTL = "X-TurnKV-TTL"
+HEADER_NEXT_TURN_IN = "X-TurnKV-Next-Turn-In"
+HEADER_FINAL = "X-TurnKV-Final"
+HEADER_PRIORITY = "X-TurnKV-Priority"
+
+# Response headers: what the router knows before the first token.
+HEADER_PREFILL_NODE = "X-TurnKV-Prefill-Node"
+HEADER_DECODE_NODE = "X-TurnKV-Decode-Node"
+HEADER_PREFILL_COMPUTED = "X-TurnKV-Prefill-Computed"
+HEADER_PREFILL_CACHED = "X-TurnKV-Prefill-Cached"
+HEADER_PREFIX_BREAK_AT = "X-TurnKV-Prefix-Break-At"
+HEADER_FALLBACK = "X-TurnKV-Fallback"
+
+
+def is_valid_id(value: str) -> bool:
+    return bool(_ID_RE.match(value))
+
+
+class CacheHints(BaseModel):
+    """What the client knows about the session's future. All optional."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttl: float | None = Field(
+        default=None, gt=0, le=MAX_TTL_SECONDS,
+        description="Keep the session's KV this many seconds after the turn (the router caps it).",
+    )
+    next_turn_in: float | None = Field(
+        default=None, ge=0, le=MAX_TTL_SECONDS,
+        description="The next turn is expected in about this many seconds (e.g. tool time).",
+    )
+    final: bool = Field(default=False, description="This is the session's last turn.")
+    priority: int | None = Field(
+        default=None, ge=MIN_PRIORITY, le=MAX_PRIORITY,
+        description="Higher keeps the session's KV longer under memory pressure.",
+    )
+
+
+class TurnTag(BaseModel):
+    """The `turnkv` field of a request body."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session_id: SessionId
+    turn: int | None = Field(default=None, ge=0, le=1_000_000)
+    prefix_id: SessionId | None = None
+    hints: CacheHints = Field(default_factory=CacheHints)
+
+
+class PromptTokens(BaseModel):
+    """Where each prompt token of a turn came from, on each engine.
+
+    On each engine the parts sum to `total`. A part is None where the serving mode gives no
+    per-request measurement of it (upstream connectors do not report the decode engine's own
+    cache hits per request); it is never guessed.
+    """
+
+    total: int = 0
+    # On the prefill engine.
+    prefill_cached: int | None = None
+    prefill_received: int | None = Field(default=None,
+                                         description="read back from the decode engine")
+    prefill_computed: int | None = None
+    # On the decode engine.
+    decode_cached: int | None = None
+    decode_received: int | None = Field(default=None,
+                                        description="moved from the prefill engine")
+    decode_computed: int | None = None
+
+
+class KvMoved(BaseModel):
+    """KV moved between the engines for this turn; None where the mode does not report it."""
+
+    to_decode_tokens: int | None = None
+    to_decode_bytes: int | None = None
+    to_prefill_tokens: int | None = None
+    to_prefill_bytes: int | None = None
+
+
+class TurnTimes(BaseModel):
+    """Milliseconds, measured at the router from the moment it accepted the turn."""
+
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    first_token_ms: float | None = None
+    total_ms: float = 0.0
+
+
+FallbackReason = Literal[
+    "engine_unavailable", "session_moved", "prefix_break", "lease_expired", "transfer_failed",
+    "no_reuse_in_mode",
+]
+
+
+class TurnStats(BaseModel):
+    """The `turnkv` field of a response (the final SSE chunk when streaming)."""
+
+    session_id: str | None = None
+    turn: int = 0
+    mode: str
+    prefill_node: str | None = None
+    decode_node: str | None = None
+    moved: bool = False
+    prompt_tokens: PromptTokens = Field(default_factory=PromptTokens)
+    completion_tokens: int = 0
+    kv: KvMoved = Field(default_factory=KvMoved)
+    times: TurnTimes = Field(default_factory=TurnTimes)
+    prefix_break_at: int | None = None
+    fallback: FallbackReason | None = None
+    fallback_detail: str | None = None
+
+    @field_validator("turn")
+    @classmethod
+    def _non_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("turn must be >= 0")
+        return value
+
+
+__all__ = [
+    "CacheHints",
+    "KvMoved",
+    "PromptTokens",
+    "TurnStats",
+    "TurnTag",
+    "TurnTimes",
+    "is_valid_id",
+]

@@ -1,0 +1,57 @@
+"""`python -m turnkv_server.router`: the process the launcher starts (and `turnkv router`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import uvicorn
+
+from turnkv_server.router import ROUTER_MODES, RouterConfig, create_app
+from turnkv_server.router.sessions import LeasePolicy
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="turnkv router", description="turnkv session router")
+    parser.add_argument("--prefill", action="append", required=True, help="prefill engine URL")
+    parser.add_argument("--decode", action="append", required=True, help="decode engine URL")
+    parser.add_argument("--mode", default="standard", choices=ROUTER_MODES)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--default-ttl", type=float, default=300.0)
+    parser.add_argument("--max-ttl", type=float, default=900.0)
+    parser.add_argument("--max-sessions", type=int, default=10_000)
+    parser.add_argument("--health-interval", type=float, default=2.0,
+                        help="seconds between engine health probes")
+    parser.add_argument("--api-keys", help="JSON file mapping API key to tenant name")
+    parser.add_argument("--admin-key", help="key for admin routes (or TURNKV_ADMIN_KEY)")
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    import os
+
+    keys: dict[str, str] = {}
+    if args.api_keys:
+        with open(args.api_keys) as f:
+            keys = json.load(f)
+        if not isinstance(keys, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
+            raise SystemExit(f"{args.api_keys}: expected a JSON object of key -> tenant")
+    return RouterConfig(
+        prefill=args.prefill, decode=args.decode, mode=args.mode,
+        lease=LeasePolicy(default_ttl=args.default_ttl, max_ttl=args.max_ttl),
+        max_sessions=args.max_sessions, api_keys=keys,
+        admin_key=args.admin_key or os.environ.get("TURNKV_ADMIN_KEY"),
+        health_interval=args.health_interval,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    app = create_app(config_from_args(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,445 @@
+"""The session-aware, OpenAI-compatible router in front of the prefill and decode pools."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from turnkv import protocol as p
+from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.metrics import RouterMetrics
+from turnkv_server.router.modes import Mode, PrefillResult, make_mode
+from turnkv_server.router.placement import EnginePool, Placement
+from turnkv_server.router.sessions import Session, SessionKey, SessionTable
+from turnkv_server.router.tenants import Tenants
+from turnkv_server.router.turn import (
+    EngineRejected,
+    EngineUnavailable,
+    Turn,
+    begin_stats,
+    decode_request,
+    finish_stats,
+    has_output,
+    route,
+    run_prefill,
+    sse_events,
+    stats_chunk,
+    strip_token_ids,
+)
+from turnkv_server.router.wire import BadRequest, error_response, extract_tag
+
+RETRY_AFTER_S = "2"
+
+
+class Router:
+    """The router's state; one instance per app, touched only from the event loop."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.mode: Mode = make_mode(config.mode)
+        self.pool = EnginePool.from_urls(config.prefill, config.decode)
+        self.sessions = SessionTable(config.lease, max_sessions=config.max_sessions)
+        self.tenants = Tenants(config.api_keys, config.admin_key)
+        self.metrics = RouterMetrics()
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+
+    async def health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(e) for e in self.pool.engines()))
+            self.metrics.sessions.set(len(self.sessions))
+            self.sessions.sweep()
+            await asyncio.sleep(self.config.health_interval)
+
+    async def _probe(self, engine: Any) -> None:
+        try:
+            ok = (await self.client.get(f"{engine.url}/health", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        engine.healthy = ok
+        self.metrics.engine_healthy.labels(engine.name).set(1 if ok else 0)
+
+    # -- a turn ----------------------------------------------------------------------------
+
+    async def serve(self, request: Request, path: str) -> Response:
+        tenant = self.tenants.tenant_for(request.headers.get("authorization"))
+        if tenant is None:
+            return error_response(401, "missing or unknown API key")
+        try:
+            body = await self._read_body(request)
+            tag = extract_tag(body, request.headers)
+            _check_supported(body)
+        except BadRequest as exc:
+            self.metrics.errors.labels(str(exc.status)).inc()
+            return error_response(exc.status, exc.message, param=exc.param)
+
+        want_ids = bool(body.get("return_token_ids"))
+        if self.tenants.enforced:
+            body["cache_salt"] = self.tenants.cache_salt(tenant, body.get("cache_salt"))
+        session = self.sessions.open(SessionKey(tenant, tag.session_id)) if tag else None
+        turn = Turn(path=path, body=body, tag=tag, session=session, mode=self.mode,
+                    want_token_ids=want_ids)
+        if session is not None:
+            session.in_flight = True
+        try:
+            return await self._serve_turn(turn)
+        finally:
+            if session is not None and not turn.stream:
+                session.in_flight = False
+
+    async def _serve_turn(self, turn: Turn) -> Response:
+        fallback, detail = _home_lost(self.pool, turn.session)
+        prefix_id = turn.tag.prefix_id if turn.tag else None
+        for attempt in range(self.config.retries + 1):
+            placement = route(self.pool, self.mode, turn.session, prefix_id)
+            try:
+                prefill = await run_prefill(self.client, placement.prefill, turn)
+                turn.prompt_token_ids = prefill.prompt_token_ids
+                turn.stats = begin_stats(turn, placement, prefill, fallback, detail)
+                if turn.stream:
+                    return await self._stream(turn, placement, prefill)
+                return await self._complete(turn, placement, prefill)
+            except EngineUnavailable as exc:
+                exc.engine.healthy = False
+                fallback, detail = "engine_unavailable", str(exc)
+                if attempt == self.config.retries:
+                    self.metrics.errors.labels("503").inc()
+                    return error_response(
+                        503, f"no engine could serve the turn: {exc}",
+                        headers={"Retry-After": RETRY_AFTER_S})
+            except EngineRejected as exc:
+                self.metrics.errors.labels(str(exc.status)).inc()
+                return Response(exc.content, exc.status, media_type="application/json")
+        raise AssertionError("unreachable")
+
+    async def _complete(self, turn: Turn, placement: Placement, prefill: PrefillResult
+                        ) -> Response:
+        engine = placement.decode
+        engine.in_flight += 1
+        try:
+            response = await self.client.post(
+                f"{engine.url}{turn.path}", json=decode_request(turn, prefill),
+                headers={"X-Request-Id": turn.request_id})
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(engine, type(exc).__name__) from exc
+        finally:
+            engine.in_flight -= 1
+        if response.status_code >= 500:
+            raise EngineUnavailable(engine, f"HTTP {response.status_code}")
+        if response.status_code != 200:
+            raise EngineRejected(response.status_code, response.content)
+        data = response.json()
+        choices = data.get("choices") or [{}]
+        turn.output_token_ids = list(choices[0].get("token_ids") or [])
+        usage = data.get("usage") or {}
+        stats = finish_stats(turn, int(usage.get("completion_tokens") or 0), None)
+        self._remember(turn, placement)
+        if not turn.want_token_ids:
+            strip_token_ids(data)
+        data.pop("kv_transfer_params", None)
+        data["turnkv"] = stats.model_dump()
+        return JSONResponse(data, headers=_early_headers(stats))
+
+    async def _stream(self, turn: Turn, placement: Placement, prefill: PrefillResult
+                      ) -> Response:
+        engine = placement.decode
+        engine.in_flight += 1
+        try:
+            upstream = await self.client.send(
+                self.client.build_request(
+                    "POST", f"{engine.url}{turn.path}", json=decode_request(turn, prefill),
+                    headers={"X-Request-Id": turn.request_id}),
+                stream=True)
+        except httpx.HTTPError as exc:
+            engine.in_flight -= 1
+            raise EngineUnavailable(engine, type(exc).__name__) from exc
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            engine.in_flight -= 1
+            if upstream.status_code >= 500:
+                raise EngineUnavailable(engine, f"HTTP {upstream.status_code}")
+            raise EngineRejected(upstream.status_code, content)
+        assert turn.stats is not None
+        headers = _early_headers(turn.stats)
+        return StreamingResponse(self._relay(turn, placement, upstream),
+                                 media_type="text/event-stream", headers=headers)
+
+    async def _relay(self, turn: Turn, placement: Placement, upstream: httpx.Response
+                     ) -> AsyncIterator[str]:
+        first_token_ms: float | None = None
+        completion_tokens = 0
+        template: dict[str, Any] | None = None
+        finished = False
+        try:
+            async for payload in sse_events(upstream):
+                if payload == "[DONE]":
+                    stats = finish_stats(turn, completion_tokens or len(turn.output_token_ids),
+                                         first_token_ms)
+                    self._remember(turn, placement)
+                    finished = True
+                    yield stats_chunk(turn, stats, template)
+                    yield "data: [DONE]\n\n"
+                    continue
+                try:
+                    chunk = json.loads(payload)
+                except ValueError:
+                    yield f"data: {payload}\n\n"
+                    continue
+                template = template or chunk
+                if first_token_ms is None and has_output(chunk):
+                    first_token_ms = turn.elapsed_ms()
+                for choice in chunk.get("choices") or []:
+                    turn.output_token_ids.extend(choice.get("token_ids") or [])
+                usage = chunk.get("usage")
+                if usage:
+                    completion_tokens = int(usage.get("completion_tokens") or 0)
+                if not turn.want_token_ids:
+                    strip_token_ids(chunk)
+                    if not chunk.get("choices") and not usage and "error" not in chunk:
+                        continue
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except httpx.HTTPError as exc:
+            # Mid-stream loss of the decode engine: the client gets an error event, never a
+            # silently truncated answer.
+            placement.decode.healthy = False
+            error = {"error": {"message": f"decode engine lost mid-stream: {exc!r}",
+                               "type": "service_unavailable", "code": 503}}
+            yield f"data: {json.dumps(error)}\n\n"
+        finally:
+            placement.decode.in_flight -= 1
+            await upstream.aclose()
+            if turn.session is not None:
+                turn.session.in_flight = False
+            if not finished:
+                self.metrics.errors.labels("incomplete_stream").inc()
+
+    def _remember(self, turn: Turn, placement: Placement) -> None:
+        stats = turn.stats
+        assert stats is not None
+        tagged = turn.session is not None
+        self.metrics.record(stats, tagged)
+        session = turn.session
+        if session is None:
+            return
+        is_new_turn = turn.tag is None or turn.tag.turn is None or turn.tag.turn > session.turns
+        if is_new_turn:
+            session.turns = stats.turn
+            totals = session.totals
+            totals.turns += 1
+            totals.prompt_tokens += stats.prompt_tokens.total
+            totals.completion_tokens += stats.completion_tokens
+            totals.prefill_computed += stats.prompt_tokens.prefill_computed or 0
+            totals.reused_tokens += stats.prompt_tokens.total - (
+                stats.prompt_tokens.prefill_computed or 0)
+            totals.fallbacks += 1 if stats.fallback else 0
+            totals.prefix_breaks += 1 if stats.prefix_break_at is not None else 0
+        session.prefill, session.decode = placement.prefill.name, placement.decode.name
+        if turn.prompt_token_ids is not None:
+            session.tokens = [*turn.prompt_token_ids, *turn.output_token_ids]
+        session.mode_state["last_stats"] = stats.model_dump()
+        if turn.tag and turn.tag.prefix_id:
+            session.prefix_id = turn.tag.prefix_id
+            self.pool.remember_prefix(turn.tag.prefix_id, placement)
+        hints = turn.tag.hints if turn.tag else p.CacheHints()
+        if hints.final:
+            self.sessions.release(session.key)
+        else:
+            self.sessions.renew(session, hints)
+
+    async def _read_body(self, request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > self.config.max_body_bytes:
+            raise BadRequest(f"request body over {self.config.max_body_bytes} bytes", status=413)
+        raw = await request.body()
+        if len(raw) > self.config.max_body_bytes:
+            raise BadRequest(f"request body over {self.config.max_body_bytes} bytes", status=413)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        return body
+
+    # -- session API -----------------------------------------------------------------------
+
+    def session_view(self, session: Session) -> dict[str, Any]:
+        now = self.sessions.clock()
+        return {
+            "session_id": session.key.session_id,
+            "turns": session.turns,
+            "prefill_node": session.prefill,
+            "decode_node": session.decode,
+            "prefix_id": session.prefix_id,
+            "priority": session.priority,
+            "tokens_held": len(session.tokens),
+            "expires_in_s": round(max(0.0, session.expires_at - now), 3),
+            "totals": vars(session.totals),
+            "last_turn": session.mode_state.get("last_stats"),
+        }
+
+
+def _home_lost(pool: EnginePool, session: Session | None) -> tuple[str | None, str | None]:
+    """A session whose engines are down must move: name the fallback before routing."""
+    if session is None:
+        return None, None
+    lost = [e.name for e in (pool.by_name(session.prefill), pool.by_name(session.decode))
+            if e is not None and not e.healthy]
+    if not lost:
+        return None, None
+    return "engine_unavailable", f"{', '.join(lost)} unhealthy; session moved"
+
+
+def _check_supported(body: dict[str, Any]) -> None:
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise BadRequest("n > 1 is not supported: each choice would need its own KV transfer",
+                         param="n")
+    if "kv_transfer_params" in body:
+        raise BadRequest("kv_transfer_params is set by the router, not by clients",
+                         param="kv_transfer_params")
+    if not isinstance(body.get("model", ""), str):
+        raise BadRequest("model must be a string", param="model")
+
+
+def _early_headers(stats: p.TurnStats) -> dict[str, str]:
+    headers = {
+        p.HEADER_PREFILL_NODE: stats.prefill_node or "",
+        p.HEADER_DECODE_NODE: stats.decode_node or "",
+    }
+    if stats.session_id:
+        headers[p.HEADER_SESSION] = stats.session_id
+        headers[p.HEADER_TURN] = str(stats.turn)
+    tokens = stats.prompt_tokens
+    if tokens.prefill_computed is not None:
+        headers[p.HEADER_PREFILL_COMPUTED] = str(tokens.prefill_computed)
+    if tokens.prefill_cached is not None:
+        headers[p.HEADER_PREFILL_CACHED] = str(tokens.prefill_cached)
+    if stats.prefix_break_at is not None:
+        headers[p.HEADER_PREFIX_BREAK_AT] = str(stats.prefix_break_at)
+    if stats.fallback:
+        headers[p.HEADER_FALLBACK] = stats.fallback
+    return headers
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    router = Router(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        health = asyncio.create_task(router.health_loop())
+        try:
+            yield
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+            await router.client.aclose()
+
+    app = FastAPI(title="turnkv router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = any(e.healthy for e in router.pool.prefill) and any(
+            e.healthy for e in router.pool.decode)
+        return JSONResponse({"status": "ok" if ok else "degraded", "mode": router.mode.name},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if router.tenants.tenant_for(request.headers.get("authorization")) is None:
+            return error_response(401, "missing or unknown API key")
+        for engine in [e for e in router.pool.decode if e.healthy] or router.pool.decode:
+            try:
+                upstream = await router.client.get(f"{engine.url}/v1/models", timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            return Response(upstream.content, upstream.status_code, media_type="application/json")
+        return error_response(503, "no decode engine answers", headers={"Retry-After": "2"})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.serve(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.serve(request, "/v1/completions")
+
+    def _session_or_error(request: Request, session_id: str) -> Session | JSONResponse:
+        tenant = router.tenants.tenant_for(request.headers.get("authorization"))
+        if tenant is None:
+            return error_response(401, "missing or unknown API key")
+        if not p.is_valid_id(session_id):
+            return error_response(400, "invalid session id", param="session_id")
+        session = router.sessions.get(SessionKey(tenant, session_id))
+        if session is None:
+            return error_response(404, f"no live session {session_id!r}")
+        return session
+
+    @app.get("/v1/turnkv/sessions/{session_id}")
+    async def get_session(request: Request, session_id: str) -> Response:
+        found = _session_or_error(request, session_id)
+        if isinstance(found, Response):
+            return found
+        return JSONResponse(router.session_view(found))
+
+    @app.delete("/v1/turnkv/sessions/{session_id}")
+    async def release_session(request: Request, session_id: str) -> Response:
+        found = _session_or_error(request, session_id)
+        if isinstance(found, Response):
+            return found
+        router.sessions.release(found.key)
+        return JSONResponse({"session_id": session_id, "released": True})
+
+    @app.post("/v1/turnkv/sessions/{session_id}/hints")
+    async def session_hints(request: Request, session_id: str) -> Response:
+        found = _session_or_error(request, session_id)
+        if isinstance(found, Response):
+            return found
+        try:
+            hints = p.CacheHints.model_validate_json(await request.body())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "body"
+            return error_response(400, f"invalid hints.{where}: {first['msg']}", param=where)
+        if hints.final:
+            router.sessions.release(found.key)
+            return JSONResponse({"session_id": session_id, "released": True})
+        router.sessions.renew(found, hints)
+        return JSONResponse(router.session_view(found))
+
+    @app.get("/v1/turnkv/stats")
+    async def stats(request: Request) -> Response:
+        if not router.tenants.is_admin(request.headers.get("authorization")):
+            return error_response(403, "the stats route needs the admin key")
+        sessions = list(router.sessions)
+        return JSONResponse({
+            "mode": router.mode.name,
+            "sessions": len(sessions),
+            "sessions_expired": router.sessions.expired_total,
+            "sessions_evicted": router.sessions.evicted_total,
+            "turns": sum(s.totals.turns for s in sessions),
+            "engines": [{"name": e.name, "url": e.url, "healthy": e.healthy,
+                         "in_flight": e.in_flight} for e in router.pool.engines()],
+            "time": time.time(),
+        })
+
+    return app

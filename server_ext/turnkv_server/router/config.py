@@ -1,0 +1,31 @@
+"""Router configuration: pools, mode, leases, tenants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from turnkv_server.router.sessions import LeasePolicy
+
+ROUTER_MODES = ("standard", "standard-nocache")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: list[str]
+    decode: list[str]
+    mode: str = "standard"
+    lease: LeasePolicy = field(default_factory=LeasePolicy)
+    max_sessions: int = 10_000
+    # API key -> tenant name. Empty: no authentication, one tenant.
+    api_keys: dict[str, str] = field(default_factory=dict)
+    admin_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    health_interval: float = 2.0
+    # A turn that fails on an unavailable engine is retried on another pair this many times.
+    retries: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROUTER_MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(ROUTER_MODES)}")
+        if not self.prefill or not self.decode:
+            raise ValueError("the router needs at least one prefill and one decode engine")

@@ -1,0 +1,34 @@
+"""Does a new prompt extend what the engines already hold for a session?
+
+The router keeps each session's token history (the last turn's prompt and output token IDs,
+as the engines computed them). Reused KV is only correct for the positions where the new
+prompt's tokens are exactly those tokens: an edited or stripped history, compacted context or
+assistant text that re-tokenises differently breaks the match, and reuse must stop there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in slices first: histories are thousands of tokens and usually match entirely.
+    step = 256
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prefix_break(history: Sequence[int], prompt: Sequence[int]) -> int | None:
+    """The first position where ``prompt`` stops following ``history``, or None if it extends
+    all of it.
+
+    A prompt that ends inside the history (a shorter resend) breaks at its own length only if
+    it differs before that; a pure truncation is a break at ``len(prompt)``.
+    """
+    matched = common_prefix_len(history, prompt)
+    return None if matched == len(history) else matched

@@ -1,0 +1,192 @@
+"""One turn through the router: place it, prefill, decode, measure, remember.
+
+The pipeline is the same in every mode; the mode object decides what `kv_transfer_params`
+each engine gets. Engine trouble before the client has received a byte (connection refused,
+reset, a 5xx) marks the engine unhealthy and replays the turn on another pair, which is
+correct by construction: the new pair recomputes whatever it lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from turnkv.protocol import TurnStats, TurnTag, TurnTimes
+from turnkv_server.router.history import prefix_break
+from turnkv_server.router.modes import Mode, PrefillResult
+from turnkv_server.router.placement import Engine, EnginePool, Placement
+from turnkv_server.router.sessions import Session
+
+# Errors that mean "this engine cannot serve now", as opposed to "this request is bad".
+_UNAVAILABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError,
+                httpx.WriteError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class EngineUnavailable(Exception):
+    def __init__(self, engine: Engine, detail: str) -> None:
+        super().__init__(f"{engine.name} ({engine.url}) unavailable: {detail}")
+        self.engine = engine
+        self.detail = detail
+
+
+class EngineRejected(Exception):
+    """The engine answered with a client error: pass it through unchanged."""
+
+    def __init__(self, status: int, content: bytes) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status = status
+        self.content = content
+
+
+@dataclass
+class Turn:
+    path: str
+    body: dict[str, Any]
+    tag: TurnTag | None
+    session: Session | None
+    mode: Mode
+    want_token_ids: bool
+    accepted_at: float = field(default_factory=time.perf_counter)
+    request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    stats: TurnStats | None = None
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.accepted_at) * 1000
+
+
+def prefill_request(turn: Turn) -> dict[str, Any]:
+    body = {k: v for k, v in turn.body.items()
+            if k not in ("stream_options", "min_tokens", "max_completion_tokens")}
+    body["max_tokens"] = 1
+    body["stream"] = False
+    body["return_token_ids"] = True
+    body["kv_transfer_params"] = turn.mode.prefill_transfer_params(turn.session)
+    return body
+
+
+async def run_prefill(
+    client: httpx.AsyncClient, engine: Engine, turn: Turn
+) -> PrefillResult:
+    started = time.perf_counter()
+    engine.in_flight += 1
+    try:
+        response = await client.post(f"{engine.url}{turn.path}", json=prefill_request(turn),
+                                     headers={"X-Request-Id": turn.request_id})
+    except _UNAVAILABLE as exc:
+        raise EngineUnavailable(engine, type(exc).__name__) from exc
+    finally:
+        engine.in_flight -= 1
+    if response.status_code >= 500:
+        raise EngineUnavailable(engine, f"HTTP {response.status_code}")
+    if response.status_code != 200:
+        raise EngineRejected(response.status_code, response.content)
+    data = response.json()
+    usage = data.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return PrefillResult(
+        transfer_params=data.get("kv_transfer_params"),
+        prompt_token_ids=data.get("prompt_token_ids"),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        elapsed_ms=(time.perf_counter() - started) * 1000,
+    )
+
+
+def decode_request(turn: Turn, prefill: PrefillResult) -> dict[str, Any]:
+    body = dict(turn.body)
+    body["kv_transfer_params"] = turn.mode.decode_transfer_params(prefill, turn.session)
+    if turn.session is not None or turn.want_token_ids:
+        body["return_token_ids"] = True
+    return body
+
+
+def begin_stats(turn: Turn, placement: Placement, prefill: PrefillResult,
+                fallback: str | None, fallback_detail: str | None) -> TurnStats:
+    session = turn.session
+    break_at = None
+    if session is not None and session.tokens and prefill.prompt_token_ids is not None:
+        break_at = prefix_break(session.tokens, prefill.prompt_token_ids)
+    moved = bool(session and session.decode and
+                 (session.prefill, session.decode) != (placement.prefill.name,
+                                                       placement.decode.name))
+    return TurnStats(
+        session_id=session.key.session_id if session else None,
+        turn=_turn_number(turn),
+        mode=turn.mode.name,
+        prefill_node=placement.prefill.name,
+        decode_node=placement.decode.name,
+        moved=moved,
+        prompt_tokens=turn.mode.prompt_tokens(prefill),
+        times=TurnTimes(prefill_ms=prefill.elapsed_ms),
+        prefix_break_at=break_at,
+        fallback=fallback,  # type: ignore[arg-type]
+        fallback_detail=fallback_detail,
+    )
+
+
+def _turn_number(turn: Turn) -> int:
+    if turn.tag is not None and turn.tag.turn is not None:
+        return turn.tag.turn
+    return (turn.session.turns + 1) if turn.session else 1
+
+
+def finish_stats(turn: Turn, completion_tokens: int, first_token_ms: float | None) -> TurnStats:
+    assert turn.stats is not None
+    stats = turn.stats
+    stats.completion_tokens = completion_tokens
+    stats.times.first_token_ms = first_token_ms
+    stats.times.total_ms = turn.elapsed_ms()
+    return stats
+
+
+def strip_token_ids(data: dict[str, Any]) -> None:
+    data.pop("prompt_token_ids", None)
+    for choice in data.get("choices") or []:
+        choice.pop("token_ids", None)
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of an SSE stream, in order."""
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+def stats_chunk(turn: Turn, stats: TurnStats, template: dict[str, Any] | None) -> str:
+    chunk: dict[str, Any] = {
+        "id": (template or {}).get("id", turn.request_id),
+        "object": (template or {}).get("object", "chat.completion.chunk"),
+        "created": (template or {}).get("created", int(time.time())),
+        "model": (template or {}).get("model", turn.body.get("model")),
+        "choices": [],
+        "turnkv": stats.model_dump(),
+    }
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def has_output(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("tool_calls") or choice.get("text") \
+                or delta.get("reasoning") or choice.get("token_ids"):
+            return True
+    return False
+
+
+def route(pool: EnginePool, mode: Mode, session: Session | None, prefix_id: str | None
+          ) -> Placement:
+    if not mode.affinity or session is None:
+        return pool.round_robin()
+    return pool.place(prefill=session.prefill, decode=session.decode, prefix_id=prefix_id)

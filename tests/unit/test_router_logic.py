@@ -1,0 +1,179 @@
+from __future__ import annotations
+
+import pytest
+
+from turnkv.protocol import CacheHints, TurnTag
+from turnkv_server.router.history import common_prefix_len, prefix_break
+from turnkv_server.router.modes import make_mode
+from turnkv_server.router.placement import EnginePool
+from turnkv_server.router.sessions import LeasePolicy, SessionKey, SessionTable
+from turnkv_server.router.tenants import DEFAULT_TENANT, Tenants
+from turnkv_server.router.turn import Turn, prefill_request, strip_token_ids
+from turnkv_server.router.wire import BadRequest, extract_tag
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- history -------------------------------------------------------------------------------
+
+def test_prefix_break_finds_the_first_divergence() -> None:
+    history = list(range(1000))
+    assert prefix_break(history, history + [5, 6]) is None
+    assert prefix_break(history, history) is None
+    edited = history[:700] + [-1] + history[701:]
+    assert prefix_break(history, edited) == 700
+    assert prefix_break(history, history[:300]) == 300  # a truncated resend
+    assert prefix_break([], [1, 2]) is None
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+
+
+# -- leases and the session table ----------------------------------------------------------
+
+def test_ttl_hints_may_only_shorten_the_operator_cap() -> None:
+    policy = LeasePolicy(default_ttl=300, max_ttl=900)
+    assert policy.ttl(CacheHints()) == 300
+    assert policy.ttl(CacheHints(ttl=60)) == 60
+    assert policy.ttl(CacheHints(ttl=5000)) == 900
+    assert policy.ttl(CacheHints(ttl=10, next_turn_in=100)) == 150  # outlive the tool call
+    with pytest.raises(ValueError):
+        LeasePolicy(default_ttl=1000, max_ttl=900)
+
+
+def test_leases_expire_lazily_and_renew() -> None:
+    clock = Clock()
+    table = SessionTable(LeasePolicy(default_ttl=10, max_ttl=60), clock=clock)
+    key = SessionKey("t", "s")
+    session = table.open(key)
+    table.renew(session, CacheHints(ttl=20))
+    clock.now += 19
+    assert table.get(key) is session
+    clock.now += 2
+    assert table.get(key) is None and table.expired_total == 1
+    assert not table.was_known(key)
+
+
+def test_a_session_mid_turn_never_expires_or_is_evicted() -> None:
+    clock = Clock()
+    table = SessionTable(LeasePolicy(default_ttl=1, max_ttl=1), max_sessions=1, clock=clock)
+    busy = table.open(SessionKey("t", "busy"))
+    busy.in_flight = True
+    clock.now += 5
+    assert table.sweep() == [] and table.get(busy.key) is busy
+    table.open(SessionKey("t", "other"))  # table full, only a busy session: grows by one
+    assert table.get(busy.key) is busy
+
+
+def test_full_table_evicts_lowest_priority_then_least_recent() -> None:
+    clock = Clock()
+    table = SessionTable(max_sessions=2, clock=clock)
+    a = table.open(SessionKey("t", "a"))
+    table.renew(a, CacheHints(priority=5))
+    clock.now += 1
+    b = table.open(SessionKey("t", "b"))
+    table.renew(b, CacheHints(priority=0))
+    clock.now += 1
+    table.open(SessionKey("t", "c"))
+    assert table.get(a.key) is a and table.get(b.key) is None
+    assert table.evicted_total == 1
+
+
+def test_sessions_are_scoped_by_tenant() -> None:
+    table = SessionTable()
+    mine = table.open(SessionKey("alice", "s1"))
+    theirs = table.open(SessionKey("bob", "s1"))
+    assert mine is not theirs and len(table) == 2
+
+
+# -- placement -----------------------------------------------------------------------------
+
+def test_placement_keeps_affinity_then_prefix_then_least_loaded() -> None:
+    pool = EnginePool.from_urls(["http://p0", "http://p1"], ["http://d0", "http://d1"])
+    p0, p1 = pool.prefill
+    d0, d1 = pool.decode
+    first = pool.place(prefill=None, decode=None, prefix_id=None)
+    assert first.reason == "least_loaded"
+    assert pool.place(prefill="prefill-1", decode="decode-1", prefix_id=None).reason == "affinity"
+    pool.remember_prefix("sys", pool.place(prefill="prefill-1", decode="decode-0",
+                                           prefix_id=None))
+    warm = pool.place(prefill=None, decode=None, prefix_id="sys")
+    assert (warm.prefill, warm.decode, warm.reason) == (p1, d0, "prefix_warm")
+    d0.healthy = False
+    moved = pool.place(prefill="prefill-1", decode="decode-0", prefix_id=None)
+    assert (moved.prefill, moved.decode, moved.reason) == (p1, d1, "moved")
+    p0.in_flight = 3
+    assert pool.place(prefill=None, decode=None, prefix_id=None).prefill is p1
+
+
+def test_round_robin_skips_unhealthy_engines() -> None:
+    pool = EnginePool.from_urls(["http://p0"], ["http://d0", "http://d1", "http://d2"])
+    pool.decode[1].healthy = False
+    picks = [pool.round_robin().decode.name for _ in range(4)]
+    assert "decode-1" not in picks and set(picks) == {"decode-0", "decode-2"}
+
+
+# -- wire ----------------------------------------------------------------------------------
+
+def test_tag_from_body_and_headers_is_validated_and_stripped() -> None:
+    body = {"model": "m", "turnkv": {"session_id": "s-1", "hints": {"ttl": 30}}}
+    tag = extract_tag(body, {"X-TurnKV-Priority": "2", "X-TurnKV-TTL": "99"})
+    assert tag == TurnTag(session_id="s-1", hints=CacheHints(ttl=30, priority=2))
+    assert "turnkv" not in body
+    assert extract_tag({"model": "m"}, {}) is None
+    header_only = extract_tag({}, {"X-TurnKV-Session": "abc", "X-TurnKV-Final": "true"})
+    assert header_only is not None and header_only.hints.final is True
+
+
+@pytest.mark.parametrize("tag, where", [
+    ({"session_id": ""}, "session_id"),
+    ({"session_id": "a b"}, "session_id"),
+    ({"session_id": "x" * 200}, "session_id"),
+    ({"session_id": "ok", "hints": {"ttl": 0}}, "hints.ttl"),
+    ({"session_id": "ok", "hints": {"priority": 11}}, "hints.priority"),
+    ({"session_id": "ok", "hints": {"next_turn_in": -1}}, "hints.next_turn_in"),
+    ({"session_id": "ok", "turn": -1}, "turn"),
+    ({"session_id": "ok", "extra": True}, "extra"),
+    ({"session_id": "\u202eevil"}, "session_id"),
+])
+def test_bad_tags_are_rejected_with_the_field_named(tag: dict[str, object], where: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        extract_tag({"turnkv": tag}, {})
+    assert info.value.param == f"turnkv.{where}"
+    assert where in info.value.message
+
+
+def test_prefill_request_is_one_token_with_transfer_params() -> None:
+    body = {"model": "m", "messages": [], "stream": True, "min_tokens": 3,
+            "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
+    turn = Turn(path="/v1/chat/completions", body=body, tag=None, session=None,
+                mode=make_mode("standard"), want_token_ids=False)
+    out = prefill_request(turn)
+    assert out["max_tokens"] == 1 and out["stream"] is False and out["return_token_ids"]
+    assert out["kv_transfer_params"]["do_remote_decode"] is True
+    assert not {"min_tokens", "stream_options", "max_completion_tokens"} & out.keys()
+    assert body["stream"] is True  # the client's request is untouched
+
+
+def test_token_ids_are_stripped_unless_asked_for() -> None:
+    data = {"prompt_token_ids": [1], "choices": [{"token_ids": [2], "message": {}}]}
+    strip_token_ids(data)
+    assert data == {"choices": [{"message": {}}]}
+
+
+# -- tenants -------------------------------------------------------------------------------
+
+def test_tenants_keys_admin_and_salts() -> None:
+    open_router = Tenants({})
+    assert open_router.tenant_for(None) == DEFAULT_TENANT and open_router.is_admin(None)
+    tenants = Tenants({"key-a": "alice", "key-b": "bob"}, admin_key="root")
+    assert tenants.tenant_for("Bearer key-a") == "alice"
+    assert tenants.tenant_for("Bearer nope") is None and tenants.tenant_for(None) is None
+    assert tenants.is_admin("Bearer root") and not tenants.is_admin("Bearer key-a")
+    salt_a, salt_b = tenants.cache_salt("alice", None), tenants.cache_salt("bob", None)
+    assert salt_a != salt_b and "alice" not in salt_a
+    assert tenants.cache_salt("alice", "x").endswith(":x")
