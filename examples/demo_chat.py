@@ -47,7 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--mode", default="standard", choices=["standard", "single"])
+    parser.add_argument("--mode", default="standard",
+                        choices=["standard", "bidirectional", "push", "single"])
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()

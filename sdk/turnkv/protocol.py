@@ -88,6 +88,8 @@ class PromptTokens(BaseModel):
     prefill_received: int | None = Field(default=None,
                                          description="read back from the decode engine")
     prefill_computed: int | None = None
+    # Cached plus received, where the mode does not report the split.
+    prefill_reused: int | None = None
     # On the decode engine.
     decode_cached: int | None = None
     decode_received: int | None = Field(default=None,

@@ -52,7 +52,8 @@ def model_tiny() -> None:
 
 @app.command()
 def up(
-    mode: Annotated[str, typer.Option(help="single | standard")] = "standard",
+    mode: Annotated[str, typer.Option(
+        help="single | standard | bidirectional | push (see docs/protocol.md)")] = "standard",
     model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
         "smollm2"
     ),
@@ -66,6 +67,8 @@ def up(
     ),
     kv_cache_bytes: Annotated[int | None, typer.Option(help="KV cache size per engine")] = None,
     cores_per_engine: Annotated[int, typer.Option(help="cores pinned to each engine")] = 1,
+    decoder_kv_ttl: Annotated[float, typer.Option(
+        help="bidirectional: seconds a decode engine holds a finished turn")] = 120.0,
     port: Annotated[int | None, typer.Option(help="router port (default: a free one)")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="run folder for logs and state")] = None,
     foreground: Annotated[bool, typer.Option(help="stay attached; Ctrl-C stops it")] = False,
@@ -84,6 +87,7 @@ def up(
             model=model, num_prefill=prefill, num_decode=decode, dtype=dtype,
             prefill_cache=prefill_cache, kv_cache_bytes=kv_cache_bytes,
             cores_per_engine=cores_per_engine, router_port=port, run_dir=run_dir,
+            decoder_kv_ttl=decoder_kv_ttl,
             register_as_current=True,
         )
     except ValueError as exc:

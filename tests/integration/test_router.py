@@ -1,4 +1,5 @@
-"""The session router on a real cluster (tiny model, float32): one prefill, two decode engines.
+"""The session router on real clusters (tiny model, float32): one prefill, two decode engines,
+in each serving mode.
 
 Every turn is checked against a single engine's greedy output for the same conversation.
 """
@@ -64,14 +65,18 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ref
     return Reference(outputs, edited_out, _conversation(replies), edited)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["standard", "bidirectional", "push"])
 def cluster(
-    reference: Reference, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, reference: Reference, tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Cluster, ClusterState]]:
     # Health probes off after start: the failover test then meets the dead engine itself.
-    config = ClusterConfig(mode="standard", model=str(tiny_model), dtype="float32",
-                           num_prefill=1, num_decode=2, run_dir=tmp_path_factory.mktemp("pd"),
-                           router_args=("--health-interval", "3600"))
+    config = ClusterConfig(mode=request.param, model=str(tiny_model), dtype="float32",
+                           num_prefill=1, num_decode=2,
+                           run_dir=tmp_path_factory.mktemp(request.param),
+                           router_args=("--health-interval", "3600"),
+                           # Read back however few tokens are missing: exact stats to assert.
+                           kv_recompute_threshold=0)
     cluster = Cluster(config)
     with cluster as state:
         yield cluster, state
@@ -108,7 +113,7 @@ def test_five_turns_equal_a_single_engine_and_standard_recomputes(
         stats = out.stats
         tokens = stats["prompt_tokens"]
         assert stats["session_id"] == session_id and stats["turn"] == turn
-        assert stats["mode"] == "standard"
+        assert stats["mode"] == state.mode
         if prompt_before is None:
             assert stats["prefix_break_at"] is None
         elif stats["prefix_break_at"] is not None:
@@ -117,13 +122,20 @@ def test_five_turns_equal_a_single_engine_and_standard_recomputes(
             # prompt, which the new prompt repeats verbatim.
             assert stats["prefix_break_at"] >= prompt_before
         assert tokens["total"] == out.completion.usage["prompt_tokens"]
-        assert tokens["prefill_cached"] + tokens["prefill_computed"] == tokens["total"]
+        assert tokens["prefill_reused"] + tokens["prefill_computed"] == tokens["total"]
         assert out.headers["x-turnkv-prefill-computed"] == str(tokens["prefill_computed"])
         assert stats["completion_tokens"] == len(out.completion.token_ids)
         if held_before is not None:
-            # The prefill engine never held the previous turn's output: it computes more
-            # than the new tokens (a reuse mode computes exactly those).
-            assert tokens["prefill_computed"] > tokens["total"] - held_before
+            shared = stats["prefix_break_at"] or held_before
+            new_tokens = tokens["total"] - shared
+            if state.mode == "bidirectional":
+                # The prefill engine read the history back from the decode engine and
+                # computed only the new tokens (plus the one vLLM always recomputes).
+                assert tokens["prefill_computed"] <= new_tokens + 1
+            else:
+                # The prefill engine never held the previous turn's output: it computes
+                # more than the new tokens.
+                assert tokens["prefill_computed"] > new_tokens
         session = client.get(f"{state.router}/v1/turnkv/sessions/{session_id}").json()
         assert session["turns"] == turn
         held_before = session["tokens_held"]
@@ -181,7 +193,7 @@ def test_session_api_and_bad_input(cluster: tuple[Cluster, ClusterState],
     assert client.post(chat, content=b"{oops", headers={"content-type": "application/json"}
                        ).status_code == 400
     stats = client.get(f"{state.router}/v1/turnkv/stats").json()
-    assert stats["mode"] == "standard" and len(stats["engines"]) == 3
+    assert stats["mode"] == state.mode and len(stats["engines"]) == 3
 
 
 def test_a_killed_decode_engine_falls_back_to_the_other_pair(

@@ -10,7 +10,7 @@ import pytest
 
 from turnkv_server.engine_metrics import PromptTokenSources, parse_prompt_token_sources
 from turnkv_server.launcher import ClusterConfig, ClusterState, EngineSpec
-from turnkv_server.launcher.cluster import _core_sets, _kv_transfer_config
+from turnkv_server.launcher.cluster import _core_sets, kv_transfer_config
 from turnkv_server.launcher.engine import first_error, resolve_dtype
 from turnkv_server.launcher.processes import (
     ProcessRef,
@@ -31,7 +31,7 @@ def _spec(**changes: object) -> EngineSpec:
 
 
 def test_engine_command_and_environment(tmp_path: Path) -> None:
-    spec = _spec(nixl_port=5600, kv_transfer_config=_kv_transfer_config("prefill"),
+    spec = _spec(nixl_port=5600, kv_transfer_config=kv_transfer_config("standard", "prefill", "e0"),
                  prefix_caching=False, kv_cache_bytes=1 << 28, dtype="float32")
     cmd = spec.command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]

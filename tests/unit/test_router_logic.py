@@ -4,7 +4,12 @@ import pytest
 
 from turnkv.protocol import CacheHints, TurnTag
 from turnkv_server.router.history import common_prefix_len, prefix_break
-from turnkv_server.router.modes import make_mode
+from turnkv_server.router.modes import (
+    PREFILL_FOR_REMOTE_DECODE,
+    NixlPeer,
+    make_mode,
+    trim_offer,
+)
 from turnkv_server.router.placement import EnginePool
 from turnkv_server.router.sessions import LeasePolicy, SessionKey, SessionTable
 from turnkv_server.router.tenants import DEFAULT_TENANT, Tenants
@@ -151,8 +156,8 @@ def test_prefill_request_is_one_token_with_transfer_params() -> None:
     body = {"model": "m", "messages": [], "stream": True, "min_tokens": 3,
             "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
     turn = Turn(path="/v1/chat/completions", body=body, tag=None, session=None,
-                mode=make_mode("standard"), want_token_ids=False)
-    out = prefill_request(turn)
+                mode=make_mode("standard", None), want_token_ids=False)  # type: ignore[arg-type]
+    out = prefill_request(turn, dict(PREFILL_FOR_REMOTE_DECODE))
     assert out["max_tokens"] == 1 and out["stream"] is False and out["return_token_ids"]
     assert out["kv_transfer_params"]["do_remote_decode"] is True
     assert not {"min_tokens", "stream_options", "max_completion_tokens"} & out.keys()
@@ -177,3 +182,43 @@ def test_tenants_keys_admin_and_salts() -> None:
     salt_a, salt_b = tenants.cache_salt("alice", None), tenants.cache_salt("bob", None)
     assert salt_a != salt_b and "alice" not in salt_a
     assert tenants.cache_salt("alice", "x").endswith(":x")
+
+
+def test_nixl_peer_spec() -> None:
+    assert NixlPeer.parse("turnkv-prefill-0-ab@127.0.0.1:5600") == NixlPeer(
+        "turnkv-prefill-0-ab", "127.0.0.1", 5600)
+    with pytest.raises(ValueError, match="ENGINE_ID@HOST:PORT"):
+        NixlPeer.parse("127.0.0.1:5600")
+
+
+def test_kv_transfer_config_per_mode() -> None:
+    from turnkv_server.launcher.cluster import kv_transfer_config
+
+    assert kv_transfer_config("standard", "single", "x") is None
+    push = kv_transfer_config("push", "prefill", "e1")
+    assert push is not None and push["kv_connector"] == "NixlPushConnector"
+    assert push["engine_id"] == "e1" and push["kv_role"] == "kv_producer"
+    bidi = kv_transfer_config("bidirectional", "decode", "e2", decoder_kv_ttl=60)
+    assert bidi is not None and bidi["kv_role"] == "kv_both"
+    assert bidi["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True,
+                                                 "decoder_kv_blocks_ttl": 60}
+
+
+def test_a_read_back_offer_is_trimmed_to_the_shared_prefix() -> None:
+    held = list(range(300))  # prompt + output the decode engine holds
+    params = {"remote_num_tokens": 299, "remote_block_ids": [[7, 8, 9]], "remote_host": "h"}
+    # The new prompt extends the whole history: everything but the last held token is read.
+    trimmed, usable = trim_offer(params, held, held + [1, 2, 3], block_size=128)
+    assert usable == 299 and trimmed["remote_block_ids"] == [[7, 8, 9]]
+    # History edited at position 100: only the first block is offered, and the count with it.
+    edited = held[:100] + [-5] + held[101:]
+    trimmed, usable = trim_offer(params, held, edited, block_size=128)
+    assert usable == 100 and trimmed["remote_num_tokens"] == 100
+    assert trimmed["remote_block_ids"] == [[7]] and trimmed["remote_host"] == "h"
+    # Nothing shared: an empty offer, still sent so that the decode engine frees its blocks.
+    trimmed, usable = trim_offer(params, held, [-1] * 50, block_size=128)
+    assert usable == 0 and trimmed["remote_block_ids"] == [[]]
+    # A prompt inside the history still computes its last token.
+    trimmed, usable = trim_offer(params, held, held[:130], block_size=128)
+    assert usable == 129 and trimmed["remote_block_ids"] == [[7, 8]]
+    assert params["remote_num_tokens"] == 299  # the stored offer is untouched

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,8 +32,8 @@ from turnkv_server.launcher.processes import ProcessRef, free_ports, stop_group
 from turnkv_server.launcher.state import ClusterState, ServerState, clear_current, set_current
 from turnkv_server.paths import turnkv_home
 
-Mode = Literal["single", "standard"]
-MODES: tuple[str, ...] = ("single", "standard")
+Mode = Literal["single", "standard", "bidirectional", "push"]
+MODES: tuple[str, ...] = ("single", "standard", "bidirectional", "push")
 
 NIXL_CONNECTOR_MODULE = "turnkv_server.nixl_tuning"
 
@@ -51,6 +52,10 @@ class ClusterConfig:
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
     cores_per_engine: int = 1
+    # bidirectional: how long decode engines hold a finished turn for the next prefill.
+    decoder_kv_ttl: float = 120.0
+    # bidirectional: read back only when at least this many tokens are missing (vLLM: 64).
+    kv_recompute_threshold: int | None = None
     router_port: int | None = None
     engine_ports: list[int] | None = None
     run_dir: Path | None = None
@@ -125,21 +130,26 @@ class Cluster:
             raise ValueError(f"{len(roles)} engines need {len(roles)} ports, got {len(ports)}")
         nixl_ports = free_ports(len(roles)) if cfg.mode != "single" else [None] * len(roles)
         cores = _core_sets(len(roles), cfg.cores_per_engine)
+        # Unique per start: NIXL refuses a restarted peer that reuses its agent's name.
+        run_tag = uuid.uuid4().hex[:8]
         counters: dict[str, int] = {}
         specs = []
         for role, port, nixl_port, core_set in zip(roles, ports, nixl_ports, cores, strict=True):
             index = counters.get(role, 0)
             counters[role] = index + 1
+            name = role if role == "single" else f"{role}-{index}"
             specs.append(
                 EngineSpec(
-                    name=role if role == "single" else f"{role}-{index}",
+                    name=name,
                     role=role,
                     model=model_path,
                     served_model_name=served_name,
                     port=port,
                     cores=core_set,
                     nixl_port=nixl_port,
-                    kv_transfer_config=_kv_transfer_config(role),
+                    kv_transfer_config=kv_transfer_config(
+                        cfg.mode, role, f"turnkv-{name}-{run_tag}", cfg.decoder_kv_ttl,
+                        cfg.kv_recompute_threshold),
                     dtype=resolve_dtype(cfg.dtype),
                     prefix_caching=cfg.prefill_cache or role != "prefill",
                     kv_cache_bytes=cfg.kv_cache_bytes,
@@ -195,15 +205,18 @@ class Cluster:
         if self.config.mode == "single":
             return self.engines[0].spec.url
         port = self.config.router_port or free_ports(1)[0]
-        prefill = [e.spec.url for e in self.engines if e.spec.role == "prefill"]
-        decode = [e.spec.url for e in self.engines if e.spec.role == "decode"]
-        router_mode = "standard" if self.config.prefill_cache else "standard-nocache"
+        mode: str = self.config.mode
+        if mode == "standard" and not self.config.prefill_cache:
+            mode = "standard-nocache"
         cmd = [sys.executable, "-m", "turnkv_server.router", "--host", "127.0.0.1",
-               "--port", str(port), "--mode", router_mode, *self.config.router_args]
-        for url in prefill:
-            cmd += ["--prefill", url]
-        for url in decode:
-            cmd += ["--decode", url]
+               "--port", str(port), "--mode", mode,
+               "--decoder-kv-ttl", str(self.config.decoder_kv_ttl), *self.config.router_args]
+        for engine in self.engines:
+            spec = engine.spec
+            cmd += [f"--{spec.role}", spec.url]
+            if spec.role == "prefill" and spec.kv_transfer_config and spec.nixl_port:
+                engine_id = spec.kv_transfer_config["engine_id"]
+                cmd += ["--prefill-nixl", f"{engine_id}@{spec.host}:{spec.nixl_port}"]
         log_path = self.run_dir / "logs" / "router.log"
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
@@ -281,15 +294,31 @@ def stop_cluster(state: ClusterState) -> None:
     clear_current(Path(state.run_dir))
 
 
-def _kv_transfer_config(role: Role) -> dict[str, Any] | None:
+def kv_transfer_config(
+    mode: str, role: Role, engine_id: str, decoder_kv_ttl: float = 120.0,
+    recompute_threshold: int | None = None,
+) -> dict[str, Any] | None:
+    """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``."""
     if role == "single":
         return None
-    return {
-        "kv_connector": "NixlConnector",
+    config: dict[str, Any] = {
+        "kv_connector": "NixlPushConnector" if mode == "push" else "NixlConnector",
         "kv_connector_module_path": NIXL_CONNECTOR_MODULE,
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_buffer_device": "cpu",
+        "engine_id": engine_id,
     }
+    if mode == "bidirectional":
+        # Both directions on both engines: the decode engine holds finished turns and the
+        # prefill engine reads them back.
+        config["kv_role"] = "kv_both"
+        config["kv_connector_extra_config"] = {
+            "bidirectional_kv_xfer": True,
+            "decoder_kv_blocks_ttl": int(decoder_kv_ttl),
+        }
+        if recompute_threshold is not None:
+            config["kv_connector_extra_config"]["kv_recompute_threshold"] = recompute_threshold
+    return config
 
 
 def _core_sets(count: int, per_engine: int) -> list[tuple[int, ...]]:

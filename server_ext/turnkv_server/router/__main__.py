@@ -21,6 +21,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--default-ttl", type=float, default=300.0)
     parser.add_argument("--max-ttl", type=float, default=900.0)
     parser.add_argument("--max-sessions", type=int, default=10_000)
+    parser.add_argument("--prefill-nixl", action="append", default=[],
+                        help="push mode: a prefill engine's NIXL side channel, "
+                             "ENGINE_ID@HOST:PORT, in --prefill order")
+    parser.add_argument("--decoder-kv-ttl", type=float, default=120.0,
+                        help="bidirectional mode: the decode engines' decoder_kv_blocks_ttl")
     parser.add_argument("--health-interval", type=float, default=2.0,
                         help="seconds between engine health probes")
     parser.add_argument("--api-keys", help="JSON file mapping API key to tenant name")
@@ -44,6 +49,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_sessions=args.max_sessions, api_keys=keys,
         admin_key=args.admin_key or os.environ.get("TURNKV_ADMIN_KEY"),
         health_interval=args.health_interval,
+        prefill_nixl=args.prefill_nixl,
+        decoder_kv_ttl=args.decoder_kv_ttl,
     )
 
 

@@ -18,18 +18,20 @@ from pydantic import ValidationError
 from turnkv import protocol as p
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.metrics import RouterMetrics
-from turnkv_server.router.modes import Mode, PrefillResult, make_mode
+from turnkv_server.router.modes import Mode, ModeContext, NixlPeer, cancel_quietly, make_mode
 from turnkv_server.router.placement import EnginePool, Placement
 from turnkv_server.router.sessions import Session, SessionKey, SessionTable
 from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.turn import (
     EngineRejected,
     EngineUnavailable,
+    ReuseFailed,
     Turn,
     begin_stats,
     decode_request,
     finish_stats,
     has_output,
+    prefill_params,
     route,
     run_prefill,
     sse_events,
@@ -46,7 +48,6 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.mode: Mode = make_mode(config.mode)
         self.pool = EnginePool.from_urls(config.prefill, config.decode)
         self.sessions = SessionTable(config.lease, max_sessions=config.max_sessions)
         self.tenants = Tenants(config.api_keys, config.admin_key)
@@ -55,12 +56,18 @@ class Router:
             timeout=httpx.Timeout(None, connect=5.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
+        peers = {engine.name: NixlPeer.parse(spec)
+                 for engine, spec in zip(self.pool.prefill, config.prefill_nixl, strict=False)}
+        self.mode: Mode = make_mode(config.mode, ModeContext(
+            client=self.client, prefill_peers=peers, decoder_kv_ttl=config.decoder_kv_ttl,
+            clock=self.sessions.clock))
 
     async def health_loop(self) -> None:
         while True:
             await asyncio.gather(*(self._probe(e) for e in self.pool.engines()))
             self.metrics.sessions.set(len(self.sessions))
-            self.sessions.sweep()
+            for gone in self.sessions.sweep():
+                self.mode.drop_session(gone)
             await asyncio.sleep(self.config.health_interval)
 
     async def _probe(self, engine: Any) -> None:
@@ -93,28 +100,31 @@ class Router:
                     want_token_ids=want_ids)
         if session is not None:
             session.in_flight = True
+        response: Response | None = None
         try:
-            return await self._serve_turn(turn)
+            response = await self._serve_turn(turn)
+            return response
         finally:
-            if session is not None and not turn.stream:
+            # A streamed turn stays in flight until its relay ends.
+            if session is not None and not isinstance(response, StreamingResponse):
                 session.in_flight = False
 
     async def _serve_turn(self, turn: Turn) -> Response:
         fallback, detail = _home_lost(self.pool, turn.session)
         prefix_id = turn.tag.prefix_id if turn.tag else None
-        for attempt in range(self.config.retries + 1):
+        for attempt in range(self.config.retries + 2):
             placement = route(self.pool, self.mode, turn.session, prefix_id)
+            turn.new_attempt()
             try:
-                prefill = await run_prefill(self.client, placement.prefill, turn)
-                turn.prompt_token_ids = prefill.prompt_token_ids
-                turn.stats = begin_stats(turn, placement, prefill, fallback, detail)
-                if turn.stream:
-                    return await self._stream(turn, placement, prefill)
-                return await self._complete(turn, placement, prefill)
+                return await self._run(turn, placement, fallback, detail)
+            except ReuseFailed as exc:
+                # Reading the session's KV back failed: recompute, on the same engines.
+                turn.skip_reuse = True
+                fallback, detail = "transfer_failed", str(exc)
             except EngineUnavailable as exc:
                 exc.engine.healthy = False
                 fallback, detail = "engine_unavailable", str(exc)
-                if attempt == self.config.retries:
+                if attempt >= self.config.retries:
                     self.metrics.errors.labels("503").inc()
                     return error_response(
                         503, f"no engine could serve the turn: {exc}",
@@ -122,49 +132,51 @@ class Router:
             except EngineRejected as exc:
                 self.metrics.errors.labels(str(exc.status)).inc()
                 return Response(exc.content, exc.status, media_type="application/json")
-        raise AssertionError("unreachable")
+        self.metrics.errors.labels("503").inc()
+        return error_response(503, f"the turn failed: {detail}",
+                              headers={"Retry-After": RETRY_AFTER_S})
 
-    async def _complete(self, turn: Turn, placement: Placement, prefill: PrefillResult
-                        ) -> Response:
+    async def _run(self, turn: Turn, placement: Placement, fallback: str | None,
+                   detail: str | None) -> Response:
+        params = await prefill_params(turn, placement)
+        decode: asyncio.Task[httpx.Response] | None = None
+        if self.mode.concurrent:
+            decode = asyncio.create_task(self._open_decode(
+                turn, placement, self.mode.decode_transfer_params(turn, placement, None)))
+        try:
+            prefill = await run_prefill(self.client, placement.prefill, turn, params)
+        except BaseException:
+            if decode is not None:
+                await cancel_quietly(decode)
+            raise
+        turn.prompt_token_ids = prefill.prompt_token_ids
+        turn.stats = begin_stats(turn, placement, prefill, fallback, detail)
+        if decode is None:
+            decode = asyncio.create_task(self._open_decode(
+                turn, placement, self.mode.decode_transfer_params(turn, placement, prefill)))
+        upstream = await decode
+        if turn.stream:
+            return StreamingResponse(self._relay(turn, placement, upstream),
+                                     media_type="text/event-stream",
+                                     headers=_early_headers(turn.stats))
+        return await self._complete(turn, placement, upstream)
+
+    async def _open_decode(self, turn: Turn, placement: Placement,
+                           params: dict[str, Any] | None) -> httpx.Response:
+        """Send the decode request; returns once its headers are in. The caller owns the
+        response and the engine's in-flight count until it closes the response."""
         engine = placement.decode
         engine.in_flight += 1
+        request = self.client.build_request(
+            "POST", f"{engine.url}{turn.path}", json=decode_request(turn, params),
+            headers={"X-Request-Id": turn.request_id})
         try:
-            response = await self.client.post(
-                f"{engine.url}{turn.path}", json=decode_request(turn, prefill),
-                headers={"X-Request-Id": turn.request_id})
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(engine, type(exc).__name__) from exc
-        finally:
+            upstream = await self.client.send(request, stream=True)
+        except BaseException as exc:
             engine.in_flight -= 1
-        if response.status_code >= 500:
-            raise EngineUnavailable(engine, f"HTTP {response.status_code}")
-        if response.status_code != 200:
-            raise EngineRejected(response.status_code, response.content)
-        data = response.json()
-        choices = data.get("choices") or [{}]
-        turn.output_token_ids = list(choices[0].get("token_ids") or [])
-        usage = data.get("usage") or {}
-        stats = finish_stats(turn, int(usage.get("completion_tokens") or 0), None)
-        self._remember(turn, placement)
-        if not turn.want_token_ids:
-            strip_token_ids(data)
-        data.pop("kv_transfer_params", None)
-        data["turnkv"] = stats.model_dump()
-        return JSONResponse(data, headers=_early_headers(stats))
-
-    async def _stream(self, turn: Turn, placement: Placement, prefill: PrefillResult
-                      ) -> Response:
-        engine = placement.decode
-        engine.in_flight += 1
-        try:
-            upstream = await self.client.send(
-                self.client.build_request(
-                    "POST", f"{engine.url}{turn.path}", json=decode_request(turn, prefill),
-                    headers={"X-Request-Id": turn.request_id}),
-                stream=True)
-        except httpx.HTTPError as exc:
-            engine.in_flight -= 1
-            raise EngineUnavailable(engine, type(exc).__name__) from exc
+            if isinstance(exc, httpx.HTTPError):
+                raise EngineUnavailable(engine, type(exc).__name__) from exc
+            raise
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
@@ -172,10 +184,27 @@ class Router:
             if upstream.status_code >= 500:
                 raise EngineUnavailable(engine, f"HTTP {upstream.status_code}")
             raise EngineRejected(upstream.status_code, content)
-        assert turn.stats is not None
-        headers = _early_headers(turn.stats)
-        return StreamingResponse(self._relay(turn, placement, upstream),
-                                 media_type="text/event-stream", headers=headers)
+        return upstream
+
+    async def _complete(self, turn: Turn, placement: Placement, upstream: httpx.Response
+                        ) -> Response:
+        try:
+            data = json.loads(await upstream.aread())
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(placement.decode, type(exc).__name__) from exc
+        finally:
+            placement.decode.in_flight -= 1
+            await upstream.aclose()
+        choices = data.get("choices") or [{}]
+        turn.output_token_ids = list(choices[0].get("token_ids") or [])
+        usage = data.get("usage") or {}
+        stats = finish_stats(turn, int(usage.get("completion_tokens") or 0), None)
+        self.mode.after_turn(turn, placement, data.pop("kv_transfer_params", None))
+        self._remember(turn, placement)
+        if not turn.want_token_ids:
+            strip_token_ids(data)
+        data["turnkv"] = stats.model_dump()
+        return JSONResponse(data, headers=_early_headers(stats))
 
     async def _relay(self, turn: Turn, placement: Placement, upstream: httpx.Response
                      ) -> AsyncIterator[str]:
@@ -188,6 +217,7 @@ class Router:
                 if payload == "[DONE]":
                     stats = finish_stats(turn, completion_tokens or len(turn.output_token_ids),
                                          first_token_ms)
+                    self.mode.after_turn(turn, placement, None)
                     self._remember(turn, placement)
                     finished = True
                     yield stats_chunk(turn, stats, template)
@@ -255,9 +285,13 @@ class Router:
             self.pool.remember_prefix(turn.tag.prefix_id, placement)
         hints = turn.tag.hints if turn.tag else p.CacheHints()
         if hints.final:
-            self.sessions.release(session.key)
+            self.release(session)
         else:
             self.sessions.renew(session, hints)
+
+    def release(self, session: Session) -> None:
+        self.sessions.release(session.key)
+        self.mode.drop_session(session)
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
         length = request.headers.get("content-length")
@@ -406,7 +440,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         found = _session_or_error(request, session_id)
         if isinstance(found, Response):
             return found
-        router.sessions.release(found.key)
+        router.release(found)
         return JSONResponse({"session_id": session_id, "released": True})
 
     @app.post("/v1/turnkv/sessions/{session_id}/hints")
@@ -421,7 +455,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             where = ".".join(str(x) for x in first["loc"]) or "body"
             return error_response(400, f"invalid hints.{where}: {first['msg']}", param=where)
         if hints.final:
-            router.sessions.release(found.key)
+            router.release(found)
             return JSONResponse({"session_id": session_id, "released": True})
         router.sessions.renew(found, hints)
         return JSONResponse(router.session_view(found))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from turnkv_server.router.modes import MODES
 from turnkv_server.router.sessions import LeasePolicy
 
-ROUTER_MODES = ("standard", "standard-nocache")
+ROUTER_MODES = tuple(MODES)
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,16 @@ class RouterConfig:
     health_interval: float = 2.0
     # A turn that fails on an unavailable engine is retried on another pair this many times.
     retries: int = 1
+    # push: each prefill engine's NIXL side channel, ENGINE_ID@HOST:PORT, in --prefill order.
+    prefill_nixl: list[str] = field(default_factory=list)
+    # bidirectional: how long decode engines hold a finished turn (decoder_kv_blocks_ttl).
+    decoder_kv_ttl: float = 120.0
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTER_MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(ROUTER_MODES)}")
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one prefill and one decode engine")
+        if self.mode == "push" and len(self.prefill_nixl) != len(self.prefill):
+            raise ValueError("push mode needs --prefill-nixl ENGINE_ID@HOST:PORT for every "
+                             "prefill engine")

@@ -19,7 +19,7 @@ import httpx
 
 from turnkv.protocol import TurnStats, TurnTag, TurnTimes
 from turnkv_server.router.history import prefix_break
-from turnkv_server.router.modes import Mode, PrefillResult
+from turnkv_server.router.modes import PREFILL_FOR_REMOTE_DECODE, Mode, PrefillResult
 from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import Session
 
@@ -33,6 +33,10 @@ class EngineUnavailable(Exception):
         super().__init__(f"{engine.name} ({engine.url}) unavailable: {detail}")
         self.engine = engine
         self.detail = detail
+
+
+class ReuseFailed(Exception):
+    """The prefill engine failed while reading a session's KV back: replay without reuse."""
 
 
 class EngineRejected(Exception):
@@ -57,6 +61,21 @@ class Turn:
     stats: TurnStats | None = None
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # Set by the mode when the prefill request carries KV to read back.
+    reuse_params: bool = False
+    offered_tokens: int | None = None
+    reuse_note: tuple[str, str] | None = None
+    # After a failed read-back the turn is replayed without reuse.
+    skip_reuse: bool = False
+
+    def new_attempt(self) -> None:
+        self.request_id = str(uuid.uuid4())
+        self.stats = None
+        self.prompt_token_ids = None
+        self.output_token_ids = []
+        self.reuse_params = False
+        self.offered_tokens = None
+        self.reuse_note = None
 
     @property
     def stream(self) -> bool:
@@ -66,28 +85,32 @@ class Turn:
         return (time.perf_counter() - self.accepted_at) * 1000
 
 
-def prefill_request(turn: Turn) -> dict[str, Any]:
+def prefill_request(turn: Turn, transfer_params: dict[str, Any]) -> dict[str, Any]:
     body = {k: v for k, v in turn.body.items()
             if k not in ("stream_options", "min_tokens", "max_completion_tokens")}
     body["max_tokens"] = 1
     body["stream"] = False
     body["return_token_ids"] = True
-    body["kv_transfer_params"] = turn.mode.prefill_transfer_params(turn.session)
+    body["kv_transfer_params"] = transfer_params
     return body
 
 
 async def run_prefill(
-    client: httpx.AsyncClient, engine: Engine, turn: Turn
+    client: httpx.AsyncClient, engine: Engine, turn: Turn, transfer_params: dict[str, Any]
 ) -> PrefillResult:
     started = time.perf_counter()
     engine.in_flight += 1
     try:
-        response = await client.post(f"{engine.url}{turn.path}", json=prefill_request(turn),
+        response = await client.post(f"{engine.url}{turn.path}",
+                                     json=prefill_request(turn, transfer_params),
                                      headers={"X-Request-Id": turn.request_id})
     except _UNAVAILABLE as exc:
         raise EngineUnavailable(engine, type(exc).__name__) from exc
     finally:
         engine.in_flight -= 1
+    if response.status_code >= 500 and turn.reuse_params:
+        raise ReuseFailed(f"{engine.name} failed reading the session's KV back: "
+                          f"HTTP {response.status_code}")
     if response.status_code >= 500:
         raise EngineUnavailable(engine, f"HTTP {response.status_code}")
     if response.status_code != 200:
@@ -104,9 +127,9 @@ async def run_prefill(
     )
 
 
-def decode_request(turn: Turn, prefill: PrefillResult) -> dict[str, Any]:
+def decode_request(turn: Turn, transfer_params: dict[str, Any] | None) -> dict[str, Any]:
     body = dict(turn.body)
-    body["kv_transfer_params"] = turn.mode.decode_transfer_params(prefill, turn.session)
+    body["kv_transfer_params"] = transfer_params
     if turn.session is not None or turn.want_token_ids:
         body["return_token_ids"] = True
     return body
@@ -121,6 +144,8 @@ def begin_stats(turn: Turn, placement: Placement, prefill: PrefillResult,
     moved = bool(session and session.decode and
                  (session.prefill, session.decode) != (placement.prefill.name,
                                                        placement.decode.name))
+    if fallback is None and turn.reuse_note is not None:
+        fallback, fallback_detail = turn.reuse_note
     return TurnStats(
         session_id=session.key.session_id if session else None,
         turn=_turn_number(turn),
@@ -128,7 +153,7 @@ def begin_stats(turn: Turn, placement: Placement, prefill: PrefillResult,
         prefill_node=placement.prefill.name,
         decode_node=placement.decode.name,
         moved=moved,
-        prompt_tokens=turn.mode.prompt_tokens(prefill),
+        prompt_tokens=turn.mode.prompt_tokens(turn, prefill),
         times=TurnTimes(prefill_ms=prefill.elapsed_ms),
         prefix_break_at=break_at,
         fallback=fallback,  # type: ignore[arg-type]
@@ -183,6 +208,12 @@ def has_output(chunk: dict[str, Any]) -> bool:
                 or delta.get("reasoning") or choice.get("token_ids"):
             return True
     return False
+
+
+async def prefill_params(turn: Turn, placement: Placement) -> dict[str, Any]:
+    if turn.skip_reuse:
+        return dict(PREFILL_FOR_REMOTE_DECODE)
+    return await turn.mode.prefill_transfer_params(turn, placement)
 
 
 def route(pool: EnginePool, mode: Mode, session: Session | None, prefix_id: str | None
