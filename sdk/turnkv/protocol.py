@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 # Session and prefix IDs travel in headers and URLs: keep them to a safe, bounded alphabet.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
@@ -107,17 +107,20 @@ class KvMoved(BaseModel):
 
 
 class TurnTimes(BaseModel):
-    """Milliseconds, measured at the router from the moment it accepted the turn."""
+    """Milliseconds, measured at the router from the moment it accepted the turn.
 
-    queue_ms: float = 0.0
+    None where not measured: the time a request queued inside an engine is not reported per
+    request by vLLM's HTTP API.
+    """
+
+    queue_ms: float | None = None
     prefill_ms: float = 0.0
     first_token_ms: float | None = None
     total_ms: float = 0.0
 
 
 FallbackReason = Literal[
-    "engine_unavailable", "session_moved", "prefix_break", "lease_expired", "transfer_failed",
-    "no_reuse_in_mode",
+    "engine_unavailable", "session_moved", "lease_expired", "transfer_failed",
 ]
 
 
@@ -125,7 +128,7 @@ class TurnStats(BaseModel):
     """The `turnkv` field of a response (the final SSE chunk when streaming)."""
 
     session_id: str | None = None
-    turn: int = 0
+    turn: int = Field(default=0, ge=0)
     mode: str
     prefill_node: str | None = None
     decode_node: str | None = None
@@ -137,13 +140,6 @@ class TurnStats(BaseModel):
     prefix_break_at: int | None = None
     fallback: FallbackReason | None = None
     fallback_detail: str | None = None
-
-    @field_validator("turn")
-    @classmethod
-    def _non_negative(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("turn must be >= 0")
-        return value
 
 
 __all__ = [

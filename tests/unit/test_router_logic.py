@@ -60,7 +60,7 @@ def test_leases_expire_lazily_and_renew() -> None:
     assert table.get(key) is session
     clock.now += 2
     assert table.get(key) is None and table.expired_total == 1
-    assert not table.was_known(key)
+    assert len(table) == 0
 
 
 def test_a_session_mid_turn_never_expires_or_is_evicted() -> None:
@@ -222,3 +222,18 @@ def test_a_read_back_offer_is_trimmed_to_the_shared_prefix() -> None:
     trimmed, usable = trim_offer(params, held, held[:130], block_size=128)
     assert usable == 129 and trimmed["remote_block_ids"] == [[7, 8]]
     assert params["remote_num_tokens"] == 299  # the stored offer is untouched
+
+
+def test_unreachable_engines_give_503_with_retry_after() -> None:
+    from fastapi.testclient import TestClient
+
+    from turnkv_server.router import RouterConfig, create_app
+
+    # Nothing listens on port 9: the router must answer, not hang or crash.
+    app = create_app(RouterConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"]))
+    with TestClient(app) as client:
+        response = client.post("/v1/chat/completions", json={"model": "m", "messages": []})
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "2"
+        assert "no engine could serve the turn" in response.json()["error"]["message"]
+        assert client.get("/health").status_code in (200, 503)

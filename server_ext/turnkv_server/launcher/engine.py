@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -162,13 +161,6 @@ class EngineProcess:
             return httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.is_healthy():
-            if time.monotonic() > deadline:
-                raise self._failure(f"not healthy after {timeout:.0f} s")
-            time.sleep(0.5)
 
     def pin(self) -> list[tuple[int, int, set[int]]]:
         """Re-pin every thread to the engine's cores; returns threads that still stray."""

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from turnkv import protocol as p
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.metrics import RouterMetrics
-from turnkv_server.router.modes import Mode, ModeContext, NixlPeer, cancel_quietly, make_mode
+from turnkv_server.router.modes import Mode, ModeContext, NixlPeer, make_mode
 from turnkv_server.router.placement import EnginePool, Placement
 from turnkv_server.router.sessions import Session, SessionKey, SessionTable
 from turnkv_server.router.tenants import Tenants
@@ -28,6 +28,7 @@ from turnkv_server.router.turn import (
     ReuseFailed,
     Turn,
     begin_stats,
+    cancel_quietly,
     decode_request,
     finish_stats,
     has_output,

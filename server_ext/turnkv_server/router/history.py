@@ -24,11 +24,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def prefix_break(history: Sequence[int], prompt: Sequence[int]) -> int | None:
-    """The first position where ``prompt`` stops following ``history``, or None if it extends
-    all of it.
-
-    A prompt that ends inside the history (a shorter resend) breaks at its own length only if
-    it differs before that; a pure truncation is a break at ``len(prompt)``.
-    """
+    """The first position where ``prompt`` stops following ``history``, or None if it repeats
+    all of it. A prompt shorter than the history breaks at its own length at the latest."""
     matched = common_prefix_len(history, prompt)
     return None if matched == len(history) else matched

@@ -17,7 +17,6 @@ A mode is the policy between the router's turn pipeline and vLLM's `kv_transfer_
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import re
 import time
@@ -181,9 +180,8 @@ class Bidirectional(Mode):
             turn.reuse_note = ("session_moved", f"KV held on {held.decode}, not read back")
             return dict(PREFILL_FOR_REMOTE_DECODE)
         prompt_ids = await self._tokenize(placement.prefill, turn)
-        params, usable = trim_offer(held.params, held.token_ids, prompt_ids,
-                                    await self._block_size(placement.prefill))
-        turn.offered_tokens = usable
+        params, _ = trim_offer(held.params, held.token_ids, prompt_ids,
+                               await self._block_size(placement.prefill))
         turn.reuse_params = True
         return params
 
@@ -318,8 +316,3 @@ def make_mode(name: str, ctx: ModeContext) -> Mode:
     except KeyError:
         raise ValueError(f"unknown mode {name!r}; choose one of {', '.join(MODES)}") from None
 
-
-async def cancel_quietly(task: asyncio.Task[Any]) -> None:
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task

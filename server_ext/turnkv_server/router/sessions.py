@@ -105,9 +105,6 @@ class SessionTable:
             return None
         return session
 
-    def was_known(self, key: SessionKey) -> bool:
-        return key in self._sessions
-
     def open(self, key: SessionKey) -> Session:
         """The live session for ``key``, created if needed (evicting the least recently used
         idle session when the table is full)."""

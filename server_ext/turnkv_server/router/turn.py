@@ -8,6 +8,8 @@ correct by construction: the new pair recomputes whatever it lacks.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -63,7 +65,6 @@ class Turn:
     output_token_ids: list[int] = field(default_factory=list)
     # Set by the mode when the prefill request carries KV to read back.
     reuse_params: bool = False
-    offered_tokens: int | None = None
     reuse_note: tuple[str, str] | None = None
     # After a failed read-back the turn is replayed without reuse.
     skip_reuse: bool = False
@@ -74,7 +75,6 @@ class Turn:
         self.prompt_token_ids = None
         self.output_token_ids = []
         self.reuse_params = False
-        self.offered_tokens = None
         self.reuse_note = None
 
     @property
@@ -221,3 +221,9 @@ def route(pool: EnginePool, mode: Mode, session: Session | None, prefix_id: str 
     if not mode.affinity or session is None:
         return pool.round_robin()
     return pool.place(prefill=session.prefill, decode=session.decode, prefix_id=prefix_id)
+
+
+async def cancel_quietly(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
