@@ -175,7 +175,7 @@ class Router:
             upstream = await self.client.send(request, stream=True)
         except BaseException as exc:
             engine.in_flight -= 1
-            if isinstance(exc, httpx.HTTPError):
+            if isinstance(exc, httpx.TransportError):
                 raise EngineUnavailable(engine, type(exc).__name__) from exc
             raise
         if upstream.status_code != 200:
@@ -191,7 +191,7 @@ class Router:
                         ) -> Response:
         try:
             data = json.loads(await upstream.aread())
-        except httpx.HTTPError as exc:
+        except httpx.TransportError as exc:
             raise EngineUnavailable(placement.decode, type(exc).__name__) from exc
         finally:
             placement.decode.in_flight -= 1

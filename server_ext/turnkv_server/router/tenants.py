@@ -52,4 +52,6 @@ def _bearer(authorization: str | None) -> str | None:
     if not authorization:
         return None
     scheme, _, value = authorization.partition(" ")
-    return value.strip() or None if scheme.lower() == "bearer" else None
+    if scheme.lower() != "bearer":
+        return None
+    return value.strip() or None

@@ -25,10 +25,6 @@ from turnkv_server.router.modes import PREFILL_FOR_REMOTE_DECODE, Mode, PrefillR
 from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import Session
 
-# Errors that mean "this engine cannot serve now", as opposed to "this request is bad".
-_UNAVAILABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError,
-                httpx.WriteError, httpx.ConnectTimeout, httpx.PoolTimeout)
-
 
 class EngineUnavailable(Exception):
     def __init__(self, engine: Engine, detail: str) -> None:
@@ -104,7 +100,9 @@ async def run_prefill(
         response = await client.post(f"{engine.url}{turn.path}",
                                      json=prefill_request(turn, transfer_params),
                                      headers={"X-Request-Id": turn.request_id})
-    except _UNAVAILABLE as exc:
+    except httpx.TransportError as exc:
+        # Connection refused or reset, a protocol error, a timeout: the engine cannot serve
+        # now. The same test applies to the decode request.
         raise EngineUnavailable(engine, type(exc).__name__) from exc
     finally:
         engine.in_flight -= 1
