@@ -7,10 +7,13 @@ two ways of serving the same request many times:
   then decode with the returned kv_transfer_params, against the engines;
 - routed: the same request through the router, tagged with a session.
 
-The engines answer from their caches both ways, so the difference of the medians is the
-router's own cost: one more HTTP hop, parsing, routing, the session table, stats.
+The engines answer from their caches both ways, so the difference is the router's own cost:
+one more HTTP hop, parsing, routing, the session table, stats. Reported: the difference of the
+medians, the median of the paired differences (each routed request against the direct one
+next to it, which cancels slow drifts of a shared machine), and the router process's CPU time
+per turn.
 
-    python scripts/router_latency.py [--model tiny] [--requests 200] [--json out.json]
+    python scripts/router_latency.py [--model tiny] [--requests 300] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 import uuid
 
 import httpx
+import psutil
 from rich.console import Console
 
 from turnkv_server.launcher import Cluster, ClusterConfig
@@ -32,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--json", help="write the measurements here")
     args = parser.parse_args()
     console = Console()
@@ -63,15 +67,24 @@ def main() -> None:
             response.raise_for_status()
             return time.perf_counter() - start
 
-        for i in range(10):  # warm caches, connections and the router's code paths
+        for i in range(20):  # warm caches, connections and the router's code paths
             direct()
             routed(i)
+        assert state.router_process is not None
+        router = psutil.Process(state.router_process.pid)
         direct_s, routed_s = [], []
+        cpu_before = router.cpu_times()
         with console.status("measuring") as status:
             for i in range(args.requests):
-                direct_s.append(direct())
-                routed_s.append(routed(i))
+                # Alternate the order so neither way always runs right after the other.
+                if i % 2:
+                    direct_s.append(direct())
+                    routed_s.append(routed(i))
+                else:
+                    routed_s.append(routed(i))
+                    direct_s.append(direct())
                 status.update(f"measuring {i + 1}/{args.requests}")
+        cpu_after = router.cpu_times()
 
     result = {
         "requests": args.requests,
@@ -80,6 +93,13 @@ def main() -> None:
         "routed_median_ms": 1000 * statistics.median(routed_s),
     }
     result["added_median_ms"] = result["routed_median_ms"] - result["direct_median_ms"]
+    result["added_paired_median_ms"] = 1000 * statistics.median(
+        r - d for r, d in zip(routed_s, direct_s, strict=True))
+    # Includes the router's own health probes of the engines, a small part.
+    result["router_cpu_ms_per_turn"] = 1000 * (
+        (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+    ) / args.requests
+    result = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
     console.print_json(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

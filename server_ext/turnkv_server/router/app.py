@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -35,10 +34,12 @@ from turnkv_server.router.turn import (
     prefill_params,
     route,
     run_prefill,
+    sse,
     sse_events,
     stats_chunk,
     strip_token_ids,
 )
+from turnkv_server.router.upstream import EngineConnectionError, Stream, Upstream
 from turnkv_server.router.wire import BadRequest, error_response, extract_tag
 
 RETRY_AFTER_S = "2"
@@ -53,14 +54,11 @@ class Router:
         self.sessions = SessionTable(config.lease, max_sessions=config.max_sessions)
         self.tenants = Tenants(config.api_keys, config.admin_key)
         self.metrics = RouterMetrics()
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=5.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
+        self.upstream = Upstream()
         peers = {engine.name: NixlPeer.parse(spec)
                  for engine, spec in zip(self.pool.prefill, config.prefill_nixl, strict=False)}
         self.mode: Mode = make_mode(config.mode, ModeContext(
-            client=self.client, prefill_peers=peers, decoder_kv_ttl=config.decoder_kv_ttl,
+            upstream=self.upstream, prefill_peers=peers, decoder_kv_ttl=config.decoder_kv_ttl,
             clock=self.sessions.clock))
 
     async def health_loop(self) -> None:
@@ -73,8 +71,8 @@ class Router:
 
     async def _probe(self, engine: Any) -> None:
         try:
-            ok = (await self.client.get(f"{engine.url}/health", timeout=2.0)).status_code == 200
-        except httpx.HTTPError:
+            ok = (await self.upstream.get(f"{engine.url}/health", timeout=2.0)).status == 200
+        except EngineConnectionError:
             ok = False
         engine.healthy = ok
         self.metrics.engine_healthy.labels(engine.name).set(1 if ok else 0)
@@ -137,15 +135,15 @@ class Router:
         return error_response(503, f"the turn failed: {detail}",
                               headers={"Retry-After": RETRY_AFTER_S})
 
-    async def _run(self, turn: Turn, placement: Placement, fallback: str | None,
+    async def _run(self, turn: Turn, placement: Placement, fallback: p.FallbackReason | None,
                    detail: str | None) -> Response:
         params = await prefill_params(turn, placement)
-        decode: asyncio.Task[httpx.Response] | None = None
+        decode: asyncio.Task[Stream] | None = None
         if self.mode.concurrent:
             decode = asyncio.create_task(self._open_decode(
                 turn, placement, self.mode.decode_transfer_params(turn, placement, None)))
         try:
-            prefill = await run_prefill(self.client, placement.prefill, turn, params)
+            prefill = await run_prefill(self.upstream, placement.prefill, turn, params)
         except BaseException:
             if decode is not None:
                 await cancel_quietly(decode)
@@ -163,39 +161,41 @@ class Router:
         return await self._complete(turn, placement, upstream)
 
     async def _open_decode(self, turn: Turn, placement: Placement,
-                           params: dict[str, Any] | None) -> httpx.Response:
+                           params: dict[str, Any] | None) -> Stream:
         """Send the decode request; returns once its headers are in. The caller owns the
         response and the engine's in-flight count until it closes the response."""
         engine = placement.decode
         engine.in_flight += 1
-        request = self.client.build_request(
-            "POST", f"{engine.url}{turn.path}", json=decode_request(turn, params),
-            headers={"X-Request-Id": turn.request_id})
         try:
-            upstream = await self.client.send(request, stream=True)
+            upstream = await self.upstream.open(
+                f"{engine.url}{turn.path}", decode_request(turn, params),
+                headers={"X-Request-Id": turn.request_id})
         except BaseException as exc:
             engine.in_flight -= 1
-            if isinstance(exc, httpx.TransportError):
-                raise EngineUnavailable(engine, type(exc).__name__) from exc
+            if isinstance(exc, EngineConnectionError):
+                raise EngineUnavailable(engine, str(exc)) from exc
             raise
-        if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
-            engine.in_flight -= 1
-            if upstream.status_code >= 500:
-                raise EngineUnavailable(engine, f"HTTP {upstream.status_code}")
-            raise EngineRejected(upstream.status_code, content)
+        if upstream.status != 200:
+            try:
+                content = await upstream.read()
+            except EngineConnectionError:
+                content = b""
+            finally:
+                upstream.close()
+                engine.in_flight -= 1
+            if upstream.status >= 500:
+                raise EngineUnavailable(engine, f"HTTP {upstream.status}")
+            raise EngineRejected(upstream.status, content)
         return upstream
 
-    async def _complete(self, turn: Turn, placement: Placement, upstream: httpx.Response
-                        ) -> Response:
+    async def _complete(self, turn: Turn, placement: Placement, upstream: Stream) -> Response:
         try:
-            data = json.loads(await upstream.aread())
-        except httpx.TransportError as exc:
-            raise EngineUnavailable(placement.decode, type(exc).__name__) from exc
+            data = orjson.loads(await upstream.read())
+        except EngineConnectionError as exc:
+            raise EngineUnavailable(placement.decode, str(exc)) from exc
         finally:
             placement.decode.in_flight -= 1
-            await upstream.aclose()
+            upstream.close()
         choices = data.get("choices") or [{}]
         turn.output_token_ids = list(choices[0].get("token_ids") or [])
         usage = data.get("usage") or {}
@@ -205,29 +205,30 @@ class Router:
         if not turn.want_token_ids:
             strip_token_ids(data)
         data["turnkv"] = stats.model_dump()
-        return JSONResponse(data, headers=_early_headers(stats))
+        return Response(orjson.dumps(data), media_type="application/json",
+                        headers=_early_headers(stats))
 
-    async def _relay(self, turn: Turn, placement: Placement, upstream: httpx.Response
-                     ) -> AsyncIterator[str]:
+    async def _relay(self, turn: Turn, placement: Placement, upstream: Stream
+                     ) -> AsyncIterator[bytes]:
         first_token_ms: float | None = None
         completion_tokens = 0
         template: dict[str, Any] | None = None
         finished = False
         try:
             async for payload in sse_events(upstream):
-                if payload == "[DONE]":
+                if payload == b"[DONE]":
                     stats = finish_stats(turn, completion_tokens or len(turn.output_token_ids),
                                          first_token_ms)
                     self.mode.after_turn(turn, placement, None)
                     self._remember(turn, placement)
                     finished = True
                     yield stats_chunk(turn, stats, template)
-                    yield "data: [DONE]\n\n"
+                    yield b"data: [DONE]\n\n"
                     continue
                 try:
-                    chunk = json.loads(payload)
+                    chunk = orjson.loads(payload)
                 except ValueError:
-                    yield f"data: {payload}\n\n"
+                    yield b"data: " + payload + b"\n\n"
                     continue
                 template = template or chunk
                 if first_token_ms is None and has_output(chunk):
@@ -241,17 +242,17 @@ class Router:
                     strip_token_ids(chunk)
                     if not chunk.get("choices") and not usage and "error" not in chunk:
                         continue
-                yield f"data: {json.dumps(chunk)}\n\n"
-        except httpx.HTTPError as exc:
+                yield sse(chunk)
+        except EngineConnectionError as exc:
             # Mid-stream loss of the decode engine: the client gets an error event, never a
             # silently truncated answer.
             placement.decode.healthy = False
             error = {"error": {"message": f"decode engine lost mid-stream: {exc!r}",
                                "type": "service_unavailable", "code": 503}}
-            yield f"data: {json.dumps(error)}\n\n"
+            yield sse(error)
         finally:
             placement.decode.in_flight -= 1
-            await upstream.aclose()
+            upstream.close()
             if turn.session is not None:
                 turn.session.in_flight = False
             if not finished:
@@ -302,7 +303,7 @@ class Router:
         if len(raw) > self.config.max_body_bytes:
             raise BadRequest(f"request body over {self.config.max_body_bytes} bytes", status=413)
         try:
-            body = json.loads(raw)
+            body = orjson.loads(raw)
         except ValueError as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
@@ -327,7 +328,8 @@ class Router:
         }
 
 
-def _home_lost(pool: EnginePool, session: Session | None) -> tuple[str | None, str | None]:
+def _home_lost(pool: EnginePool, session: Session | None
+               ) -> tuple[p.FallbackReason | None, str | None]:
     """A session whose engines are down must move: name the fallback before routing."""
     if session is None:
         return None, None
@@ -382,7 +384,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             health.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await health
-            await router.client.aclose()
+            await router.upstream.close()
 
     app = FastAPI(title="turnkv router", lifespan=lifespan)
     app.state.router = router
@@ -404,10 +406,10 @@ def create_app(config: RouterConfig) -> FastAPI:
             return error_response(401, "missing or unknown API key")
         for engine in [e for e in router.pool.decode if e.healthy] or router.pool.decode:
             try:
-                upstream = await router.client.get(f"{engine.url}/v1/models", timeout=5.0)
-            except httpx.HTTPError:
+                upstream = await router.upstream.get(f"{engine.url}/v1/models", timeout=5.0)
+            except EngineConnectionError:
                 continue
-            return Response(upstream.content, upstream.status_code, media_type="application/json")
+            return Response(upstream.content, upstream.status, media_type="application/json")
         return error_response(503, "no decode engine answers", headers={"Retry-After": "2"})
 
     @app.post("/v1/chat/completions")

@@ -23,12 +23,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from turnkv.protocol import PromptTokens
 from turnkv_server.router.history import common_prefix_len
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session
+from turnkv_server.router.upstream import EngineConnectionError, Upstream
 
 if TYPE_CHECKING:
     from turnkv_server.router.turn import Turn
@@ -76,7 +75,7 @@ class NixlPeer:
 
 @dataclass
 class ModeContext:
-    client: httpx.AsyncClient
+    upstream: Upstream
     prefill_peers: dict[str, NixlPeer]  # prefill engine name -> its NIXL side channel
     decoder_kv_ttl: float
     clock: Any = time.monotonic
@@ -229,10 +228,10 @@ class Bidirectional(Mode):
         if "cache_salt" in turn.body:
             body["cache_salt"] = turn.body["cache_salt"]
         try:
-            response = await self.ctx.client.post(f"{decode.url}/v1/completions", json=body,
-                                                  timeout=60.0)
-            params = response.json().get("kv_transfer_params") if response.is_success else None
-        except (httpx.HTTPError, ValueError):
+            response = await self.ctx.upstream.post(f"{decode.url}/v1/completions", body,
+                                                    timeout=60.0)
+            params = response.json().get("kv_transfer_params") if response.ok else None
+        except (EngineConnectionError, ValueError):
             return None
         if not params or not params.get("remote_block_ids"):
             return None
@@ -261,13 +260,15 @@ class Bidirectional(Mode):
             body.setdefault("add_generation_prompt", True)
         else:
             body["prompt"] = turn.body.get("prompt")
-        response = await self.ctx.client.post(f"{engine.url}/tokenize", json=body, timeout=30.0)
-        response.raise_for_status()
+        response = await self.ctx.upstream.post(f"{engine.url}/tokenize", body, timeout=30.0)
+        if not response.ok:
+            raise EngineConnectionError(f"{engine.name} /tokenize answered {response.status}")
         return list(response.json()["tokens"])
 
     async def _block_size(self, engine: Engine) -> int:
         if engine.name not in self._block_sizes:
-            text = (await self.ctx.client.get(f"{engine.url}/metrics", timeout=10.0)).text
+            reply = await self.ctx.upstream.get(f"{engine.url}/metrics", timeout=10.0)
+            text = reply.content.decode()
             match = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', text)
             if not match:
                 raise RuntimeError(f"{engine.name} does not report its block size")

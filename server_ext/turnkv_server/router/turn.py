@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import orjson
 
-from turnkv.protocol import TurnStats, TurnTag, TurnTimes
+from turnkv.protocol import FallbackReason, TurnStats, TurnTag, TurnTimes
 from turnkv_server.router.history import prefix_break
 from turnkv_server.router.modes import PREFILL_FOR_REMOTE_DECODE, Mode, PrefillResult
 from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import Session
+from turnkv_server.router.upstream import EngineConnectionError, Stream, Upstream
 
 
 class EngineUnavailable(Exception):
@@ -61,7 +61,7 @@ class Turn:
     output_token_ids: list[int] = field(default_factory=list)
     # Set by the mode when the prefill request carries KV to read back.
     reuse_params: bool = False
-    reuse_note: tuple[str, str] | None = None
+    reuse_note: tuple[FallbackReason, str] | None = None
     # After a failed read-back the turn is replayed without reuse.
     skip_reuse: bool = False
 
@@ -92,27 +92,27 @@ def prefill_request(turn: Turn, transfer_params: dict[str, Any]) -> dict[str, An
 
 
 async def run_prefill(
-    client: httpx.AsyncClient, engine: Engine, turn: Turn, transfer_params: dict[str, Any]
+    upstream: Upstream, engine: Engine, turn: Turn, transfer_params: dict[str, Any]
 ) -> PrefillResult:
     started = time.perf_counter()
     engine.in_flight += 1
     try:
-        response = await client.post(f"{engine.url}{turn.path}",
-                                     json=prefill_request(turn, transfer_params),
-                                     headers={"X-Request-Id": turn.request_id})
-    except httpx.TransportError as exc:
-        # Connection refused or reset, a protocol error, a timeout: the engine cannot serve
+        response = await upstream.post(f"{engine.url}{turn.path}",
+                                       prefill_request(turn, transfer_params),
+                                       headers={"X-Request-Id": turn.request_id})
+    except EngineConnectionError as exc:
+        # Connection refused or reset, a timeout, a truncated body: the engine cannot serve
         # now. The same test applies to the decode request.
-        raise EngineUnavailable(engine, type(exc).__name__) from exc
+        raise EngineUnavailable(engine, str(exc)) from exc
     finally:
         engine.in_flight -= 1
-    if response.status_code >= 500 and turn.reuse_params:
+    if response.status >= 500 and turn.reuse_params:
         raise ReuseFailed(f"{engine.name} failed reading the session's KV back: "
-                          f"HTTP {response.status_code}")
-    if response.status_code >= 500:
-        raise EngineUnavailable(engine, f"HTTP {response.status_code}")
-    if response.status_code != 200:
-        raise EngineRejected(response.status_code, response.content)
+                          f"HTTP {response.status}")
+    if response.status >= 500:
+        raise EngineUnavailable(engine, f"HTTP {response.status}")
+    if response.status != 200:
+        raise EngineRejected(response.status, response.content)
     data = response.json()
     usage = data.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
@@ -134,7 +134,7 @@ def decode_request(turn: Turn, transfer_params: dict[str, Any] | None) -> dict[s
 
 
 def begin_stats(turn: Turn, placement: Placement, prefill: PrefillResult,
-                fallback: str | None, fallback_detail: str | None) -> TurnStats:
+                fallback: FallbackReason | None, fallback_detail: str | None) -> TurnStats:
     session = turn.session
     break_at = None
     if session is not None and session.tokens and prefill.prompt_token_ids is not None:
@@ -154,7 +154,7 @@ def begin_stats(turn: Turn, placement: Placement, prefill: PrefillResult,
         prompt_tokens=turn.mode.prompt_tokens(turn, prefill),
         times=TurnTimes(prefill_ms=prefill.elapsed_ms),
         prefix_break_at=break_at,
-        fallback=fallback,  # type: ignore[arg-type]
+        fallback=fallback,
         fallback_detail=fallback_detail,
     )
 
@@ -180,14 +180,14 @@ def strip_token_ids(data: dict[str, Any]) -> None:
         choice.pop("token_ids", None)
 
 
-async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
+async def sse_events(response: Stream) -> AsyncIterator[bytes]:
     """The `data:` payloads of an SSE stream, in order."""
-    async for line in response.aiter_lines():
-        if line.startswith("data:"):
+    async for line in response.lines():
+        if line.startswith(b"data:"):
             yield line[5:].strip()
 
 
-def stats_chunk(turn: Turn, stats: TurnStats, template: dict[str, Any] | None) -> str:
+def stats_chunk(turn: Turn, stats: TurnStats, template: dict[str, Any] | None) -> bytes:
     chunk: dict[str, Any] = {
         "id": (template or {}).get("id", turn.request_id),
         "object": (template or {}).get("object", "chat.completion.chunk"),
@@ -196,7 +196,11 @@ def stats_chunk(turn: Turn, stats: TurnStats, template: dict[str, Any] | None) -
         "choices": [],
         "turnkv": stats.model_dump(),
     }
-    return f"data: {json.dumps(chunk)}\n\n"
+    return sse(chunk)
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
 def has_output(chunk: dict[str, Any]) -> bool:
@@ -211,7 +215,11 @@ def has_output(chunk: dict[str, Any]) -> bool:
 async def prefill_params(turn: Turn, placement: Placement) -> dict[str, Any]:
     if turn.skip_reuse:
         return dict(PREFILL_FOR_REMOTE_DECODE)
-    return await turn.mode.prefill_transfer_params(turn, placement)
+    try:
+        return await turn.mode.prefill_transfer_params(turn, placement)
+    except EngineConnectionError as exc:
+        # Preparing reuse asks the prefill engine first (bidirectional: /tokenize).
+        raise EngineUnavailable(placement.prefill, str(exc)) from exc
 
 
 def route(pool: EnginePool, mode: Mode, session: Session | None, prefix_id: str | None
