@@ -8,9 +8,7 @@ from typing import Any
 from turnkv import context, session_api
 from turnkv.core import SessionCore, make_hints
 from turnkv.errors import TurnKVError
-from turnkv.pending import PendingTurn
-from turnkv.sessions import _take, end_stream, finish_chat
-from turnkv.stats import TurnStats
+from turnkv.sessions import StreamState, _take, end_stream, finish_chat
 from turnkv.turn import Turn
 
 
@@ -83,17 +81,8 @@ class AsyncSession(SessionCore):
         await self._close_async(final)
 
 
-class AsyncTurnStream:
+class AsyncTurnStream(StreamState):
     """`async for chunk in stream`; see `TurnStream`."""
-
-    def __init__(self, session: SessionCore, pending: PendingTurn, raw: Any) -> None:
-        self._session = session
-        self._pending = pending
-        self._raw = raw
-        self._text: list[str] = []
-        self._extras: dict[str, Any] = {}
-        self._turn: Turn | None = None
-        self._ended = False
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
@@ -125,19 +114,3 @@ class AsyncTurnStream:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    @property
-    def text(self) -> str:
-        return "".join(self._text)
-
-    @property
-    def turn(self) -> Turn | None:
-        return self._turn
-
-    @property
-    def stats(self) -> TurnStats | None:
-        return self._turn.stats if self._turn else None
-
-    @property
-    def early_headers(self) -> dict[str, str]:
-        return dict(self._pending.early_headers)

@@ -117,10 +117,8 @@ class Session(SessionCore):
         await self._close_async(final)
 
 
-class TurnStream:
-    """The chunks of a streamed turn (openai `ChatCompletionChunk`s with at least one choice;
-    the usage and stats chunks go into `stats`). `text` grows as chunks arrive; `stats` and
-    `turn` are set once the stream has ended."""
+class StreamState:
+    """What a streamed turn has received so far; shared by `TurnStream` and its async twin."""
 
     def __init__(self, session: SessionCore, pending: PendingTurn, raw: Any) -> None:
         self._session = session
@@ -130,6 +128,29 @@ class TurnStream:
         self._extras: dict[str, Any] = {}
         self._turn: Turn | None = None
         self._ended = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    @property
+    def turn(self) -> Turn | None:
+        return self._turn
+
+    @property
+    def stats(self) -> TurnStats | None:
+        return self._turn.stats if self._turn else None
+
+    @property
+    def early_headers(self) -> dict[str, str]:
+        """The router's `X-TurnKV-*` response headers: what it knew before the first token."""
+        return dict(self._pending.early_headers)
+
+
+class TurnStream(StreamState):
+    """The chunks of a streamed turn (openai `ChatCompletionChunk`s with at least one choice;
+    the usage and stats chunks go into `stats`). `text` grows as chunks arrive; `stats` and
+    `turn` are set once the stream has ended."""
 
     def __iter__(self) -> Iterator[Any]:
         try:
@@ -162,23 +183,6 @@ class TurnStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def text(self) -> str:
-        return "".join(self._text)
-
-    @property
-    def turn(self) -> Turn | None:
-        return self._turn
-
-    @property
-    def stats(self) -> TurnStats | None:
-        return self._turn.stats if self._turn else None
-
-    @property
-    def early_headers(self) -> dict[str, str]:
-        """The router's `X-TurnKV-*` response headers: what it knew before the first token."""
-        return dict(self._pending.early_headers)
 
 
 def _take(chunk: Any, text: list[str], extras: dict[str, Any]) -> bool:

@@ -33,11 +33,18 @@ from pydantic import PrivateAttr
 
 import turnkv
 from turnkv.core import SessionCore
-from turnkv.integrations.turns import STATS_KEY, cache_read, open_session, stats_for, wire_of
+from turnkv.integrations.turns import (
+    STATS_KEY,
+    SessionOwner,
+    cache_read,
+    open_session,
+    stats_for,
+    wire_of,
+)
 from turnkv.stats import TurnStats
 
 
-class ChatTurnKV(ChatOpenAI):
+class ChatTurnKV(SessionOwner, ChatOpenAI):
     """A `ChatOpenAI` bound to a turnkv session.
 
     Give it a `session` (a `turnkv.Session` you manage), or let it open one from `session_id`
@@ -66,21 +73,6 @@ class ChatTurnKV(ChatOpenAI):
         self._turnkv_session = bound
         self._turnkv_owns_session = owned
 
-    @property
-    def session(self) -> SessionCore:
-        """The turnkv session every call of this model belongs to."""
-        session: SessionCore = self._turnkv_session
-        return session
-
-    def close(self) -> None:
-        """Release the session this model opened (unless `keep`); a session passed in is the
-        caller's to close."""
-        if self._turnkv_owns_session:
-            self._turnkv_session.close(final=not self._turnkv_session.keep)
-
-    async def aclose(self) -> None:
-        if self._turnkv_owns_session:
-            await self._turnkv_session.aclose(final=not self._turnkv_session.keep)
 
     # -- non-streamed calls ------------------------------------------------------------------
 

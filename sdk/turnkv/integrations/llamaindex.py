@@ -36,13 +36,20 @@ from llama_index.llms.openai_like import OpenAILike
 
 import turnkv
 from turnkv.core import SessionCore
-from turnkv.integrations.turns import STATS_KEY, cache_read, open_session, stats_for, wire_of
+from turnkv.integrations.turns import (
+    STATS_KEY,
+    SessionOwner,
+    cache_read,
+    open_session,
+    stats_for,
+    wire_of,
+)
 from turnkv.stats import TurnStats
 
 CACHE_READ_KEY = "cache_read"
 
 
-class TurnKVLLM(OpenAILike):
+class TurnKVLLM(SessionOwner, OpenAILike):
     """An `OpenAILike` bound to a turnkv session.
 
     Give it a `session` (a `turnkv.Session` you manage), or let it open one from `session_id`
@@ -79,21 +86,6 @@ class TurnKVLLM(OpenAILike):
     def class_name(cls) -> str:
         return "TurnKVLLM"
 
-    @property
-    def session(self) -> SessionCore:
-        """The turnkv session every call of this LLM belongs to."""
-        session: SessionCore = self._turnkv_session
-        return session
-
-    def close(self) -> None:
-        """Release the session this LLM opened (unless `keep`); a session passed in is the
-        caller's to close."""
-        if self._turnkv_owns_session:
-            self._turnkv_session.close(final=not self._turnkv_session.keep)
-
-    async def aclose(self) -> None:
-        if self._turnkv_owns_session:
-            await self._turnkv_session.aclose(final=not self._turnkv_session.keep)
 
     def _get_model_kwargs(self, **kwargs: Any) -> dict[str, Any]:
         model_kwargs: dict[str, Any] = super()._get_model_kwargs(**kwargs)

@@ -33,6 +33,33 @@ def open_session(
                           keep=keep), True
 
 
+class SessionOwner:
+    """`session`, `close()` and `aclose()` for an adapter that carries a turnkv session.
+
+    The adapter sets `_turnkv_session` and `_turnkv_owns_session` (from `open_session`) as
+    private attributes of its pydantic model.
+    """
+
+    _turnkv_session: Any
+    _turnkv_owns_session: bool
+
+    @property
+    def session(self) -> SessionCore:
+        """The turnkv session every call of this adapter belongs to."""
+        session: SessionCore = self._turnkv_session
+        return session
+
+    def close(self) -> None:
+        """Release the session this adapter opened (unless `keep`); a session passed in is the
+        caller's to close."""
+        if self._turnkv_owns_session:
+            self._turnkv_session.close(final=not self._turnkv_session.keep)
+
+    async def aclose(self) -> None:
+        if self._turnkv_owns_session:
+            await self._turnkv_session.aclose(final=not self._turnkv_session.keep)
+
+
 def wire_of(raw: Any) -> dict[str, Any] | None:
     """The `turnkv` field of an openai response or chunk object, or of its dict."""
     if isinstance(raw, Mapping):
