@@ -159,6 +159,124 @@ def down(
     console.print(f"stopped the cluster of {state.run_dir}")
 
 
+@app.command()
+def bench(
+    workload: Annotated[str, typer.Option(
+        help="agent | chat | conversation | smoke | memory-pressure | trace")] = "agent",
+    trace: Annotated[Path | None, typer.Option(help="JSONL trace for --workload trace")] = None,
+    modes: Annotated[str, typer.Option(
+        help="comma-separated, run in this order: single, standard, standard-nocache, "
+             "bidirectional, push")] = "single,standard,bidirectional,push",
+    model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
+        "smollm2"
+    ),
+    dtype: Annotated[str, typer.Option(help="engine dtype; auto: float32 without bf16")] = (
+        "auto"
+    ),
+    sessions: Annotated[int | None, typer.Option(help="sessions (default: the preset's)")] = None,
+    seed: Annotated[int, typer.Option(help="workload seed")] = 0,
+    concurrency: Annotated[int | None, typer.Option(
+        help="closed loop: sessions at once (default: the preset's)")] = None,
+    kv_cache_bytes: Annotated[int | None, typer.Option(
+        help="KV cache per engine (memory-pressure default: 4,096 tokens' worth)")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="engines' max_model_len")] = None,
+    kv_recompute_threshold: Annotated[int | None, typer.Option(
+        help="bidirectional: read back only if this many tokens are missing (vLLM: 64)")] = None,
+    out_dir: Annotated[Path | None, typer.Option(
+        "--out", help="output folder (default: turnkv-bench/<workload>-<time>)")] = None,
+    baseline: Annotated[str | None, typer.Option(
+        help="mode the ratios divide by (default: standard if run, else the first)")] = None,
+    turn_timeout: Annotated[float, typer.Option(help="seconds one turn may take")] = 300.0,
+    stall_timeout: Annotated[float, typer.Option(
+        help="seconds without any output token (turns in flight) before a mode is stalled")] = (
+        90.0
+    ),
+) -> None:
+    """Run a multi-turn workload against each serving mode in turn; write JSON, plots, a table."""
+    from turnkv_server.bench.cli import BenchOptions, run_bench
+    from turnkv_server.bench.plan import PlanError
+
+    options = BenchOptions(
+        workload=workload, trace=trace, modes=modes, model=model, dtype=dtype,
+        sessions=sessions, seed=seed, concurrency=concurrency, kv_cache_bytes=kv_cache_bytes,
+        max_model_len=max_model_len, kv_recompute_threshold=kv_recompute_threshold,
+        out=out_dir, baseline=baseline, turn_timeout=turn_timeout,
+        stall_timeout=stall_timeout,
+    )
+    # Run in the background, a job ignores SIGINT: SIGTERM must also stop the engines.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        # Piped to a file, the summary table keeps all its columns instead of 80.
+        table_console = out if out.is_terminal else Console(width=200)
+        any_ok = run_bench(options, command=["turnkv", *sys.argv[1:]], console=console,
+                           out_console=table_console)
+    except PlanError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from exc
+    if not any_ok:
+        raise typer.Exit(1)
+
+
+@app.command("bench-report")
+def bench_report(
+    folder: Annotated[Path, typer.Argument(help="a turnkv bench output folder")],
+) -> None:
+    """Rebuild a bench run's summaries, summary.md, table and plots from its results.json."""
+    from pydantic import ValidationError
+
+    from turnkv_server.bench import report
+    from turnkv_server.bench.results import BenchResult, finalize
+    from turnkv_server.bench.runner import RESULTS_FILE, write_outputs
+
+    path = folder / RESULTS_FILE
+    try:
+        result = BenchResult.model_validate_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValidationError) as exc:
+        console.print(f"[red]error:[/] cannot read {path}: {exc}")
+        raise typer.Exit(2) from exc
+    result = finalize(result, result.baseline)
+    paths = write_outputs(result, folder)
+    out.print(report.rich_table(result))
+    for written in paths:
+        out.print(f"wrote {written}")
+
+
+@app.command()
+def estimate(
+    model: Annotated[str, typer.Option(help="qwen3-32b | glm-5")] = "qwen3-32b",
+    workload: Annotated[str, typer.Option(
+        help="blog (vLLM's: 10 turns, +150 in, 300 out) or a bench preset")] = "blog",
+    context: Annotated[int | None, typer.Option(
+        help="blog: the last turn's prompt tokens (default: the published run's)")] = None,
+    mfu: Annotated[float | None, typer.Option(help="prefill MFU (assumed: 0.4)")] = None,
+    link_efficiency: Annotated[float | None, typer.Option(
+        help="achieved fraction of EFA's 3.2 Tbps (assumed: 0.6)")] = None,
+    fixed_ms: Annotated[float | None, typer.Option(
+        help="per-turn cost every mode pays (assumed: 30)")] = None,
+    measured_prefill: Annotated[str | None, typer.Option(
+        help="TOKENS:MS of a cold prefill measured on the cluster; sets the MFU")] = None,
+    link_gbps: Annotated[float | None, typer.Option(
+        help="KV transfer rate measured between the nodes, Gbit/s")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the estimate here")] = (
+        None
+    ),
+) -> None:
+    """ESTIMATE per-turn TTFT on an 8xH200 + EFA P/D pair, beside vLLM's published figures."""
+    from turnkv_server.bench.estimate_cli import EstimateOptions, run_estimate
+    from turnkv_server.bench.plan import PlanError
+
+    options = EstimateOptions(
+        model=model, workload=workload, context=context, mfu=mfu,
+        link_efficiency=link_efficiency, fixed_ms=fixed_ms, measured_prefill=measured_prefill,
+        link_gbps=link_gbps, json_out=json_out,
+    )
+    try:
+        run_estimate(options, out)
+    except PlanError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from exc
+
+
 def _print_status(state: object) -> None:
     from turnkv_server.launcher import ClusterState, ProcessRef
 

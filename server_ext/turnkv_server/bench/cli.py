@@ -1,0 +1,158 @@
+"""`turnkv bench`: options in, a plan checked, the runner run, results written and shown.
+
+The typer command in `turnkv_server.cli` only collects the options; this module does the rest
+so that it can be called (and tested) without the command line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from rich.console import Console
+
+from turnkv_server.bench import report
+from turnkv_server.bench.plan import (
+    BenchSettings,
+    PlanError,
+    build_workload,
+    kv_bytes_per_token,
+    parse_modes,
+    pick_baseline,
+)
+from turnkv_server.bench.presets import DEFAULT_KV_CACHE_TOKENS
+from turnkv_server.bench.runner import Runner, write_outputs
+from turnkv_server.bench.sizing import TokenCounter, tokenizer_counter
+from turnkv_server.bench.workloads import total_context_tokens
+
+# vLLM's CPU backend allocates KV in blocks of 128 tokens (GPU backends use smaller blocks,
+# for which this is a conservative estimate).
+BLOCK_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """The command's options, as given (None: the default)."""
+
+    workload: str = "agent"
+    trace: Path | None = None
+    modes: str = "single,standard,bidirectional,push"
+    model: str = "smollm2"
+    dtype: str = "auto"
+    sessions: int | None = None
+    seed: int = 0
+    concurrency: int | None = None
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+    kv_recompute_threshold: int | None = None
+    out: Path | None = None
+    baseline: str | None = None
+    turn_timeout: float = 300.0
+    stall_timeout: float = 90.0
+
+
+def _check(options: BenchOptions) -> None:
+    for name in ("sessions", "concurrency", "kv_cache_bytes", "max_model_len"):
+        value = getattr(options, name)
+        if value is not None and value < 1:
+            raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
+    if options.seed < 0:
+        raise PlanError("--seed must be non-negative")
+    if options.kv_recompute_threshold is not None and options.kv_recompute_threshold < 0:
+        raise PlanError("--kv-recompute-threshold must be non-negative")
+
+
+def _model_dir(options: BenchOptions) -> Path:
+    from turnkv_server.models import ModelError, resolve_model
+
+    try:
+        return resolve_model(options.model)
+    except (ModelError, OSError) as exc:
+        raise PlanError(f"cannot find model {options.model!r}: {exc}") from exc
+
+
+def _token_counter(model_dir: Path) -> TokenCounter:
+    try:
+        return tokenizer_counter(model_dir)
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot load the tokenizer of {model_dir}: {exc}") from exc
+
+
+def _kv_cache_bytes(options: BenchOptions, model_dir: Path) -> tuple[int | None, int | None]:
+    """(bytes per engine, tokens that is) for memory-pressure; as given for other workloads.
+
+    Memory pressure needs a known, small cache: without --kv-cache-bytes it gets
+    `presets.DEFAULT_KV_CACHE_TOKENS` tokens' worth at the engines' dtype.
+    """
+    if options.workload != "memory-pressure":
+        return options.kv_cache_bytes, None
+    try:
+        per_token = kv_bytes_per_token(model_dir, options.dtype)
+    except (OSError, KeyError, ValueError) as exc:
+        raise PlanError(f"cannot size the KV cache of {options.model!r}: {exc}") from exc
+    # vLLM keeps one block of every cache as its null block: requests get the rest.
+    if options.kv_cache_bytes is None:
+        return (DEFAULT_KV_CACHE_TOKENS + BLOCK_TOKENS) * per_token, DEFAULT_KV_CACHE_TOKENS
+    usable = (options.kv_cache_bytes // per_token // BLOCK_TOKENS - 1) * BLOCK_TOKENS
+    if usable < BLOCK_TOKENS:
+        raise PlanError(f"--kv-cache-bytes {options.kv_cache_bytes} holds less than two "
+                        f"blocks of {BLOCK_TOKENS} tokens")
+    return options.kv_cache_bytes, usable
+
+
+def _max_model_len(options: BenchOptions, model_dir: Path, kv_tokens: int | None) -> int | None:
+    """As given; for a cache smaller than the model's context, the cache's size.
+
+    vLLM refuses to start when one request of the model's full length would not fit in the KV
+    cache, which the memory-pressure cache is made too small for on purpose.
+    """
+    if options.max_model_len is not None or kv_tokens is None:
+        return options.max_model_len
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        positions = int(config["max_position_embeddings"])
+    except (OSError, KeyError, ValueError):
+        return kv_tokens
+    return min(positions, kv_tokens)
+
+
+def run_bench(options: BenchOptions, command: list[str], console: Console,
+              out_console: Console) -> bool:
+    """Run the benchmark the options describe; True if at least one mode ran to the end.
+
+    Raises `PlanError` before anything starts when an option cannot work.
+    """
+    _check(options)
+    modes = parse_modes(options.modes)
+    baseline = pick_baseline(modes, options.baseline)
+    model_dir = _model_dir(options)
+    count_tokens = _token_counter(model_dir)
+    kv_bytes, kv_tokens = _kv_cache_bytes(options, model_dir)
+    settings = BenchSettings(model=options.model, dtype=options.dtype, kv_cache_bytes=kv_bytes,
+                             max_model_len=_max_model_len(options, model_dir, kv_tokens),
+                             kv_recompute_threshold=options.kv_recompute_threshold,
+                             turn_timeout_s=options.turn_timeout,
+                             stall_timeout_s=options.stall_timeout)
+    workload = build_workload(options.workload, seed=options.seed, sessions=options.sessions,
+                              concurrency=options.concurrency, trace=options.trace,
+                              kv_cache_tokens=kv_tokens, count_tokens=count_tokens)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = options.out or Path("turnkv-bench") / f"{workload.name}-{stamp}"
+    turns = sum(len(s.turns) for s in workload.sessions)
+    loop = (f"{workload.concurrency} at a time" if workload.concurrency
+            else "open loop by start time")
+    console.print(
+        f"workload [bold]{workload.name}[/] (seed {workload.seed}): "
+        f"{len(workload.sessions)} sessions, {turns} turns, {loop}, about "
+        f"{total_context_tokens(workload, count_tokens):,} context tokens; "
+        f"modes {', '.join(modes)}; "
+        f"output in {out}")
+    runner = Runner(workload, settings, out, console=console)
+    result = runner.run(modes, baseline, command)
+    paths = write_outputs(result, out)
+    out_console.print(report.rich_table(result))
+    for path in paths:
+        out_console.print(f"wrote {path}")
+    return any(run.status.state == "ok" for run in result.runs)

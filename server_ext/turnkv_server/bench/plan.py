@@ -1,0 +1,157 @@
+"""What a benchmark run will do, decided before any engine starts: modes, settings, workload.
+
+Everything here is checked up front so that a bad option fails in a second with a clear
+message, not after the first mode's engines took a minute to start.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from turnkv_server.bench import presets
+from turnkv_server.bench.sizing import TokenCounter, approx_tokens
+from turnkv_server.bench.trace import load_trace
+from turnkv_server.bench.workloads import Workload
+from turnkv_server.launcher import ClusterConfig
+from turnkv_server.launcher.engine import resolve_dtype
+
+# `standard-nocache` is `standard` with the prefill engines' prefix cache off: vLLM's
+# multi-turn blog baseline. `turnkv` joins once its connector exists.
+BENCH_MODES: tuple[str, ...] = ("single", "standard", "standard-nocache", "bidirectional", "push")
+WORKLOADS: tuple[str, ...] = (*presets.PRESETS, "trace")
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+
+
+class PlanError(ValueError):
+    """A benchmark option that cannot work; the message says which and why."""
+
+
+def parse_modes(text: str) -> list[str]:
+    """'single,standard,...' -> the modes in order, each once; unknown names are an error."""
+    modes: list[str] = []
+    for raw in text.split(","):
+        name = raw.strip()
+        if not name:
+            continue
+        if name not in BENCH_MODES:
+            raise PlanError(f"unknown mode {name!r}; choose from {', '.join(BENCH_MODES)}")
+        if name not in modes:
+            modes.append(name)
+    if not modes:
+        raise PlanError(f"no mode given; choose from {', '.join(BENCH_MODES)}")
+    return modes
+
+
+def pick_baseline(modes: list[str], baseline: str | None) -> str:
+    """The mode ratios divide by: as asked, else `standard` if it runs, else the first mode."""
+    if baseline is None:
+        return "standard" if "standard" in modes else modes[0]
+    if baseline not in modes:
+        raise PlanError(f"baseline {baseline!r} is not among the modes run ({', '.join(modes)})")
+    return baseline
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """The cluster settings every mode starts from, and the runner's limits."""
+
+    model: str = "smollm2"
+    dtype: str = "auto"
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+    decoder_kv_ttl: float = 120.0
+    # bidirectional: read back only when at least this many tokens are missing (None: vLLM's
+    # 64; 0: always, which short test prompts need to show any read-back).
+    kv_recompute_threshold: int | None = None
+    turn_timeout_s: float = 300.0
+    stall_timeout_s: float = 90.0
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("turn_timeout_s", "stall_timeout_s", "startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise PlanError(f"{name} must be positive")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise PlanError("kv_cache_bytes must be positive")
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as recorded in each mode's `config`, with the dtype resolved."""
+        return {**asdict(self), "dtype": resolve_dtype(self.dtype)}
+
+
+def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> ClusterConfig:
+    """The launcher's configuration for `mode`: one prefill + one decode engine (or one
+    single engine), everything else from `settings`, the same for every mode."""
+    if mode not in BENCH_MODES:
+        raise PlanError(f"unknown mode {mode!r}")
+    launcher_mode = "standard" if mode == "standard-nocache" else mode
+    return ClusterConfig(
+        mode=launcher_mode,  # type: ignore[arg-type]
+        model=settings.model,
+        dtype=settings.dtype,
+        prefill_cache=mode != "standard-nocache",
+        kv_cache_bytes=settings.kv_cache_bytes,
+        max_model_len=settings.max_model_len,
+        decoder_kv_ttl=settings.decoder_kv_ttl,
+        kv_recompute_threshold=settings.kv_recompute_threshold,
+        startup_timeout=settings.startup_timeout_s,
+        run_dir=run_dir,
+    )
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """KV cache bytes one token takes in a model folder's Llama-style config at `dtype`:
+    layers x (K and V) x KV heads x head size x bytes per element."""
+    config = json.loads((model_dir / "config.json").read_text())
+    resolved = resolve_dtype(dtype)
+    if resolved == "auto":
+        resolved = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    if resolved not in _DTYPE_BYTES:
+        raise PlanError(f"cannot size the KV cache of dtype {resolved!r}")
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    layers = int(config["num_hidden_layers"])
+    return layers * 2 * kv_heads * head_dim * _DTYPE_BYTES[resolved]
+
+
+def build_workload(name: str, *, seed: int = 0, sessions: int | None = None,
+                   concurrency: int | None = None, trace: Path | None = None,
+                   kv_cache_tokens: int | None = None,
+                   count_tokens: TokenCounter = approx_tokens) -> Workload:
+    """The workload of a preset (with overrides) or a trace file.
+
+    `kv_cache_tokens` sizes `memory-pressure` (its sessions are added until their context is
+    twice the cache); `sessions` caps how many it may add. `count_tokens` sizes generated text:
+    pass the served model's (`sizing.tokenizer_counter`) so contexts fit it.
+    """
+    if name == "trace":
+        if trace is None:
+            raise PlanError("--workload trace needs --trace FILE")
+        if not trace.is_file():
+            raise PlanError(f"trace file {trace} does not exist")
+        workload = load_trace(trace)
+        if concurrency is not None:
+            workload = workload.model_copy(update={"concurrency": concurrency})
+        return workload
+    if trace is not None:
+        raise PlanError("--trace goes with --workload trace")
+    if name not in presets.PRESETS:
+        raise PlanError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    overrides: dict[str, Any] = {}
+    if sessions is not None:
+        overrides["sessions"] = sessions
+    if concurrency is not None:
+        overrides["concurrency"] = concurrency
+    try:
+        if name == "memory-pressure":
+            tokens = kv_cache_tokens or presets.DEFAULT_KV_CACHE_TOKENS
+            return presets.build_workload(name, seed, count_tokens, kv_cache_tokens=tokens,
+                                          **overrides)
+        return presets.build_workload(name, seed, count_tokens, **overrides)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
