@@ -1,0 +1,97 @@
+"""Where each KV block lives in memory: per-block regions derived from the KV tensors.
+
+NIXL moves bytes between registered regions, so the connector must know, for block `b`, the
+address ranges that hold it in every layer. Backends lay the cache out differently (vLLM's CPU
+backend: per layer `[blocks, kv_heads, block_size, 2 * head_dim]`; GPU flash-attention:
+`[2, blocks, block_size, kv_heads, head_dim]`, K and V apart), so nothing here assumes a
+layout: a block is the sub-tensor at its index along the block dimension, cut into as few
+contiguous byte ranges as its strides allow. The same code serves DRAM and VRAM (the caller
+registers the memory type). Only the tensors' shapes, strides and addresses are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class KVTensor(Protocol):
+    """The part of `torch.Tensor` this module reads."""
+
+    def data_ptr(self) -> int: ...
+    def element_size(self) -> int: ...
+    def is_contiguous(self) -> bool: ...
+    def select(self, dim: int, index: int) -> KVTensor: ...
+    def dim(self) -> int: ...
+    def __getitem__(self, index: int) -> KVTensor: ...
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous byte range: what NIXL registers and addresses."""
+
+    address: int
+    length: int
+
+
+class UnsupportedLayout(ValueError):
+    """A KV cache this connector cannot describe block by block."""
+
+
+def contiguous_regions(t: KVTensor) -> list[Region]:
+    """`t`'s bytes as contiguous ranges, merging neighbours; splits along leading dimensions
+    until the pieces are contiguous."""
+    if t.is_contiguous():
+        size = t.element_size()
+        for n in t.shape:
+            size *= n
+        return [Region(t.data_ptr(), size)] if size else []
+    if t.dim() == 0:
+        raise UnsupportedLayout("a zero-dimensional tensor that is not contiguous")
+    pieces: list[Region] = []
+    for i in range(t.shape[0]):
+        for region in contiguous_regions(t[i]):
+            if pieces and pieces[-1].address + pieces[-1].length == region.address:
+                last = pieces.pop()
+                region = Region(last.address, last.length + region.length)
+            pieces.append(region)
+    return pieces
+
+
+def block_regions(layers: Sequence[KVTensor], block_dim: int, block: int) -> list[Region]:
+    """Every byte range that holds `block`, layer after layer.
+
+    Tensors that share storage (layers viewing one buffer) are distinct views and each
+    contributes its own ranges; a tensor repeated in `layers` (the same view twice, as vLLM
+    passes shared KV) counts once.
+    """
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    regions: list[Region] = []
+    for t in layers:
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        if not 0 <= block_dim < t.dim():
+            raise UnsupportedLayout(f"block dimension {block_dim} of a {t.dim()}-d KV tensor")
+        if not 0 <= block < t.shape[block_dim]:
+            raise IndexError(f"block {block} of {t.shape[block_dim]}")
+        regions += contiguous_regions(t.select(block_dim, block))
+    return regions
+
+
+def check_parallelism(tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
+    """The connector moves whole blocks between engines of one rank each, for now.
+
+    Heterogeneous TP (a prefill engine at TP 4 feeding a decode engine at TP 8) needs each
+    block split by KV head across ranks; docs/architecture.md plans it.
+    """
+    if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+        raise UnsupportedLayout(
+            f"the turnkv connector supports tensor and pipeline parallel size 1 only, not "
+            f"TP {tensor_parallel_size} / PP {pipeline_parallel_size}; run one engine per GPU "
+            f"or use vLLM's NixlConnector (mode standard or bidirectional)")

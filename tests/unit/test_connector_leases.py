@@ -1,0 +1,136 @@
+"""The engine-side lease table: TTL rules, renewal, release, expiry, the pin cap, pressure."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnkv_server.connector.leases import LeasePolicy, LeaseTable
+
+
+class Clock:
+    """The table's only clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def table(total: int = 100, fraction: float = 0.5, **policy: float) -> tuple[LeaseTable, Clock]:
+    clock = Clock()
+    return LeaseTable(total, LeasePolicy(max_pinned_fraction=fraction, **policy), clock), clock
+
+
+def test_clients_may_only_shorten_the_operator_cap() -> None:
+    policy = LeasePolicy(default_ttl_s=60, max_ttl_s=120)
+    assert policy.ttl(None) == 60
+    assert policy.ttl(10) == 10
+    assert policy.ttl(10_000) == 120
+    with pytest.raises(ValueError):
+        policy.ttl(0)
+    for bad in (dict(default_ttl_s=200, max_ttl_s=100), dict(max_pinned_fraction=0.0),
+                dict(max_pinned_fraction=1.5)):
+        with pytest.raises(ValueError):
+            LeasePolicy(**bad)
+
+
+def test_a_new_turn_replaces_the_lease_and_frees_the_old_references() -> None:
+    leases, _ = table()
+    assert leases.pin("s", [1, 2, 3]).blocks == []
+    # Turn 2 keeps blocks 1-3 (touched again by the caller) and adds 4-5.
+    released = leases.pin("s", [1, 2, 3, 4, 5])
+    assert released.blocks == [3, 2, 1]
+    assert leases.get("s").blocks == (1, 2, 3, 4, 5)
+    assert leases.pinned_blocks == 5
+
+
+def test_renewal_extends_a_live_lease_only() -> None:
+    leases, clock = table(default_ttl_s=60, max_ttl_s=600)
+    leases.pin("s", [1], ttl_s=30)
+    clock.now += 20
+    assert leases.renew("s", ttl_s=100, priority=3)
+    lease = leases.get("s")
+    assert lease.expires_at == clock.now + 100 and lease.priority == 3
+    clock.now += 101
+    assert not leases.renew("s")  # expired: the next turn must not count on it
+    assert not leases.renew("other")
+
+
+def test_expiry_is_lazy_and_returns_every_block() -> None:
+    leases, clock = table()
+    leases.pin("a", [1, 2], ttl_s=10)
+    leases.pin("b", [3], ttl_s=100)
+    clock.now += 50
+    assert "a" in leases  # nothing happens until someone asks
+    gone = leases.expire()
+    assert [lease.session_id for lease in gone.leases] == ["a"] and gone.blocks == [2, 1]
+    assert "a" not in leases and leases.pinned_blocks == 1
+    assert leases.released_total["expired"] == 1
+
+
+def test_release_ends_a_lease_once() -> None:
+    leases, _ = table()
+    leases.pin("s", [7, 8])
+    assert leases.release("s", "final").blocks == [8, 7]
+    assert leases.release("s").blocks == []
+    assert len(leases) == 0 and leases.pinned_blocks == 0
+
+
+def test_shared_blocks_count_once_against_the_cap() -> None:
+    leases, _ = table(total=10, fraction=0.5)  # cap: 5 blocks
+    leases.pin("a", [0, 1, 2, 3])  # a shared head of 3 blocks and one of its own
+    leases.pin("b", [0, 1, 2, 4])
+    assert leases.pinned_blocks == 5 and len(leases) == 2
+    # Releasing a frees only its references: the shared head stays held by b.
+    assert leases.release("a").blocks == [3, 2, 1, 0]
+    assert leases.pinned_blocks == 4
+
+
+def test_over_the_cap_the_lowest_priority_then_least_recent_go_first() -> None:
+    leases, clock = table(total=10, fraction=0.6)  # cap: 6 blocks
+    leases.pin("low-old", [1, 2], priority=0)
+    clock.now += 1
+    leases.pin("high", [3, 4], priority=5)
+    clock.now += 1
+    leases.pin("low-new", [5, 6], priority=0)
+    clock.now += 1
+    released = leases.pin("newest", [7, 8], priority=0)
+    assert [lease.session_id for lease in released.leases] == ["low-old"]
+    assert leases.pinned_blocks == 6 <= leases.cap_blocks
+    assert leases.released_total["over_cap"] == 1
+
+
+def test_a_lease_bigger_than_the_cap_is_not_kept() -> None:
+    leases, _ = table(total=10, fraction=0.3)  # cap: 3 blocks
+    leases.pin("small", [1])
+    released = leases.pin("huge", [2, 3, 4, 5])
+    assert [lease.session_id for lease in released.leases] == ["huge"]
+    assert released.blocks == [5, 4, 3, 2]
+    assert "huge" not in leases and "small" in leases
+
+
+def test_make_room_releases_until_the_request_fits_and_never_blocks() -> None:
+    leases, clock = table(total=20, fraction=1.0)
+    for i, sid in enumerate(["a", "b", "c"]):
+        leases.pin(sid, [10 * i, 10 * i + 1, 10 * i + 2])
+        clock.now += 1
+    # 2 free, 5 needed: releasing a (3 blocks of its own) is enough.
+    room = leases.make_room(blocks_needed=5, free_blocks=2)
+    assert [lease.session_id for lease in room.leases] == ["a"]
+    # The session being admitted is spared, even when that leaves the request short.
+    room = leases.make_room(blocks_needed=100, free_blocks=0, keep=["c"])
+    assert [lease.session_id for lease in room.leases] == ["b"]
+    assert list(leases.make_room(100, 0, keep=["c"]).leases) == []
+    assert leases.make_room(blocks_needed=1, free_blocks=1).leases == ()
+
+
+def test_make_room_counts_only_blocks_a_release_really_frees() -> None:
+    leases, clock = table(total=20, fraction=1.0)
+    leases.pin("a", [0, 1, 2])
+    clock.now += 1
+    leases.pin("b", [0, 1, 3])  # shares 0 and 1 with a
+    # Releasing a frees only block 2; b must go too for 3 blocks to come back.
+    room = leases.make_room(blocks_needed=3, free_blocks=0)
+    assert [lease.session_id for lease in room.leases] == ["a", "b"]
+    assert leases.pinned_blocks == 0
