@@ -1,6 +1,6 @@
 """The turnkv KV connector: session KV under renewable leases, pushed with NIXL both ways.
 
-Built in steps (issue 6). So far, pure parts that import nothing from vLLM: `leases`, the
-engine-side lease table the connector's scheduler side will consult, and `layout`, the
-per-block memory regions NIXL registers, derived from any KV tensor layout.
+Built in steps (issue 6). So far: `leases`, the engine-side lease table (pure logic);
+`holds`, which applies it to vLLM's block pool by reference counts from scheduler callbacks;
+and `layout`, the per-block memory regions NIXL registers, derived from any KV tensor layout.
 """

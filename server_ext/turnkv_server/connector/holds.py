@@ -1,0 +1,76 @@
+"""Session leases applied to vLLM's block pool: a reference per held block, given back on time.
+
+The connector's scheduler side calls this from scheduler callbacks only (the engine-core
+thread, which owns the block pool and takes no lock). `hold` runs in `request_finished`: it
+adds one reference to each of the finished request's blocks, so they outlive the request
+without delay-free, keep their hashes and serve the session's next turn as prefix hits, and
+the engine can go idle. The lease table (`leases`) decides when the references go: on
+release, expiry, the pin cap, and `make_room` under pressure, which the admission callbacks
+call because vLLM's scheduler cannot see held blocks (CONNECTOR-NOTES.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from turnkv_server.connector.leases import LeaseTable, Released
+
+
+class Block(Protocol):
+    """The part of vLLM's `KVCacheBlock` read here."""
+
+    block_id: int
+    is_null: bool
+
+
+class BlockPool(Protocol):
+    """The part of vLLM's `BlockPool` used here (`v1/core/block_pool.py`)."""
+
+    blocks: Sequence[Any]
+
+    def touch(self, blocks: Sequence[Any]) -> None: ...
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None: ...
+    def get_num_free_blocks(self) -> int: ...
+
+
+class BlockHolder:
+    """One engine's held blocks: `leases` decides, this applies it to `pool`."""
+
+    def __init__(self, pool: BlockPool, leases: LeaseTable) -> None:
+        self.pool = pool
+        self.leases = leases
+        self.freed_total = 0
+
+    def hold(self, session_id: str, block_ids: Sequence[int], *, ttl_s: float | None = None,
+             priority: int = 0) -> int:
+        """Keep a finished turn's blocks for its session; returns how many it now holds.
+
+        The new references are taken before the previous lease's are dropped, so blocks the
+        two turns share never reach a reference count of 0 on the way.
+        """
+        ids = [i for i in block_ids if not self.pool.blocks[i].is_null]
+        self.pool.touch([self.pool.blocks[i] for i in ids])
+        self._free(self.leases.pin(session_id, ids, ttl_s=ttl_s, priority=priority))
+        lease = self.leases.get(session_id)
+        return len(lease.blocks) if lease else 0
+
+    def release(self, session_id: str, reason: str = "release") -> int:
+        """End a session's hold (`final`, DELETE); returns the references freed."""
+        return self._free(self.leases.release(session_id, reason))
+
+    def expire(self) -> int:
+        """Free the holds past their deadline; cheap enough to call every scheduler step."""
+        return self._free(self.leases.expire())
+
+    def make_room(self, blocks_needed: int, keep: Iterable[str] = ()) -> int:
+        """Free holds until `blocks_needed` blocks are free (or nothing is left to free)."""
+        return self._free(self.leases.make_room(
+            blocks_needed, self.pool.get_num_free_blocks(), keep=keep))
+
+    def _free(self, released: Released) -> int:
+        blocks = released.blocks
+        if blocks:
+            self.pool.free_blocks([self.pool.blocks[i] for i in blocks])
+            self.freed_total += len(blocks)
+        return len(blocks)

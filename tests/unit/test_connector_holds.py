@@ -1,0 +1,80 @@
+"""Holds on vLLM's real block pool: references taken and given back, free blocks restored."""
+
+from __future__ import annotations
+
+from vllm.v1.core.block_pool import BlockPool
+
+from turnkv_server.connector.holds import BlockHolder
+from turnkv_server.connector.leases import LeasePolicy, LeaseTable
+
+BLOCKS = 32
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def setup(fraction: float = 1.0) -> tuple[BlockPool, BlockHolder, Clock]:
+    pool = BlockPool(num_gpu_blocks=BLOCKS, enable_caching=True, hash_block_size=16)
+    clock = Clock()
+    leases = LeaseTable(BLOCKS, LeasePolicy(max_pinned_fraction=fraction), clock)
+    return pool, BlockHolder(pool, leases), clock
+
+
+def finish_request(pool: BlockPool, holder: BlockHolder, session: str, n: int,
+                   shared: list[int] = ()) -> list[int]:
+    """A request that used `shared` blocks plus `n` new ones ends; the session holds them."""
+    pool.touch([pool.blocks[i] for i in shared])
+    new = [b.block_id for b in pool.get_new_blocks(n)]
+    ids = list(shared) + new
+    holder.hold(session, ids)
+    pool.free_blocks([pool.blocks[i] for i in reversed(ids)])  # the request's own references
+    return ids
+
+
+def test_held_blocks_stay_allocated_and_come_back_on_release() -> None:
+    pool, holder, _ = setup()
+    start = pool.get_num_free_blocks()
+    ids = finish_request(pool, holder, "s", 4)
+    assert pool.get_num_free_blocks() == start - 4
+    assert all(pool.blocks[i].ref_cnt == 1 for i in ids)
+    assert holder.release("s", "final") == 4
+    assert pool.get_num_free_blocks() == start
+
+
+def test_the_next_turn_keeps_shared_blocks_alive() -> None:
+    pool, holder, _ = setup()
+    start = pool.get_num_free_blocks()
+    first = finish_request(pool, holder, "s", 3)
+    second = finish_request(pool, holder, "s", 2, shared=first)
+    assert pool.get_num_free_blocks() == start - 5
+    assert all(pool.blocks[i].ref_cnt == 1 for i in second)
+    holder.release("s")
+    assert pool.get_num_free_blocks() == start
+
+
+def test_expiry_and_pressure_free_blocks_without_leaks() -> None:
+    pool, holder, clock = setup()
+    start = pool.get_num_free_blocks()
+    finish_request(pool, holder, "old", 10)
+    clock.now += 1
+    finish_request(pool, holder, "new", 10)
+    # A request needs 15 blocks: only the least recently used hold has to go.
+    free_before = pool.get_num_free_blocks()
+    assert holder.make_room(free_before + 5) == 10
+    assert "old" not in holder.leases and "new" in holder.leases
+    clock.now += 10_000
+    assert holder.expire() == 10
+    assert pool.get_num_free_blocks() == start
+    assert holder.freed_total == 20
+
+
+def test_the_null_block_is_never_held() -> None:
+    pool, holder, _ = setup()
+    assert pool.blocks[0].is_null
+    new = [b.block_id for b in pool.get_new_blocks(2)]
+    assert holder.hold("s", [0, *new]) == 2
