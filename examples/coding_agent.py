@@ -179,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="a question about the folder (repeat for several)")
     parser.add_argument("--start-cluster", action="store_true",
                         help="start a local cluster for the run and stop it at the end")
-    parser.add_argument("--mode", default="bidirectional",
+    parser.add_argument("--mode", default="turnkv",
                         help="the serving mode of a cluster started here")
     parser.add_argument("--base-url", help="an OpenAI-compatible endpoint, e.g. a turnkv router")
     parser.add_argument("--model", help="the model to serve (with --start-cluster) or to use")

@@ -53,7 +53,8 @@ def model_tiny() -> None:
 @app.command()
 def up(
     mode: Annotated[str, typer.Option(
-        help="single | standard | bidirectional | push (see docs/protocol.md)")] = "standard",
+        help="turnkv | single | standard | bidirectional | push (see docs/protocol.md)")] = (
+        "turnkv"),
     model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
         "smollm2"
     ),
@@ -166,7 +167,7 @@ def bench(
     trace: Annotated[Path | None, typer.Option(help="JSONL trace for --workload trace")] = None,
     modes: Annotated[str, typer.Option(
         help="comma-separated, run in this order: single, standard, standard-nocache, "
-             "bidirectional, push")] = "single,standard,bidirectional,push",
+             "bidirectional, push, turnkv")] = "single,standard,bidirectional,push,turnkv",
     model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
         "smollm2"
     ),

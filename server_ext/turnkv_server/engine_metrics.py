@@ -52,3 +52,34 @@ def fetch_prompt_token_sources(engine_url: str, timeout: float = 5.0) -> PromptT
     response = httpx.get(f"{engine_url}/metrics", timeout=timeout)
     response.raise_for_status()
     return parse_prompt_token_sources(response.text)
+
+
+def parse_connector_counters(metrics_text: str) -> dict[str, float]:
+    """The turnkv connector's counters and gauges (`turnkv:*`), summed over label sets, by
+    name without the prefix and the `_total` suffix; vLLM's KV cache usage as `kv_cache_usage`
+    and its block count as `num_gpu_blocks`."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name.startswith("turnkv:"):
+            name = family.name[len("turnkv:"):]
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                values[name] = values.get(name, 0.0) + sample.value
+        elif family.name == "vllm:kv_cache_usage_perc":
+            values["kv_cache_usage"] = sum(s.value for s in family.samples)
+        elif family.name == "vllm:cache_config_info":
+            for sample in family.samples:
+                blocks = sample.labels.get("num_gpu_blocks")
+                if blocks and blocks.isdigit():
+                    values["num_gpu_blocks"] = float(blocks)
+                size = sample.labels.get("block_size")
+                if size and size.isdigit():
+                    values["block_size"] = float(size)
+    return values
+
+
+def fetch_connector_counters(engine_url: str, timeout: float = 5.0) -> dict[str, float]:
+    response = httpx.get(f"{engine_url}/metrics", timeout=timeout)
+    response.raise_for_status()
+    return parse_connector_counters(response.text)

@@ -25,4 +25,12 @@ USER_TURNS = [
     "suggest a group-commit design that keeps durability while batching the fsync calls.",
     "Finally, write a short checklist that a reviewer should use for any future change to the "
     "write-ahead log, covering crash safety, concurrency, recovery and performance testing.",
+    "The read_file tool returned compactor.py: it copies live keys into a new segment, renames "
+    "the segment over the old one and then truncates the log. What happens if the process dies "
+    "after the rename but before the truncate, and how should recovery treat that state?",
+    "A teammate proposes memory-mapping the segments instead of reading them with buffered "
+    "file objects. List the benefits and the risks for this store, including behaviour when a "
+    "segment is truncated by another process while it is mapped.",
+    "Summarise everything we found today in five bullet points, most severe problem first, "
+    "and say which file each problem lives in.",
 ]

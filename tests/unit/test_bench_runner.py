@@ -55,13 +55,13 @@ def test_cluster_config_is_the_same_for_every_mode_but_the_mode(tmp_path: Path) 
                              max_model_len=2048, kv_recompute_threshold=0)
     nocache = cluster_config("standard-nocache", settings, tmp_path)
     assert (nocache.mode, nocache.prefill_cache) == ("standard", False)
-    for mode in ("single", "standard", "bidirectional", "push"):
+    for mode in ("single", "standard", "bidirectional", "push", "turnkv"):
         config = cluster_config(mode, settings, tmp_path / mode)
         assert (config.mode, config.prefill_cache) == (mode, True)
         assert (config.model, config.dtype, config.kv_cache_bytes, config.max_model_len,
                 config.kv_recompute_threshold) == ("tiny", "float32", 2**26, 2048, 0)
     with pytest.raises(PlanError):
-        cluster_config("turnkv", settings, tmp_path)
+        cluster_config("mooncake", settings, tmp_path)
 
 
 def test_settings_reject_nonpositive_limits() -> None:

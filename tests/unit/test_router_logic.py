@@ -7,10 +7,10 @@ from turnkv_server.router.history import common_prefix_len, prefix_break
 from turnkv_server.router.modes import (
     PREFILL_FOR_REMOTE_DECODE,
     NixlPeer,
-    make_mode,
     trim_offer,
 )
 from turnkv_server.router.placement import EnginePool
+from turnkv_server.router.registry import make_mode
 from turnkv_server.router.sessions import LeasePolicy, SessionKey, SessionTable
 from turnkv_server.router.tenants import DEFAULT_TENANT, Tenants
 from turnkv_server.router.turn import Turn, prefill_request, strip_token_ids

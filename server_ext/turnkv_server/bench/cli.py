@@ -38,7 +38,7 @@ class BenchOptions:
 
     workload: str = "agent"
     trace: Path | None = None
-    modes: str = "single,standard,bidirectional,push"
+    modes: str = "single,standard,bidirectional,push,turnkv"
     model: str = "smollm2"
     dtype: str = "auto"
     sessions: int | None = None

@@ -28,6 +28,11 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
     "preemptions": ("vllm:num_preemptions", "_total", None),
     "nixl_bytes_transferred": ("vllm:nixl_bytes_transferred", "_sum", None),
     "nixl_transfers": ("vllm:nixl_bytes_transferred", "_count", None),
+    # The turnkv connector counts each transfer once, on the engine that received it.
+    "turnkv_bytes_received": ("turnkv:bytes_received", "_total", None),
+    "turnkv_blocks_received": ("turnkv:blocks_received", "_total", None),
+    "turnkv_receives_failed": ("turnkv:receives_failed", "_total", None),
+    "turnkv_leases_pressure": ("turnkv:leases_pressure", "_total", None),
 }
 
 

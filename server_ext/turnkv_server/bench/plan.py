@@ -19,8 +19,9 @@ from turnkv_server.launcher import ClusterConfig
 from turnkv_server.launcher.engine import resolve_dtype
 
 # `standard-nocache` is `standard` with the prefill engines' prefix cache off: vLLM's
-# multi-turn blog baseline. `turnkv` joins once its connector exists.
-BENCH_MODES: tuple[str, ...] = ("single", "standard", "standard-nocache", "bidirectional", "push")
+# multi-turn blog baseline.
+BENCH_MODES: tuple[str, ...] = (
+    "single", "standard", "standard-nocache", "bidirectional", "push", "turnkv")
 WORKLOADS: tuple[str, ...] = (*presets.PRESETS, "trace")
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}

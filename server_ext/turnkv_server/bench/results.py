@@ -164,7 +164,8 @@ class ModeSummary(BaseModel):
     kv_to_prefill_bytes: int | None
     kv_moved_bytes: int | None = Field(
         default=None, description="NIXL bytes the engines report moving over the run (each "
-        "engine's `vllm:nixl_bytes_transferred`, summed); None where no engine exports it."
+        "engine's `vllm:nixl_bytes_transferred`, or what each turnkv engine received, "
+        "`turnkv:bytes_received`, summed); None where no engine exports either."
     )
     recompute_fraction: float | None = Field(
         description="Prefill-computed / prompt tokens, over turns that report both."
@@ -239,8 +240,8 @@ def _engine_sources(run: ModeRun) -> TokenTotals | None:
 
 def _nixl_bytes(run: ModeRun) -> int | None:
     # Engine-wide totals: upstream connectors do not attribute transfers to turns.
-    moved = [c["nixl_bytes_transferred"] for c in run.engine_counters.values()
-             if "nixl_bytes_transferred" in c]
+    moved = [c[key] for c in run.engine_counters.values()
+             for key in ("nixl_bytes_transferred", "turnkv_bytes_received") if key in c]
     return round(sum(moved)) if moved else None
 
 

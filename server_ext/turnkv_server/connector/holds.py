@@ -27,7 +27,8 @@ class Block(Protocol):
 class BlockPool(Protocol):
     """The part of vLLM's `BlockPool` used here (`v1/core/block_pool.py`)."""
 
-    blocks: Sequence[Any]
+    @property
+    def blocks(self) -> Sequence[Any]: ...
 
     def touch(self, blocks: Sequence[Any]) -> None: ...
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None: ...

@@ -196,8 +196,13 @@ class LeaseTable:
     def _drop(self, session_id: str) -> Lease | None:
         lease = self._leases.pop(session_id, None)
         if lease is not None:
-            self._refs.subtract(lease.blocks)
-            self._refs += Counter()  # drop blocks no lease holds any more
+            refs = self._refs
+            for block in lease.blocks:
+                # Only this lease's blocks are visited: the table is walked on every release.
+                if refs[block] <= 1:
+                    del refs[block]
+                else:
+                    refs[block] -= 1
         return lease
 
     def _end(self, lease: Lease, reason: str) -> Lease:

@@ -32,10 +32,11 @@ from turnkv_server.launcher.processes import ProcessRef, free_ports, stop_group
 from turnkv_server.launcher.state import ClusterState, ServerState, clear_current, set_current
 from turnkv_server.paths import turnkv_home
 
-Mode = Literal["single", "standard", "bidirectional", "push"]
-MODES: tuple[str, ...] = ("single", "standard", "bidirectional", "push")
+Mode = Literal["turnkv", "single", "standard", "bidirectional", "push"]
+MODES: tuple[str, ...] = ("turnkv", "single", "standard", "bidirectional", "push")
 
 NIXL_CONNECTOR_MODULE = "turnkv_server.nixl_tuning"
+TURNKV_CONNECTOR_MODULE = "turnkv_server.connector.vllm_connector"
 
 
 @dataclass
@@ -65,6 +66,8 @@ class ClusterConfig:
     engine_extra_args: tuple[str, ...] = field(default_factory=tuple)
     # Extra command-line arguments for the router (see `python -m turnkv_server.router -h`).
     router_args: tuple[str, ...] = field(default_factory=tuple)
+    # turnkv: the connector's kv_connector_extra_config (lease TTLs, pin cap, timeouts).
+    connector_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -149,7 +152,7 @@ class Cluster:
                     nixl_port=nixl_port,
                     kv_transfer_config=kv_transfer_config(
                         cfg.mode, role, f"turnkv-{name}-{run_tag}", cfg.decoder_kv_ttl,
-                        cfg.kv_recompute_threshold),
+                        cfg.kv_recompute_threshold, cfg.connector_settings),
                     dtype=resolve_dtype(cfg.dtype),
                     prefix_caching=cfg.prefill_cache or role != "prefill",
                     kv_cache_bytes=cfg.kv_cache_bytes,
@@ -214,9 +217,10 @@ class Cluster:
         for engine in self.engines:
             spec = engine.spec
             cmd += [f"--{spec.role}", spec.url]
-            if spec.role == "prefill" and spec.kv_transfer_config and spec.nixl_port:
+            if spec.kv_transfer_config and spec.nixl_port and (
+                    spec.role == "prefill" or mode == "turnkv"):
                 engine_id = spec.kv_transfer_config["engine_id"]
-                cmd += ["--prefill-nixl", f"{engine_id}@{spec.host}:{spec.nixl_port}"]
+                cmd += [f"--{spec.role}-nixl", f"{engine_id}@{spec.host}:{spec.nixl_port}"]
         log_path = self.run_dir / "logs" / "router.log"
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
@@ -296,11 +300,21 @@ def stop_cluster(state: ClusterState) -> None:
 
 def kv_transfer_config(
     mode: str, role: Role, engine_id: str, decoder_kv_ttl: float = 120.0,
-    recompute_threshold: int | None = None,
+    recompute_threshold: int | None = None, connector_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``."""
     if role == "single":
         return None
+    if mode == "turnkv":
+        # One class on both roles; a failed receive is recomputed, never served.
+        return {
+            "kv_connector": "TurnkvConnector",
+            "kv_connector_module_path": TURNKV_CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "engine_id": engine_id,
+            "kv_connector_extra_config": dict(connector_settings or {}),
+        }
     config: dict[str, Any] = {
         "kv_connector": "NixlPushConnector" if mode == "push" else "NixlConnector",
         "kv_connector_module_path": NIXL_CONNECTOR_MODULE,

@@ -15,15 +15,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="turnkv router", description="turnkv session router")
     parser.add_argument("--prefill", action="append", required=True, help="prefill engine URL")
     parser.add_argument("--decode", action="append", required=True, help="decode engine URL")
-    parser.add_argument("--mode", default="standard", choices=ROUTER_MODES)
+    parser.add_argument("--mode", default="turnkv", choices=ROUTER_MODES)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--default-ttl", type=float, default=300.0)
     parser.add_argument("--max-ttl", type=float, default=900.0)
     parser.add_argument("--max-sessions", type=int, default=10_000)
     parser.add_argument("--prefill-nixl", action="append", default=[],
-                        help="push mode: a prefill engine's NIXL side channel, "
+                        help="push and turnkv modes: a prefill engine's NIXL side channel, "
                              "ENGINE_ID@HOST:PORT, in --prefill order")
+    parser.add_argument("--decode-nixl", action="append", default=[],
+                        help="turnkv mode: a decode engine's side channel, "
+                             "ENGINE_ID@HOST:PORT, in --decode order")
     parser.add_argument("--decoder-kv-ttl", type=float, default=120.0,
                         help="bidirectional mode: the decode engines' decoder_kv_blocks_ttl")
     parser.add_argument("--health-interval", type=float, default=2.0,
@@ -50,6 +53,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         admin_key=args.admin_key or os.environ.get("TURNKV_ADMIN_KEY"),
         health_interval=args.health_interval,
         prefill_nixl=args.prefill_nixl,
+        decode_nixl=args.decode_nixl,
         decoder_kv_ttl=args.decoder_kv_ttl,
     )
 

@@ -17,8 +17,9 @@ from pydantic import ValidationError
 from turnkv import protocol as p
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.metrics import RouterMetrics
-from turnkv_server.router.modes import Mode, ModeContext, NixlPeer, make_mode
+from turnkv_server.router.modes import Mode, ModeContext, NixlPeer
 from turnkv_server.router.placement import EnginePool, Placement
+from turnkv_server.router.registry import make_mode
 from turnkv_server.router.sessions import Session, SessionKey, SessionTable
 from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.turn import (
@@ -57,9 +58,14 @@ class Router:
         self.upstream = Upstream()
         peers = {engine.name: NixlPeer.parse(spec)
                  for engine, spec in zip(self.pool.prefill, config.prefill_nixl, strict=False)}
+        decode_peers = {engine.name: NixlPeer.parse(spec)
+                        for engine, spec in zip(self.pool.decode, config.decode_nixl,
+                                                strict=False)}
+        side_channels = {name: f"{peer.host}:{peer.port}"
+                         for name, peer in {**peers, **decode_peers}.items()}
         self.mode: Mode = make_mode(config.mode, ModeContext(
             upstream=self.upstream, prefill_peers=peers, decoder_kv_ttl=config.decoder_kv_ttl,
-            clock=self.sessions.clock))
+            clock=self.sessions.clock, side_channels=side_channels, pool=self.pool))
 
     async def health_loop(self) -> None:
         while True:

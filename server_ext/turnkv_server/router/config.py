@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from turnkv_server.router.modes import MODES
+from turnkv_server.router.registry import MODES
 from turnkv_server.router.sessions import LeasePolicy
 
 ROUTER_MODES = tuple(MODES)
@@ -24,8 +24,10 @@ class RouterConfig:
     health_interval: float = 2.0
     # A turn that fails on an unavailable engine is retried on another pair this many times.
     retries: int = 1
-    # push: each prefill engine's NIXL side channel, ENGINE_ID@HOST:PORT, in --prefill order.
+    # push and turnkv: each prefill engine's NIXL side channel, ENGINE_ID@HOST:PORT, in
+    # --prefill order; turnkv also needs the decode engines' (it pushes both ways).
     prefill_nixl: list[str] = field(default_factory=list)
+    decode_nixl: list[str] = field(default_factory=list)
     # bidirectional: how long decode engines hold a finished turn (decoder_kv_blocks_ttl).
     decoder_kv_ttl: float = 120.0
 
@@ -37,3 +39,7 @@ class RouterConfig:
         if self.mode == "push" and len(self.prefill_nixl) != len(self.prefill):
             raise ValueError("push mode needs --prefill-nixl ENGINE_ID@HOST:PORT for every "
                              "prefill engine")
+        if self.mode == "turnkv" and (len(self.prefill_nixl) != len(self.prefill)
+                                      or len(self.decode_nixl) != len(self.decode)):
+            raise ValueError("turnkv mode needs --prefill-nixl and --decode-nixl "
+                             "ENGINE_ID@HOST:PORT for every engine")

@@ -20,12 +20,12 @@ import asyncio
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from turnkv.protocol import PromptTokens
 from turnkv_server.router.history import common_prefix_len
-from turnkv_server.router.placement import Engine, Placement
+from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import Session
 from turnkv_server.router.upstream import EngineConnectionError, Upstream
 
@@ -79,6 +79,9 @@ class ModeContext:
     prefill_peers: dict[str, NixlPeer]  # prefill engine name -> its NIXL side channel
     decoder_kv_ttl: float
     clock: Any = time.monotonic
+    # turnkv: every engine's connector side channel, engine name -> HOST:PORT.
+    side_channels: dict[str, str] = field(default_factory=dict)
+    pool: EnginePool | None = None
 
 
 class Mode:
@@ -303,17 +306,10 @@ class Push(Mode):
         }
 
 
-MODES: dict[str, type[Mode]] = {
+UPSTREAM_MODES: dict[str, type[Mode]] = {
     "standard": Mode,
     "standard-nocache": StandardNoCache,
     "bidirectional": Bidirectional,
     "push": Push,
 }
-
-
-def make_mode(name: str, ctx: ModeContext) -> Mode:
-    try:
-        return MODES[name](ctx)
-    except KeyError:
-        raise ValueError(f"unknown mode {name!r}; choose one of {', '.join(MODES)}") from None
 

@@ -1,0 +1,96 @@
+"""How much CPU an idle engine uses while it holds sessions' KV, per serving mode.
+
+For each mode: start a cluster (SmolLM2 unless --model), play --sessions sessions of --turns
+turns each through the router without ending them (so the engines hold their KV: turnkv's
+leases, upstream bidirectional's delay-freed blocks), wait --settle seconds, then measure each
+engine's process group (API server, engine core, worker) over --window seconds of silence.
+Writes the figures to --out as JSON and prints a table.
+
+    python scripts/idle_cpu.py --modes turnkv,bidirectional --out docs/bench/idle-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from turnkv_server.bench.cputime import group_deltas, snapshot_groups
+from turnkv_server.engine_metrics import fetch_connector_counters
+from turnkv_server.launcher import Cluster, ClusterConfig
+
+QUESTION = ("Explain in two sentences why a write-ahead log needs fsync, and what group commit "
+            "changes about its cost. ")
+
+
+def play(router: str, model: str, sessions: int, turns: int) -> None:
+    with httpx.Client(timeout=600) as client:
+        for s in range(sessions):
+            messages: list[dict[str, str]] = [{"role": "system", "content": "Be brief."}]
+            for t in range(turns):
+                messages.append({"role": "user", "content": QUESTION * (t + 1)})
+                reply = client.post(f"{router}/v1/chat/completions", json={
+                    "model": model, "messages": messages, "max_tokens": 16, "temperature": 0,
+                    "turnkv": {"session_id": f"idle-{s}", "turn": t + 1}})
+                reply.raise_for_status()
+                messages.append({"role": "assistant",
+                                 "content": reply.json()["choices"][0]["message"]["content"]})
+
+
+def measure(mode: str, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    config = ClusterConfig(mode=mode, model=args.model, dtype="float32")
+    with Cluster(config, console=console) as state:
+        play(state.router, state.served_model_name, args.sessions, args.turns)
+        time.sleep(args.settle)
+        groups = {e.name: e.pid for e in state.engines}
+        held = {}
+        if mode == "turnkv":
+            for name, url in zip(groups, [e.url for e in state.engines], strict=True):
+                counters = fetch_connector_counters(url)
+                held[name] = {"leases": counters.get("leases"),
+                              "pinned_blocks": counters.get("pinned_blocks")}
+        before = snapshot_groups(groups)
+        started = time.monotonic()
+        time.sleep(args.window)
+        seconds = time.monotonic() - started
+        cpu = group_deltas(before, snapshot_groups(groups))
+    return {"mode": mode, "window_s": round(seconds, 1), "cpu_s": cpu,
+            "percent_of_a_core": {name: round(100 * c / seconds, 1) for name, c in cpu.items()},
+            "held": held}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="turnkv,bidirectional")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--sessions", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--settle", type=float, default=5.0)
+    parser.add_argument("--window", type=float, default=30.0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    console = Console(stderr=True)
+    results = [measure(mode.strip(), args, console) for mode in args.modes.split(",")]
+    table = Table("mode", "engine", "CPU s", "% of a core", "leases held")
+    for result in results:
+        for name, cpu in result["cpu_s"].items():
+            held = result["held"].get(name, {}).get("leases")
+            table.add_row(result["mode"], name, f"{cpu:.2f}",
+                          f"{result['percent_of_a_core'][name]:.1f}",
+                          "" if held is None else f"{held:.0f}")
+    Console().print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"sessions": args.sessions, "turns": args.turns,
+                                        "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""What the router tells the turnkv connector about one request, inside `kv_transfer_params`.
+
+The router talks to engines only through their HTTP API; the per-request instructions ride in
+``kv_transfer_params["turnkv"]``, which vLLM hands to the connector untouched. This module is
+the one definition of that shape, shared by the router (which writes it) and the connector
+(which reads it). It imports nothing from vLLM.
+
+One request may carry:
+- ``session``: the lease key. After the request the engine keeps its blocks for the session,
+  for ``ttl_s`` seconds at most (the engine's operator caps it), at ``priority``;
+- ``release``: the session has ended (``final`` or DELETE): hold nothing, drop its lease;
+- ``receive``: the request's missing KV arrives from ``peer`` (a side-channel address) under
+  ``transfer_id``; the peer holds ``peer_tokens`` tokens of this prompt (``None``: all of it);
+  after ``timeout_s`` (at most the engine's own limit) the blocks are recomputed instead;
+- ``send``: when the request ends, its blocks go to whichever engine registers ``transfer_id``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+KEY = "turnkv"
+_TRANSFER_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_PEER = re.compile(r"[A-Za-z0-9_.-]+:\d{1,5}")
+
+
+class BadParams(ValueError):
+    """`kv_transfer_params["turnkv"]` is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Receive:
+    transfer_id: str
+    peer: str
+    peer_tokens: int | None = None
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Send:
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class TurnParams:
+    session: str | None = None
+    ttl_s: float | None = None
+    priority: int = 0
+    release: bool = False
+    receive: Receive | None = None
+    send: Send | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The dict to put under ``kv_transfer_params["turnkv"]``; unset fields left out."""
+        wire = {k: v for k, v in asdict(self).items() if v not in (None, False)}
+        if self.priority == 0:
+            wire.pop("priority", None)
+        return wire
+
+
+def parse(kv_transfer_params: dict[str, Any] | None) -> TurnParams | None:
+    """The turnkv part of a request's params, or None when it has none."""
+    if not kv_transfer_params or KEY not in kv_transfer_params:
+        return None
+    raw = kv_transfer_params[KEY]
+    if not isinstance(raw, dict):
+        raise BadParams(f"kv_transfer_params.{KEY} must be an object")
+    session = _optional_str(raw, "session")
+    ttl = raw.get("ttl_s")
+    if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
+                            or ttl <= 0):
+        raise BadParams(f"{KEY}.ttl_s must be a positive number")
+    priority = raw.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise BadParams(f"{KEY}.priority must be an integer")
+    release = raw.get("release", False)
+    if not isinstance(release, bool):
+        raise BadParams(f"{KEY}.release must be true or false")
+    return TurnParams(session=session, ttl_s=None if ttl is None else float(ttl),
+                      priority=priority, release=release,
+                      receive=_receive(raw.get("receive")), send=_send(raw.get("send")))
+
+
+def _receive(raw: Any) -> Receive | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadParams(f"{KEY}.receive must be an object")
+    peer = raw.get("peer")
+    if not isinstance(peer, str) or not _PEER.fullmatch(peer):
+        raise BadParams(f"{KEY}.receive.peer must be HOST:PORT")
+    tokens = raw.get("peer_tokens")
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool)
+                               or tokens < 0):
+        raise BadParams(f"{KEY}.receive.peer_tokens must be a non-negative integer")
+    timeout = raw.get("timeout_s")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                or timeout <= 0):
+        raise BadParams(f"{KEY}.receive.timeout_s must be a positive number")
+    return Receive(_transfer_id(raw, "receive"), peer, tokens,
+                   None if timeout is None else float(timeout))
+
+
+def _send(raw: Any) -> Send | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadParams(f"{KEY}.send must be an object")
+    return Send(_transfer_id(raw, "send"))
+
+
+def _transfer_id(raw: dict[str, Any], where: str) -> str:
+    value = raw.get("transfer_id")
+    if not isinstance(value, str) or not _TRANSFER_ID.fullmatch(value):
+        raise BadParams(f"{KEY}.{where}.transfer_id must be 1-128 characters of "
+                        "letters, digits and _.:-")
+    return value
+
+
+def _optional_str(raw: dict[str, Any], key: str) -> str | None:
+    value = raw.get(key)
+    if value is not None and (not isinstance(value, str) or not value or len(value) > 512):
+        raise BadParams(f"{KEY}.{key} must be a non-empty string of at most 512 characters")
+    return value

@@ -1,0 +1,91 @@
+"""The connector's counters, on vLLM's own path to `/metrics`.
+
+Both halves of the connector report: the worker (blocks and bytes moved, transfer times,
+failures) and the scheduler (lease hits, misses, releases by reason, pinned blocks). vLLM asks
+each half for `get_kv_connector_stats()` every step, sums them with `aggregate`, and hands the
+sum to the Prometheus object that `build_prom_metrics` returned, which exposes every counter as
+``turnkv:<name>_total`` and the gauges as ``turnkv:<name>`` on the engine's `/metrics`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Counters are deltas since the last report; gauges are the latest value.
+COUNTERS = (
+    "blocks_sent", "bytes_sent", "blocks_received", "bytes_received",
+    "sends_done", "receives_done", "sends_failed", "receives_failed",
+    "send_seconds", "receive_seconds",
+    "tokens_requested", "transfers_declined",
+    "lease_hits", "lease_misses", "blocks_held",
+    "leases_released", "leases_expired", "leases_over_cap", "leases_pressure",
+)
+GAUGES = ("pinned_blocks", "leases")
+
+HELP = {
+    "blocks_sent": "KV blocks this engine wrote to another engine",
+    "bytes_sent": "KV bytes this engine wrote to another engine",
+    "blocks_received": "KV blocks another engine wrote into this one",
+    "bytes_received": "KV bytes another engine wrote into this one",
+    "sends_done": "Transfers this engine completed as the sender",
+    "receives_done": "Transfers this engine completed as the receiver",
+    "sends_failed": "Transfers that failed or were never asked for, sender side",
+    "receives_failed": "Transfers that failed on the receiver; their blocks were recomputed",
+    "send_seconds": "Seconds from write start to completion, summed",
+    "receive_seconds": "Seconds from registration to arrival, summed",
+    "tokens_requested": "Prompt tokens this engine asked a peer for",
+    "transfers_declined": "Transfers not needed because every block was already here",
+    "lease_hits": "Requests whose session still held a lease here",
+    "lease_misses": "Requests of a session with no lease here (new, expired or released)",
+    "blocks_held": "Blocks held under a lease when a turn ended",
+    "leases_released": "Leases ended by final or DELETE",
+    "leases_expired": "Leases ended by their TTL",
+    "leases_over_cap": "Leases ended because pinned blocks passed the cap",
+    "leases_pressure": "Leases ended to make room for a request",
+    "pinned_blocks": "Distinct KV blocks held under leases",
+    "leases": "Live session leases",
+}
+
+
+def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Sum counters, keep the latest gauges."""
+    for key, value in other.items():
+        if key in GAUGES:
+            into[key] = value
+        else:
+            into[key] = into.get(key, 0) + value
+    return into
+
+
+def is_empty(data: dict[str, Any]) -> bool:
+    return not any(data.get(key) for key in COUNTERS) and not any(k in data for k in GAUGES)
+
+
+@dataclass
+class MetricSet:
+    """Prometheus counters and gauges, one child per engine label set."""
+
+    counters: dict[str, dict[int, Any]]
+    gauges: dict[str, dict[int, Any]]
+
+    def observe(self, data: dict[str, Any], engine_idx: int) -> None:
+        for key, value in data.items():
+            if key in self.counters and value:
+                self.counters[key][engine_idx].inc(value)
+            elif key in self.gauges:
+                self.gauges[key][engine_idx].set(value)
+
+
+def build_metric_set(counter_cls: Any, gauge_cls: Any, labelnames: list[str],
+                     per_engine_labelvalues: dict[int, list[object]]) -> MetricSet:
+    def per_engine(metric: Any) -> dict[int, Any]:
+        return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+    counters = {name: per_engine(counter_cls(name=f"turnkv:{name}", documentation=HELP[name],
+                                             labelnames=labelnames))
+                for name in COUNTERS}
+    gauges = {name: per_engine(gauge_cls(name=f"turnkv:{name}", documentation=HELP[name],
+                                         labelnames=labelnames, multiprocess_mode="mostrecent"))
+              for name in GAUGES}
+    return MetricSet(counters, gauges)

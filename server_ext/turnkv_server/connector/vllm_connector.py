@@ -1,0 +1,220 @@
+"""`TurnkvConnector`: the turnkv connector as vLLM loads it.
+
+    --kv-transfer-config '{"kv_connector": "TurnkvConnector",
+                           "kv_connector_module_path": "turnkv_server.connector.vllm_connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"lease_ttl_s": 300, ...}}'
+
+The same class runs on prefill and decode engines; what a request does is up to the router's
+`kv_transfer_params["turnkv"]` (`params`). This module only adapts vLLM's interface
+(`kv_connector/v1/base.py`) to the two halves: `scheduler_side` (pure logic on the block pool)
+and `worker_side` (NIXL). Settings, all in `kv_connector_extra_config`:
+
+- ``lease_ttl_s`` (300), ``lease_max_ttl_s`` (900): the default lease and the operator's cap;
+- ``max_pinned_fraction`` (0.5): the share of the cache leases may hold;
+- ``receive_timeout_s`` (120), ``send_timeout_s`` (60): how long a transfer may take to start;
+- ``side_channel_host``/``side_channel_port``: where peers reach this engine (default: vLLM's
+  ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from turnkv_server.nixl_poll import apply_poll_delay
+
+apply_poll_delay()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
+from turnkv_server.connector import stats as stats_  # noqa: E402
+from turnkv_server.connector.layout import check_parallelism  # noqa: E402
+from turnkv_server.connector.leases import LeasePolicy  # noqa: E402
+from turnkv_server.connector.scheduler_side import SchedulerSide, StepOrders  # noqa: E402
+from turnkv_server.connector.worker_side import WorkerSide  # noqa: E402
+
+
+def _log_like_vllm() -> None:
+    # vLLM configures only its own logger; the connector's messages belong in the same log.
+    ours, theirs = logging.getLogger("turnkv_server"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+_log_like_vllm()
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["TurnkvConnector"]
+
+
+class TurnkvMetadata(KVConnectorMetadata):
+    def __init__(self, orders: StepOrders) -> None:
+        self.orders = orders
+
+
+class TurnkvStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        stats_.merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return stats_.is_empty(self.data)
+
+
+class TurnkvPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics = stats_.build_metric_set(self._counter_cls, self._gauge_cls, labelnames,
+                                                per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        self._metrics.observe(transfer_stats_data, engine_idx)
+
+
+class TurnkvConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        parallel = vllm_config.parallel_config
+        check_parallelism(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            policy = LeasePolicy(
+                default_ttl_s=float(extra.get("lease_ttl_s", 300.0)),
+                max_ttl_s=float(extra.get("lease_max_ttl_s", 900.0)),
+                max_pinned_fraction=float(extra.get("max_pinned_fraction", 0.5)))
+            self._scheduler = SchedulerSide(vllm_config.cache_config.block_size, policy)
+        else:
+            host = extra.get("side_channel_host") or os.environ.get(
+                "VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+            port = extra.get("side_channel_port") or os.environ.get(
+                "VLLM_NIXL_SIDE_CHANNEL_PORT")
+            self._worker = WorkerSide(
+                str(self._kv_transfer_config.engine_id),
+                (str(host), int(port)) if port else None,
+                float(extra.get("receive_timeout_s", 120.0)),
+                float(extra.get("send_timeout_s", 60.0)))
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self._sched().bind(gpu_block_pool, gpu_block_pool.num_gpu_blocks)
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks.get_block_ids()[0],
+                                               num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return TurnkvMetadata(self._sched().build_orders())
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids, request.session_id)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().received(set(connector_output.finished_recving or ()))
+
+    def has_pending_block_frees(self) -> bool:
+        return self._sched().has_pending_block_frees()
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(list(kv_caches.values()),
+                                        self._kv_cache_config.num_blocks)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, TurnkvMetadata) and connector_metadata.orders:
+            self._work().apply(connector_metadata.orders)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Loads are asynchronous: the transfer thread waits for the peer's writes."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing is loaded synchronously."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Blocks are sent when their request ends, to whoever registered for them."""
+
+    def wait_for_save(self) -> None:
+        """Sends are asynchronous and keep their blocks until reported in `get_finished`."""
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        return self._work().get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_failed_blocks()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- both --------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        half = self._scheduler or self._worker
+        data = half.take_stats() if half is not None else {}
+        return TurnkvStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return TurnkvStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return TurnkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on the worker's connector"
+        return self._scheduler
+
+    def _work(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on the scheduler's connector"
+        return self._worker

@@ -1,0 +1,92 @@
+"""The connector's worker half: the engine's KV cache registered with NIXL, and orders carried out.
+
+vLLM calls it from the model runner every step (empty steps included). It hands the
+scheduler's orders to the transfer thread (`transport.TransferAgent`) and reports back what
+finished: requests whose blocks arrived or were written, and, for a failed receive, the block
+IDs that vLLM must recompute. It never waits on the network: a step costs a queue put and a
+dictionary swap.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from turnkv_server.connector.blocktable import BlockTable
+from turnkv_server.connector.scheduler_side import StepOrders
+from turnkv_server.connector.transport import TransferAgent
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, engine_id: str, listen: tuple[str, int] | None,
+                 receive_timeout_s: float, send_timeout_s: float) -> None:
+        self.engine_id = engine_id
+        self.listen = listen
+        self.receive_timeout_s = receive_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.agent: TransferAgent | None = None
+        self._failed_blocks: set[int] = set()
+        self._stats: dict[str, Any] = {}
+
+    def register_kv_caches(self, layers: Sequence[Any], num_blocks: int) -> None:
+        """Describe and register the cache (torch tensors, one per layer), start the thread."""
+        device = layers[0].device
+        mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+        table = BlockTable.from_layers(layers, num_blocks, mem_type, device.index or 0)
+        # Layers are views; register each underlying buffer once.
+        buffers: dict[int, int] = {}
+        for t in layers:
+            storage = t.untyped_storage()
+            buffers[storage.data_ptr()] = storage.nbytes()
+        self.agent = TransferAgent(self.engine_id, table, self.listen,
+                                   self.receive_timeout_s, self.send_timeout_s)
+        self.agent.register_memory(sorted(buffers.items()))
+        self.agent.start()
+        log.info("turnkv: %d KV blocks of %d bytes registered (%s), agent %s, side channel %s",
+                 num_blocks, table.block_bytes, mem_type, self.agent.name, self.agent.address)
+
+    def apply(self, orders: StepOrders) -> None:
+        agent = self._agent()
+        for receive in orders.receives:
+            agent.receive(receive.request_id, receive.transfer_id, receive.peer,
+                          receive.blocks, receive.first_block, receive.timeout_s)
+        for send in orders.sends:
+            agent.send(send.request_id, send.transfer_id, send.blocks)
+        for transfer_id, peer in orders.declines:
+            agent.decline(transfer_id, peer)
+        for transfer_id in orders.refusals:
+            agent.refuse(transfer_id)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        if self.agent is None:
+            return set(), set()
+        results = self.agent.take_results()
+        # vLLM reads load errors right after this, in the same step: keep them until then.
+        self._failed_blocks |= results.failed_blocks
+        counters = results.counters
+        for name in counters.__dataclass_fields__:
+            value = getattr(counters, name)
+            if value:
+                self._stats[name] = self._stats.get(name, 0) + value
+        return results.finished_sending, results.finished_recving
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def take_stats(self) -> dict[str, Any]:
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
+    def _agent(self) -> TransferAgent:
+        if self.agent is None:
+            raise RuntimeError("the turnkv connector's KV caches were never registered")
+        return self.agent

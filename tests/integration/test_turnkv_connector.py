@@ -1,0 +1,307 @@
+"""The turnkv connector on a real prefill/decode pair (SmolLM2-135M-Instruct, float32).
+
+Every turn is checked against a single engine's greedy output for the same conversation; the
+connector's own counters (each engine's `/metrics`) show what moved: turn N+1 sends the decode
+engine only the blocks it lacks, the decode engine pushes each reply back to the prefill
+engine, leases stay under their cap and end with the session, and a failed or missing peer
+means recompute, never wrong KV. The tests share one cluster and run in file order; the last
+one stops it through `turnkv down`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.conversation import SYSTEM, USER_TURNS
+from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_chat, routed_chat
+from turnkv_server.engine_metrics import fetch_connector_counters, fetch_prompt_token_sources
+from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState, ProcessRef
+from turnkv_server.launcher.processes import group_members, unpinned_threads
+from turnkv_server.models import resolve_model
+
+TURNS = 8
+MAX_TOKENS = 16
+EDITED_AT = 4  # this turn's history rewrites turn 1's reply
+EDIT = "In short: a crash can lose the writes that were not yet synced."
+# Engine leases last this long unless a client asks for less; the router keeps sessions longer.
+ENGINE_LEASE_S = 10.0
+TURNKV = [sys.executable, "-m", "turnkv_server.cli"]
+
+
+@dataclass
+class Reference:
+    turns: list[Completion]
+    messages: list[list[dict[str, Any]]]
+    edited_messages: list[dict[str, Any]]
+    edited_turn: Completion
+
+
+def _conversation(replies: list[str]) -> list[list[dict[str, Any]]]:
+    per_turn = []
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": USER_TURNS[turn]})
+        per_turn.append(copy.deepcopy(messages))
+        if turn < len(replies):
+            messages.append({"role": "assistant", "content": replies[turn]})
+    return per_turn
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    config = ClusterConfig(mode="single", model=str(smollm2), dtype="float32",
+                           run_dir=tmp_path_factory.mktemp("single"))
+    with Cluster(config) as state, httpx.Client(timeout=600) as client:
+        replies: list[str] = []
+        outputs = []
+        for turn in range(TURNS):
+            out = greedy_chat(state.router, state.served_model_name,
+                              _conversation(replies)[turn], MAX_TOKENS, client=client)
+            outputs.append(out)
+            replies.append(out.text)
+        edited = _conversation(replies)[EDITED_AT - 1]
+        edited[2] = {"role": "assistant", "content": EDIT}
+        edited_out = greedy_chat(state.router, state.served_model_name, edited, MAX_TOKENS,
+                                 client=client)
+    return Reference(outputs, _conversation(replies), edited, edited_out)
+
+
+@pytest.fixture(scope="module")
+def cluster(reference: Reference, smollm2: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[Cluster, ClusterState]]:
+    config = ClusterConfig(mode="turnkv", model=str(smollm2), dtype="float32",
+                           run_dir=tmp_path_factory.mktemp("turnkv"),
+                           connector_settings={"lease_ttl_s": ENGINE_LEASE_S})
+    launched = Cluster(config)
+    with launched as state:
+        yield launched, state
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=600) as c:
+        yield c
+
+
+class Engines:
+    """The pair's connector counters, read from their `/metrics`."""
+
+    def __init__(self, state: ClusterState) -> None:
+        endpoints = state.endpoints()
+        self.prefill: str = endpoints["prefill"][0]  # type: ignore[index]
+        self.decode: str = endpoints["decode"][0]  # type: ignore[index]
+
+    def read(self) -> tuple[dict[str, float], dict[str, float]]:
+        return fetch_connector_counters(self.prefill), fetch_connector_counters(self.decode)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.2)
+
+
+def _turn(state: ClusterState, client: httpx.Client, messages: list[dict[str, Any]],
+          session: dict[str, Any], stream: bool) -> RoutedCompletion:
+    return routed_chat(state.router, state.served_model_name, messages, MAX_TOKENS,
+                       session=session, stream=stream, client=client,
+                       extra={"cache_salt": session["session_id"]})
+
+
+def _assert_same(ref: Completion, out: RoutedCompletion, turn: int) -> None:
+    verdict = compare(ref, out.completion)
+    print(f"turn {turn}: {verdict.describe()}; {out.stats['prompt_tokens']}")
+    assert verdict.acceptable, f"turn {turn}: {verdict.describe()}"
+
+
+def _end_session(state: ClusterState, client: httpx.Client, engines: Engines,
+                 session_id: str) -> None:
+    """DELETE the session; both engines' leases and blocks must come back."""
+    reply = client.delete(f"{state.router}/v1/turnkv/sessions/{session_id}")
+    assert reply.status_code == 200
+    _assert_all_blocks_back(engines)
+
+
+def _assert_all_blocks_back(engines: Engines) -> None:
+    def empty() -> bool:
+        return all(c.get("pinned_blocks") == 0 and c.get("leases") == 0
+                   and c.get("kv_cache_usage") == 0 for c in engines.read())
+    wait_for(empty, "every lease released and every block free on both engines")
+
+
+def test_status_json_lists_the_endpoints(cluster: tuple[Cluster, ClusterState]) -> None:
+    _, state = cluster
+    status = subprocess.run([*TURNKV, "status", "--json", "--run-dir", state.run_dir],
+                            capture_output=True, text=True, check=True)
+    endpoints = json.loads(status.stdout)
+    assert endpoints["running"] is True and endpoints["mode"] == "turnkv"
+    assert endpoints["router"] == state.router
+    assert httpx.get(f"{endpoints['router']}/health").status_code == 200
+    assert len(endpoints["prefill"]) == 1 and len(endpoints["decode"]) == 1
+
+
+def test_every_engine_thread_stays_on_its_own_core(cluster: tuple[Cluster, ClusterState]
+                                                   ) -> None:
+    _, state = cluster
+    prefill, decode = state.engines
+    assert set(prefill.cores).isdisjoint(decode.cores)
+    for engine in state.engines:
+        # The connector's transfer thread and NIXL's progress thread included.
+        assert unpinned_threads(engine.pid, engine.cores) == []
+
+
+def test_eight_turns_equal_a_single_engine_and_move_only_what_is_missing(
+    reference: Reference, cluster: tuple[Cluster, ClusterState], client: httpx.Client
+) -> None:
+    _, state = cluster
+    engines = Engines(state)
+    sources_before = fetch_prompt_token_sources(engines.decode)
+    prefill, decode = engines.read()
+    block = int(decode["block_size"])
+    caps = [int((c["num_gpu_blocks"] - 1) * 0.5) for c in (prefill, decode)]
+    assert prefill["kv_cache_usage"] == decode["kv_cache_usage"] == 0
+    held = 0  # tokens the decode engine computed for the session so far
+    for turn in range(1, TURNS + 1):
+        final = turn == TURNS
+        session = {"session_id": "eight", "turn": turn, "hints": {"final": final}}
+        out = _turn(state, client, reference.messages[turn - 1], session, stream=turn % 2 == 0)
+        _assert_same(reference.turns[turn - 1], out, turn)
+        after_prefill, after_decode = engines.read()
+        total = out.stats["prompt_tokens"]["total"]
+        shared = min(out.stats["prefix_break_at"] or held, held)
+
+        # Prefill to decode: only the blocks past the decode engine's own full-block hit.
+        received = after_decode["blocks_received"] - decode["blocks_received"]
+        hit_blocks = min(shared, total - 1) // block
+        assert received == math.ceil(total / block) - hit_blocks, (turn, received)
+        # The prefill engine computed the new tokens, from the last full block it held.
+        computed = out.stats["prompt_tokens"]["prefill_computed"]
+        if turn > 1:
+            assert computed < total - shared + block, (turn, computed)
+        for counters, cap in zip((after_prefill, after_decode), caps, strict=True):
+            assert counters["pinned_blocks"] <= cap
+            assert counters["receives_failed"] == counters["sends_failed"] == 0
+
+        output = len(out.completion.token_ids)
+        held = total + output - 1  # the last generated token's KV is never computed
+        if not final:
+            # Decode to prefill: the reply's blocks, during the pause before the next turn.
+            expected = math.ceil(held / block) - total // block
+            # (The push back may land before the counters above were read: count from
+            # before the turn, when the prefill engine receives nothing else.)
+            start = prefill["blocks_received"]
+            wait_for(lambda start=start, expected=expected:  # type: ignore[misc]
+                     engines.read()[0]["blocks_received"] - start == expected,
+                     f"turn {turn}'s {expected} reply block(s) pushed back to prefill")
+        prefill, decode = engines.read()
+    # `final` released both leases: every block is free again.
+    _assert_all_blocks_back(engines)
+    # vLLM's own account agrees: the decode engine received the prompts' KV, it did not
+    # compute them (at most the one token per turn vLLM always recomputes).
+    sources = fetch_prompt_token_sources(engines.decode) - sources_before
+    assert sources.external_kv_transfer > 0
+    assert sources.local_compute <= TURNS
+
+
+def test_edited_history_stays_exact(
+    reference: Reference, cluster: tuple[Cluster, ClusterState], client: httpx.Client
+) -> None:
+    _, state = cluster
+    session = {"session_id": "edited"}
+    for turn in range(1, EDITED_AT):
+        out = _turn(state, client, reference.messages[turn - 1], session, stream=False)
+        _assert_same(reference.turns[turn - 1], out, turn)
+    out = _turn(state, client, reference.edited_messages, session, stream=True)
+    _assert_same(reference.edited_turn, out, EDITED_AT)
+    assert out.stats["prefix_break_at"] is not None
+    _end_session(state, client, Engines(state), "edited")
+
+
+def test_a_lease_that_expired_between_turns(
+    reference: Reference, cluster: tuple[Cluster, ClusterState], client: httpx.Client
+) -> None:
+    _, state = cluster
+    engines = Engines(state)
+    session = {"session_id": "expiry"}
+    for turn in (1, 2):
+        out = _turn(state, client, reference.messages[turn - 1], session, stream=False)
+        _assert_same(reference.turns[turn - 1], out, turn)
+    before = engines.read()
+    time.sleep(ENGINE_LEASE_S + 2)  # both engines' leases run out; the router's session not
+    out = _turn(state, client, reference.messages[2], session, stream=True)
+    _assert_same(reference.turns[2], out, 3)
+    after = engines.read()
+    for b, a in zip(before, after, strict=True):
+        assert a["leases_expired"] > b["leases_expired"]
+        assert a["lease_misses"] > b["lease_misses"]
+    _end_session(state, client, engines, "expiry")
+
+
+def test_a_decode_engine_restarted_mid_session(
+    reference: Reference, cluster: tuple[Cluster, ClusterState], client: httpx.Client
+) -> None:
+    launched, state = cluster
+    engines = Engines(state)
+    session = {"session_id": "restart"}
+    for turn in (1, 2):
+        before = engines.read()[0]
+        out = _turn(state, client, reference.messages[turn - 1], session, stream=False)
+        _assert_same(reference.turns[turn - 1], out, turn)
+    # Restart between turns, once turn 2's reply is back on the prefill engine.
+    wait_for(lambda: engines.read()[0]["receives_done"] > before["receives_done"],
+             "turn 2's push back")
+    victim = next(e for e in launched.engines if e.spec.role == "decode")
+    victim.stop()
+    victim.start()
+    wait_for(victim.is_healthy, "the decode engine healthy again", timeout=300)
+    prefill_before, _ = engines.read()
+
+    out = _turn(state, client, reference.messages[2], session, stream=True)
+    _assert_same(reference.turns[2], out, 3)
+    decode_after = engines.read()[1]
+    block = int(decode_after["block_size"])
+    total = out.stats["prompt_tokens"]["total"]
+    # The new engine (a new NIXL agent, after a new handshake) had nothing: it got every block.
+    assert decode_after["blocks_received"] == math.ceil(total / block)
+    # And the prefill engine, which knew the old agent, registered again for the push back.
+    wait_for(lambda: engines.read()[0]["blocks_received"] > prefill_before["blocks_received"],
+             "the reply pushed back by the restarted decode engine")
+    assert engines.read()[0]["receives_failed"] == prefill_before["receives_failed"]
+    _end_session(state, client, engines, "restart")
+
+
+def test_down_stops_exactly_the_cluster(cluster: tuple[Cluster, ClusterState]) -> None:
+    _, state = cluster
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 start_new_session=True)
+    try:
+        subprocess.run([*TURNKV, "down", "--run-dir", state.run_dir], check=True)
+        # The restarted decode engine is a new process: `turnkv down` reads the pids the
+        # launcher recorded, so stop it through the launcher here and check the others.
+        for server in [state.engines[0], state.router_process]:
+            assert server is not None
+            assert not ProcessRef(server.pid, server.create_time).is_alive()
+            assert group_members(server.pid) == []
+        assert bystander.poll() is None, "turnkv down touched a process it did not start"
+    finally:
+        bystander.kill()
+        bystander.wait()

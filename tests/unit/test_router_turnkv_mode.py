@@ -1,0 +1,95 @@
+"""The router's `turnkv` mode: what each engine is told, per turn and per session."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from turnkv.protocol import CacheHints, TurnTag
+from turnkv_server.connector.params import parse
+from turnkv_server.launcher.cluster import kv_transfer_config
+from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.modes import ModeContext
+from turnkv_server.router.placement import EnginePool
+from turnkv_server.router.registry import make_mode
+from turnkv_server.router.sessions import Session, SessionKey
+from turnkv_server.router.turn import Turn
+from turnkv_server.router.turnkv_mode import lease_key
+from turnkv_server.router.upstream import Upstream
+
+PREFILL, DECODE = "http://127.0.0.1:1", "http://127.0.0.1:2"
+
+
+def context() -> ModeContext:
+    pool = EnginePool.from_urls([PREFILL], [DECODE])
+    channels = {pool.prefill[0].name: "127.0.0.1:5601", pool.decode[0].name: "127.0.0.1:5602"}
+    return ModeContext(upstream=Upstream(), prefill_peers={}, decoder_kv_ttl=120.0,
+                       side_channels=channels, pool=pool)
+
+
+def turn(mode: object, hints: CacheHints | None = None, session: bool = True) -> Turn:
+    key = SessionKey("tenant-a", "chat-1")
+    return Turn(path="/v1/chat/completions", body={"model": "m", "messages": []},
+                tag=TurnTag(session_id="chat-1", hints=hints or CacheHints()) if session else None,
+                session=Session(key=key, created_at=0.0, last_used=0.0, expires_at=1e9)
+                if session else None,
+                mode=mode, want_token_ids=False)  # type: ignore[arg-type]
+
+
+def test_prefill_sends_and_decode_receives_under_one_transfer_id() -> None:
+    ctx = context()
+    mode = make_mode("turnkv", ctx)
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
+    t = turn(mode, CacheHints(ttl=60, priority=2))
+    prefill = parse(asyncio.run(mode.prefill_transfer_params(t, placement)))
+    decode = parse(mode.decode_transfer_params(t, placement, None))
+    assert prefill is not None and decode is not None
+    assert prefill.send is not None and decode.receive is not None
+    assert prefill.send.transfer_id == decode.receive.transfer_id
+    assert decode.receive.peer == "127.0.0.1:5601"
+    # The decode engine keeps the turn for the push back to the prefill engine.
+    assert decode.send is not None and decode.send.transfer_id != prefill.send.transfer_id
+    assert t.session is not None
+    assert prefill.session == decode.session == lease_key(t.session)
+    assert (decode.ttl_s, decode.priority, decode.release) == (60, 2, False)
+
+
+def test_a_final_turn_releases_and_pushes_nothing_back() -> None:
+    ctx = context()
+    mode = make_mode("turnkv", ctx)
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
+    decode = parse(mode.decode_transfer_params(turn(mode, CacheHints(final=True)), placement,
+                                               None))
+    assert decode is not None and decode.release and decode.send is None
+    anonymous = parse(mode.decode_transfer_params(turn(mode, session=False), placement, None))
+    assert anonymous is not None and anonymous.session is None and anonymous.send is None
+
+
+def test_lease_keys_are_tenant_scoped_and_opaque() -> None:
+    a = Session(key=SessionKey("tenant-a", "chat-1"), created_at=0, last_used=0, expires_at=1)
+    b = Session(key=SessionKey("tenant-b", "chat-1"), created_at=0, last_used=0, expires_at=1)
+    assert lease_key(a) != lease_key(b)
+    assert "chat-1" not in lease_key(a) and len(lease_key(a)) == 32
+
+
+def test_turnkv_mode_needs_every_engines_side_channel() -> None:
+    with pytest.raises(ValueError, match="--decode-nixl"):
+        RouterConfig(prefill=[PREFILL], decode=[DECODE], mode="turnkv",
+                     prefill_nixl=["p@127.0.0.1:5601"])
+    ctx = context()
+    ctx.side_channels.popitem()
+    with pytest.raises(ValueError, match="side channel"):
+        make_mode("turnkv", ctx)
+
+
+def test_engines_load_the_turnkv_connector_on_both_roles() -> None:
+    for role in ("prefill", "decode"):
+        config = kv_transfer_config("turnkv", role, "e0",  # type: ignore[arg-type]
+                                    connector_settings={"lease_ttl_s": 5})
+        assert config is not None
+        assert config["kv_connector"] == "TurnkvConnector"
+        assert config["kv_role"] == "kv_both"
+        assert config["kv_load_failure_policy"] == "recompute"
+        assert config["kv_connector_extra_config"] == {"lease_ttl_s": 5}
+    assert kv_transfer_config("turnkv", "single", "e0") is None
