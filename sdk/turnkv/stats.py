@@ -82,7 +82,8 @@ class TurnStats(p.TurnStats):
 
     @property
     def reused_tokens(self) -> int | None:
-        """Prompt tokens the prefill side did not compute; None where nobody measured it."""
+        """Prompt tokens the prefill side (or, for a turn without one, the decode engine) did
+        not compute; None where nobody measured it."""
         tokens = self.prompt_tokens
         if tokens.prefill_reused is not None:
             return tokens.prefill_reused
@@ -90,6 +91,9 @@ class TurnStats(p.TurnStats):
             return tokens.total - tokens.prefill_computed
         if tokens.prefill_cached is not None or tokens.prefill_received is not None:
             return (tokens.prefill_cached or 0) + (tokens.prefill_received or 0)
+        if tokens.decode_computed is not None:
+            # turnkv served a short delta on the decode engine alone: no prefill side.
+            return tokens.total - tokens.decode_computed
         return None
 
     @property

@@ -70,6 +70,9 @@ def up(
     cores_per_engine: Annotated[int, typer.Option(help="cores pinned to each engine")] = 1,
     decoder_kv_ttl: Annotated[float, typer.Option(
         help="bidirectional: seconds a decode engine holds a finished turn")] = 120.0,
+    short_delta_tokens: Annotated[int | None, typer.Option(
+        help="turnkv: turns adding at most this many tokens run on the decode engine alone "
+             "(default: the router's)")] = None,
     port: Annotated[int | None, typer.Option(help="router port (default: a free one)")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="run folder for logs and state")] = None,
     foreground: Annotated[bool, typer.Option(help="stay attached; Ctrl-C stops it")] = False,
@@ -88,7 +91,7 @@ def up(
             model=model, num_prefill=prefill, num_decode=decode, dtype=dtype,
             prefill_cache=prefill_cache, kv_cache_bytes=kv_cache_bytes,
             cores_per_engine=cores_per_engine, router_port=port, run_dir=run_dir,
-            decoder_kv_ttl=decoder_kv_ttl,
+            decoder_kv_ttl=decoder_kv_ttl, short_delta_tokens=short_delta_tokens,
             register_as_current=True,
         )
     except ValueError as exc:
@@ -183,6 +186,9 @@ def bench(
     max_model_len: Annotated[int | None, typer.Option(help="engines' max_model_len")] = None,
     kv_recompute_threshold: Annotated[int | None, typer.Option(
         help="bidirectional: read back only if this many tokens are missing (vLLM: 64)")] = None,
+    short_delta_tokens: Annotated[int | None, typer.Option(
+        help="turnkv: turns adding at most this many tokens run on the decode engine alone "
+             "(default: the router's)")] = None,
     out_dir: Annotated[Path | None, typer.Option(
         "--out", help="output folder (default: turnkv-bench/<workload>-<time>)")] = None,
     baseline: Annotated[str | None, typer.Option(
@@ -201,8 +207,8 @@ def bench(
         workload=workload, trace=trace, modes=modes, model=model, dtype=dtype,
         sessions=sessions, seed=seed, concurrency=concurrency, kv_cache_bytes=kv_cache_bytes,
         max_model_len=max_model_len, kv_recompute_threshold=kv_recompute_threshold,
-        out=out_dir, baseline=baseline, turn_timeout=turn_timeout,
-        stall_timeout=stall_timeout,
+        short_delta_tokens=short_delta_tokens, out=out_dir, baseline=baseline,
+        turn_timeout=turn_timeout, stall_timeout=stall_timeout,
     )
     # Run in the background, a job ignores SIGINT: SIGTERM must also stop the engines.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

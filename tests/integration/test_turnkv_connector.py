@@ -2,15 +2,15 @@
 
 Every turn is checked against a single engine's greedy output for the same conversation; the
 connector's own counters (each engine's `/metrics`) show what moved: turn N+1 sends the decode
-engine only the blocks it lacks, the decode engine pushes each reply back to the prefill
-engine, leases stay under their cap and end with the session, and a failed or missing peer
-means recompute, never wrong KV. The tests share one cluster and run in file order; the last
-one stops it through `turnkv down`.
+engine only the blocks it lacks (or, for a short delta, no prefill at all: the decode engine
+computes it), the decode engine pushes each reply back to the prefill engine, leases stay
+under their cap and end with the session, and a failed or missing peer means recompute, never
+wrong KV. The tests share one cluster and run in file order; the last one stops it through
+`turnkv down`.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import subprocess
@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.conversation import SYSTEM, USER_TURNS
+from tests.support.conversation import conversation
 from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_chat, routed_chat
 from turnkv_server.engine_metrics import fetch_connector_counters, fetch_prompt_token_sources
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState, ProcessRef
@@ -37,6 +37,9 @@ EDITED_AT = 4  # this turn's history rewrites turn 1's reply
 EDIT = "In short: a crash can lose the writes that were not yet synced."
 # Engine leases last this long unless a client asks for less; the router keeps sessions longer.
 ENGINE_LEASE_S = 10.0
+# Turns adding at most this many tokens are served by the decode engine alone: some of the
+# conversation's user messages are below it, some above.
+SHORT_DELTA_TOKENS = 60
 TURNKV = [sys.executable, "-m", "turnkv_server.cli"]
 
 
@@ -47,16 +50,6 @@ class Reference:
     edited_messages: list[dict[str, Any]]
     edited_turn: Completion
 
-
-def _conversation(replies: list[str]) -> list[list[dict[str, Any]]]:
-    per_turn = []
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
-    for turn in range(TURNS):
-        messages.append({"role": "user", "content": USER_TURNS[turn]})
-        per_turn.append(copy.deepcopy(messages))
-        if turn < len(replies):
-            messages.append({"role": "assistant", "content": replies[turn]})
-    return per_turn
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +66,14 @@ def reference(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Refere
         outputs = []
         for turn in range(TURNS):
             out = greedy_chat(state.router, state.served_model_name,
-                              _conversation(replies)[turn], MAX_TOKENS, client=client)
+                              conversation(replies, TURNS)[turn], MAX_TOKENS, client=client)
             outputs.append(out)
             replies.append(out.text)
-        edited = _conversation(replies)[EDITED_AT - 1]
+        edited = conversation(replies, TURNS)[EDITED_AT - 1]
         edited[2] = {"role": "assistant", "content": EDIT}
         edited_out = greedy_chat(state.router, state.served_model_name, edited, MAX_TOKENS,
                                  client=client)
-    return Reference(outputs, _conversation(replies), edited, edited_out)
+    return Reference(outputs, conversation(replies, TURNS), edited, edited_out)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +81,8 @@ def cluster(reference: Reference, smollm2: Path, tmp_path_factory: pytest.TempPa
             ) -> Iterator[tuple[Cluster, ClusterState]]:
     config = ClusterConfig(mode="turnkv", model=str(smollm2), dtype="float32",
                            run_dir=tmp_path_factory.mktemp("turnkv"),
-                           connector_settings={"lease_ttl_s": ENGINE_LEASE_S})
+                           connector_settings={"lease_ttl_s": ENGINE_LEASE_S},
+                           short_delta_tokens=SHORT_DELTA_TOKENS)
     launched = Cluster(config)
     with launched as state:
         yield launched, state
@@ -125,6 +119,14 @@ def _turn(state: ClusterState, client: httpx.Client, messages: list[dict[str, An
     return routed_chat(state.router, state.served_model_name, messages, MAX_TOKENS,
                        session=session, stream=stream, client=client,
                        extra={"cache_salt": session["session_id"]})
+
+
+def _play(state: ClusterState, client: httpx.Client, reference: Reference,
+          session: dict[str, Any], turns: range) -> None:
+    """Play the reference conversation's `turns` (1-based) in `session`, checking each."""
+    for turn in turns:
+        out = _turn(state, client, reference.messages[turn - 1], session, stream=False)
+        _assert_same(reference.turns[turn - 1], out, turn)
 
 
 def _assert_same(ref: Completion, out: RoutedCompletion, turn: int) -> None:
@@ -174,52 +176,80 @@ def test_eight_turns_equal_a_single_engine_and_move_only_what_is_missing(
 ) -> None:
     _, state = cluster
     engines = Engines(state)
-    sources_before = fetch_prompt_token_sources(engines.decode)
+    sources = fetch_prompt_token_sources(engines.decode)
     prefill, decode = engines.read()
     block = int(decode["block_size"])
     caps = [int((c["num_gpu_blocks"] - 1) * 0.5) for c in (prefill, decode)]
     assert prefill["kv_cache_usage"] == decode["kv_cache_usage"] == 0
     held = 0  # tokens the decode engine computed for the session so far
+    alone_turns = []
     for turn in range(1, TURNS + 1):
         final = turn == TURNS
         session = {"session_id": "eight", "turn": turn, "hints": {"final": final}}
         out = _turn(state, client, reference.messages[turn - 1], session, stream=turn % 2 == 0)
         _assert_same(reference.turns[turn - 1], out, turn)
         after_prefill, after_decode = engines.read()
-        total = out.stats["prompt_tokens"]["total"]
+        tokens = out.stats["prompt_tokens"]
+        total = tokens["total"]
         shared = min(out.stats["prefix_break_at"] or held, held)
-
-        # Prefill to decode: only the blocks past the decode engine's own full-block hit.
+        hit_blocks = min(shared, total - 1) // block  # the decode engine's own prefix hit
         received = after_decode["blocks_received"] - decode["blocks_received"]
-        hit_blocks = min(shared, total - 1) // block
-        assert received == math.ceil(total / block) - hit_blocks, (turn, received)
-        # The prefill engine computed the new tokens, from the last full block it held.
-        computed = out.stats["prompt_tokens"]["prefill_computed"]
-        if turn > 1:
-            assert computed < total - shared + block, (turn, computed)
+        alone = out.stats["prefill_node"] is None
+        if alone:
+            # A short delta: the decode engine computed it, nothing came from the prefill engine.
+            alone_turns.append(turn)
+            assert turn > 1 and total - shared <= SHORT_DELTA_TOKENS
+            assert received == 0 and tokens["prefill_computed"] is None
+            expected = total - hit_blocks * block
+            assert tokens["decode_computed"] == expected, (turn, tokens)
+            # (After `final` the router also releases each engine's lease with a one-token
+            # request: it counts one more.)
+            counted = expected + int(final)
+            wait_for(lambda before=sources, counted=counted:  # type: ignore[misc]
+                     (fetch_prompt_token_sources(engines.decode) - before).local_compute
+                     == counted, f"turn {turn}: {expected} tokens computed on decode")
+        else:
+            # Prefill to decode: only the blocks past the decode engine's own full-block hit.
+            assert received == math.ceil(total / block) - hit_blocks, (turn, received)
+            if turn % 2:
+                # A non-streamed turn also carries the decode engine's own figures.
+                assert (tokens["decode_cached"], tokens["decode_received"]) == (
+                    hit_blocks * block, total - hit_blocks * block), (turn, tokens)
+            # The prefill engine computed the new tokens, from the last full block it held.
+            if turn > 1:
+                assert tokens["prefill_computed"] < total - shared + block, (turn, tokens)
+            # vLLM's own account agrees: the decode engine got the prompt by transfer and
+            # computed at most the one token it always recomputes.
+            wait_for(lambda before=sources:  # type: ignore[misc]
+                     (fetch_prompt_token_sources(engines.decode) - before).external_kv_transfer
+                     > 0, f"turn {turn}'s prompt counted as received on decode")
+            assert (fetch_prompt_token_sources(engines.decode) - sources).local_compute \
+                <= 1 + int(final)
         for counters, cap in zip((after_prefill, after_decode), caps, strict=True):
             assert counters["pinned_blocks"] <= cap
             assert counters["receives_failed"] == counters["sends_failed"] == 0
 
+        # What the prefill engine holds of the new history: the prompt it computed, or (after
+        # a short delta) the last history, pushed back, as far as it is still shared.
+        prefill_holds = min(shared, held) if alone else total
         output = len(out.completion.token_ids)
         held = total + output - 1  # the last generated token's KV is never computed
         if not final:
-            # Decode to prefill: the reply's blocks, during the pause before the next turn.
-            expected = math.ceil(held / block) - total // block
+            # Decode to prefill: the blocks it lacks, during the pause before the next turn.
+            expected = math.ceil(held / block) - prefill_holds // block
             # (The push back may land before the counters above were read: count from
             # before the turn, when the prefill engine receives nothing else.)
             start = prefill["blocks_received"]
             wait_for(lambda start=start, expected=expected:  # type: ignore[misc]
                      engines.read()[0]["blocks_received"] - start == expected,
-                     f"turn {turn}'s {expected} reply block(s) pushed back to prefill")
+                     f"turn {turn}'s {expected} block(s) pushed back to prefill")
         prefill, decode = engines.read()
+        sources = fetch_prompt_token_sources(engines.decode)
+    print(f"turns served by the decode engine alone: {alone_turns}")
+    # Both paths ran: the conversation's short and long user messages straddle the limit.
+    assert 0 < len(alone_turns) < TURNS - 1
     # `final` released both leases: every block is free again.
     _assert_all_blocks_back(engines)
-    # vLLM's own account agrees: the decode engine received the prompts' KV, it did not
-    # compute them (at most the one token per turn vLLM always recomputes).
-    sources = fetch_prompt_token_sources(engines.decode) - sources_before
-    assert sources.external_kv_transfer > 0
-    assert sources.local_compute <= TURNS
 
 
 def test_edited_history_stays_exact(
@@ -227,9 +257,7 @@ def test_edited_history_stays_exact(
 ) -> None:
     _, state = cluster
     session = {"session_id": "edited"}
-    for turn in range(1, EDITED_AT):
-        out = _turn(state, client, reference.messages[turn - 1], session, stream=False)
-        _assert_same(reference.turns[turn - 1], out, turn)
+    _play(state, client, reference, session, range(1, EDITED_AT))
     out = _turn(state, client, reference.edited_messages, session, stream=True)
     _assert_same(reference.edited_turn, out, EDITED_AT)
     assert out.stats["prefix_break_at"] is not None
@@ -242,9 +270,7 @@ def test_a_lease_that_expired_between_turns(
     _, state = cluster
     engines = Engines(state)
     session = {"session_id": "expiry"}
-    for turn in (1, 2):
-        out = _turn(state, client, reference.messages[turn - 1], session, stream=False)
-        _assert_same(reference.turns[turn - 1], out, turn)
+    _play(state, client, reference, session, range(1, 3))
     before = engines.read()
     time.sleep(ENGINE_LEASE_S + 2)  # both engines' leases run out; the router's session not
     out = _turn(state, client, reference.messages[2], session, stream=True)
@@ -262,10 +288,9 @@ def test_a_decode_engine_restarted_mid_session(
     launched, state = cluster
     engines = Engines(state)
     session = {"session_id": "restart"}
-    for turn in (1, 2):
-        before = engines.read()[0]
-        out = _turn(state, client, reference.messages[turn - 1], session, stream=False)
-        _assert_same(reference.turns[turn - 1], out, turn)
+    _play(state, client, reference, session, range(1, 2))
+    before = engines.read()[0]
+    _play(state, client, reference, session, range(2, 3))
     # Restart between turns, once turn 2's reply is back on the prefill engine.
     wait_for(lambda: engines.read()[0]["receives_done"] > before["receives_done"],
              "turn 2's push back")

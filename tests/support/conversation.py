@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 SYSTEM = (
     "You are a careful coding assistant. You read files, search code and explain what you find "
     "in short, precise answers. Tools available: list_files(path), read_file(path), "
@@ -34,3 +37,15 @@ USER_TURNS = [
     "Summarise everything we found today in five bullet points, most severe problem first, "
     "and say which file each problem lives in.",
 ]
+
+
+def conversation(replies: list[str], turns: int) -> list[list[dict[str, Any]]]:
+    """The messages of each of `turns` turns, given the assistant replies of the turns before."""
+    per_turn = []
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": USER_TURNS[turn]})
+        per_turn.append(copy.deepcopy(messages))
+        if turn < len(replies):
+            messages.append({"role": "assistant", "content": replies[turn]})
+    return per_turn

@@ -83,13 +83,14 @@ def test_a_sender_keeps_its_blocks_until_written_and_holds_them_for_the_session(
     ids = allocate(pool, 3)
     delay_free, reply = side.request_finished(req, ids)
     assert delay_free is True
-    assert reply == {"turnkv": {"held_blocks": 3, "local_tokens": 0, "received_tokens": 0}}
+    assert reply == {"turnkv": {"held_blocks": 3, "local_tokens": 0, "received_tokens": 0,
+                                "receive_failed": False}}
     assert side.build_orders().sends == [SendOrder("r1", "t1", ids)]
     # A send whose request never computed anything is refused, not waited for.
     empty = request("r2", 40, send=Send("t2"))
     side.on_new_request(empty)
     assert side.request_finished(empty, []) == (False, {"turnkv": {
-        "held_blocks": 0, "local_tokens": 0, "received_tokens": 0}})
+        "held_blocks": 0, "local_tokens": 0, "received_tokens": 0, "receive_failed": False}})
     assert side.build_orders().refusals == ["t2"]
 
 
@@ -160,3 +161,41 @@ def test_a_request_aborted_while_receiving_neither_holds_nor_sends() -> None:
     side.received({"r2"})
     assert side.request_finished(again, ids)[1] is not None
     assert "s" in side.holder.leases  # type: ignore[union-attr]
+
+
+def test_the_reply_says_what_arrived_and_what_failed() -> None:
+    pool, side = setup()
+    good = request("r1", 40, receive=Receive("t1", PEER))
+    bad = request("r2", 40, receive=Receive("t2", PEER))
+    blocks = {}
+    for req in (good, bad):
+        side.on_new_request(req)
+        side.get_num_new_matched_tokens(req, 16)
+        blocks[req.request_id] = allocate(pool, 3)
+        side.update_state_after_alloc(req, blocks[req.request_id], 24)
+    # One step reports both done; one of r2's blocks failed to load (vLLM recomputes it).
+    side.received({"r1", "r2"}, failed_blocks={blocks["r2"][2]})
+    assert finish(pool, side, good, blocks["r1"])[1] == {"turnkv": {
+        "held_blocks": 0, "local_tokens": 16, "received_tokens": 24, "receive_failed": False}}
+    assert finish(pool, side, bad, blocks["r2"])[1] == {"turnkv": {
+        "held_blocks": 0, "local_tokens": 16, "received_tokens": 0, "receive_failed": True}}
+
+
+def test_sends_nobody_registered_for_are_abandoned_when_leases_are_not_enough() -> None:
+    pool, side = setup()
+    senders = [request(f"s{n}", 160, send=Send(f"t{n}")) for n in range(3)]
+    held = []
+    for req in senders:
+        side.on_new_request(req)
+        held.append(allocate(pool, 10))
+        assert finish(pool, side, req, held[-1])[0] is True  # delay-freed
+    side.build_orders()
+    side.sent({"s0"})  # s0 was written and freed: only s1 and s2 are still waiting
+    pool.free_blocks([pool.blocks[i] for i in held[0]])
+    # A waiting request needs 20 blocks and there are no leases: the oldest waiting send goes.
+    newcomer = request("r9", 19 * BLOCK)
+    side.on_new_request(newcomer)
+    side.get_num_new_matched_tokens(newcomer, 0)
+    assert side.build_orders().abandons == ["t1"]
+    side.get_num_new_matched_tokens(newcomer, 0)  # asked again before the worker acted
+    assert side.build_orders().abandons == []

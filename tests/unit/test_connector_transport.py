@@ -142,3 +142,16 @@ def test_a_restarted_sender_gets_a_new_handshake(pair: tuple[Engine, Engine, str
         assert bool((receiver.buffer[:, 2] == 9.0).all())
     finally:
         restarted.agent.close()
+
+
+def test_an_abandoned_send_frees_its_blocks_and_fails_a_late_registration(
+        pair: tuple[Engine, Engine, str]) -> None:
+    sender, receiver, address = pair
+    sender.agent.send("tx", "t1", [0, 1])
+    sender.agent.abandon("t1")  # the sender's engine needs the blocks; nobody registered yet
+    wait_until(lambda: "tx" in sender.collect().finished_sending)
+    assert sender.results.counters.sends_failed == 1
+    receiver.agent.receive("rx", "t1", address, [3, 4], first_block=0)
+    wait_until(lambda: "rx" in receiver.collect().finished_recving)
+    assert receiver.results.failed_blocks == {3, 4}
+    assert bool((receiver.buffer == -1.0).all())

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from turnkv.protocol import CacheHints, TurnTag
+from turnkv.protocol import CacheHints, PromptTokens, TurnStats, TurnTag
 from turnkv_server.connector.params import parse
 from turnkv_server.launcher.cluster import kv_transfer_config
 from turnkv_server.router.config import RouterConfig
@@ -15,17 +15,23 @@ from turnkv_server.router.placement import EnginePool
 from turnkv_server.router.registry import make_mode
 from turnkv_server.router.sessions import Session, SessionKey
 from turnkv_server.router.turn import Turn
-from turnkv_server.router.turnkv_mode import lease_key
+from turnkv_server.router.turnkv_mode import (
+    PRESSURE_BACKOFF_S,
+    SHORT_DELTA,
+    is_short_delta,
+    lease_key,
+    lost_history,
+)
 from turnkv_server.router.upstream import Upstream
 
 PREFILL, DECODE = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
 
-def context() -> ModeContext:
+def context(short_delta_tokens: int = 0) -> ModeContext:
     pool = EnginePool.from_urls([PREFILL], [DECODE])
     channels = {pool.prefill[0].name: "127.0.0.1:5601", pool.decode[0].name: "127.0.0.1:5602"}
     return ModeContext(upstream=Upstream(), prefill_peers={}, decoder_kv_ttl=120.0,
-                       side_channels=channels, pool=pool)
+                       side_channels=channels, pool=pool, short_delta_tokens=short_delta_tokens)
 
 
 def turn(mode: object, hints: CacheHints | None = None, session: bool = True) -> Turn:
@@ -93,3 +99,73 @@ def test_engines_load_the_turnkv_connector_on_both_roles() -> None:
         assert config["kv_load_failure_policy"] == "recompute"
         assert config["kv_connector_extra_config"] == {"lease_ttl_s": 5}
     assert kv_transfer_config("turnkv", "single", "e0") is None
+
+
+def test_a_short_delta_is_counted_from_the_first_difference() -> None:
+    history = list(range(100))
+    assert is_short_delta([*history, 1, 2, 3], history, limit=3)
+    assert not is_short_delta([*history, 1, 2, 3, 4], history, limit=3)
+    # An edited history counts every token past the edit as new.
+    edited = [*history[:50], -1, *history[51:], 1]
+    assert not is_short_delta(edited, history, limit=3)
+    # Nothing held yet, or the feature off: the prefill engine serves.
+    assert not is_short_delta([1, 2], [], limit=100)
+    assert not is_short_delta([*history, 1], history, limit=0)
+
+
+def test_decode_alone_needs_a_limit_a_history_and_the_sessions_decode_engine() -> None:
+    ctx = context(short_delta_tokens=64)
+    mode = make_mode("turnkv", ctx)
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
+    t = turn(mode)
+    assert t.session is not None
+    # A first turn: nothing held anywhere. (No engine is asked: these return before /tokenize.)
+    assert asyncio.run(mode.decode_alone(t, placement)) is None
+    t.session.tokens = [1, 2, 3]
+    t.session.decode = "elsewhere"
+    assert asyncio.run(mode.decode_alone(t, placement)) is None
+    assert asyncio.run(make_mode("turnkv", context()).decode_alone(t, placement)) is None
+    assert asyncio.run(mode.decode_alone(turn(mode, session=False), placement)) is None
+
+
+def test_a_turn_served_by_decode_alone_receives_nothing_and_still_pushes_back() -> None:
+    ctx = context(short_delta_tokens=64)
+    mode = make_mode("turnkv", ctx)
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
+    t = turn(mode, CacheHints(ttl=60))
+    t.decode_alone = True
+    decode = parse(mode.decode_transfer_params(t, placement, None))
+    assert decode is not None and decode.receive is None
+    assert decode.send is not None and decode.ttl_s == 60
+
+
+def test_a_short_delta_that_found_its_history_gone_backs_the_decode_engine_off() -> None:
+    now = [0.0]
+    ctx = context(short_delta_tokens=64)
+    ctx.clock = lambda: now[0]
+    mode = make_mode("turnkv", ctx)
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
+    decode = placement.decode.name
+
+    def served_alone(delta: int, computed: int) -> None:
+        t = turn(mode)
+        assert t.session is not None
+        t.decode_alone = True
+        t.session.mode_state[SHORT_DELTA] = delta
+        t.stats = TurnStats(mode="turnkv",
+                            prompt_tokens=PromptTokens(total=1000, decode_computed=computed))
+        mode.after_turn(t, placement, None)
+
+    served_alone(delta=40, computed=40 + 127)  # the history was held: a block's tail at most
+    assert not mode._under_pressure(decode)  # type: ignore[attr-defined]
+    served_alone(delta=40, computed=900)  # the lease was gone: everything recomputed
+    assert mode._under_pressure(decode)  # type: ignore[attr-defined]
+    now[0] = PRESSURE_BACKOFF_S + 1
+    assert not mode._under_pressure(decode)  # type: ignore[attr-defined]
+    served_alone(delta=40, computed=900)  # again: twice as long
+    now[0] += 2 * PRESSURE_BACKOFF_S - 1
+    assert mode._under_pressure(decode)  # type: ignore[attr-defined]
+    now[0] += 2
+    served_alone(delta=40, computed=60)  # held again: the backoff ends
+    assert not mode._under_pressure(decode)  # type: ignore[attr-defined]
+    assert lost_history(900, 40) and not lost_history(None, 40)

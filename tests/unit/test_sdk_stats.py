@@ -178,3 +178,12 @@ def test_early_headers_stand_in_for_missing_final_stats() -> None:
     assert session.turn == 5
     unknown = turnkv.TurnStats.from_headers({"x-turnkv-fallback": "made_up"}, turn=1)
     assert unknown.fallback is None
+
+
+def test_a_turn_served_by_the_decode_engine_alone_counts_its_work() -> None:
+    # turnkv's short delta: no prefill side, the decode engine computed 40 of 300 tokens.
+    alone = p.TurnStats(mode="turnkv", decode_node="decode-0",
+                        prompt_tokens=p.PromptTokens(total=300, decode_cached=260,
+                                                     decode_computed=40))
+    stats = turnkv.TurnStats.from_wire(alone.model_dump())
+    assert stats.reused_tokens == 260 and stats.computed_tokens == 40

@@ -47,6 +47,7 @@ class BenchOptions:
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
     kv_recompute_threshold: int | None = None
+    short_delta_tokens: int | None = None
     out: Path | None = None
     baseline: str | None = None
     turn_timeout: float = 300.0
@@ -62,6 +63,8 @@ def _check(options: BenchOptions) -> None:
         raise PlanError("--seed must be non-negative")
     if options.kv_recompute_threshold is not None and options.kv_recompute_threshold < 0:
         raise PlanError("--kv-recompute-threshold must be non-negative")
+    if options.short_delta_tokens is not None and options.short_delta_tokens < 0:
+        raise PlanError("--short-delta-tokens must be non-negative")
 
 
 def _model_dir(options: BenchOptions) -> Path:
@@ -133,6 +136,7 @@ def run_bench(options: BenchOptions, command: list[str], console: Console,
     settings = BenchSettings(model=options.model, dtype=options.dtype, kv_cache_bytes=kv_bytes,
                              max_model_len=_max_model_len(options, model_dir, kv_tokens),
                              kv_recompute_threshold=options.kv_recompute_threshold,
+                             short_delta_tokens=options.short_delta_tokens,
                              turn_timeout_s=options.turn_timeout,
                              stall_timeout_s=options.stall_timeout)
     workload = build_workload(options.workload, seed=options.seed, sessions=options.sessions,

@@ -93,6 +93,7 @@ def record_turn(mode: str, session_id: str, index: int, stats: turnkv.TurnStats 
         prefill_received=tokens.prefill_received,
         prefill_computed=tokens.prefill_computed,
         prefill_reused=tokens.prefill_reused,
+        decode_computed=tokens.decode_computed,
         completion_tokens=stats.completion_tokens,
         kv_to_decode_bytes=stats.kv.to_decode_bytes,
         kv_to_prefill_bytes=stats.kv.to_prefill_bytes,

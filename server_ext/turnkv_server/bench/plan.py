@@ -68,6 +68,9 @@ class BenchSettings:
     # bidirectional: read back only when at least this many tokens are missing (None: vLLM's
     # 64; 0: always, which short test prompts need to show any read-back).
     kv_recompute_threshold: int | None = None
+    # turnkv: turns adding at most this many tokens run on the decode engine alone (None: the
+    # router's default).
+    short_delta_tokens: int | None = None
     turn_timeout_s: float = 300.0
     stall_timeout_s: float = 90.0
     startup_timeout_s: float = 300.0
@@ -99,6 +102,7 @@ def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> Cluster
         max_model_len=settings.max_model_len,
         decoder_kv_ttl=settings.decoder_kv_ttl,
         kv_recompute_threshold=settings.kv_recompute_threshold,
+        short_delta_tokens=settings.short_delta_tokens,
         startup_timeout=settings.startup_timeout_s,
         run_dir=run_dir,
     )

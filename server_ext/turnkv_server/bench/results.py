@@ -30,6 +30,9 @@ class TurnRecord(BaseModel):
     prefill_received: int | None = None
     prefill_computed: int | None = None
     prefill_reused: int | None = None
+    decode_computed: int | None = Field(
+        default=None, description="Prompt tokens the decode engine computed itself (turnkv's "
+        "short deltas, served with no prefill request).")
     completion_tokens: int | None = None
     kv_to_decode_bytes: int | None = None
     kv_to_prefill_bytes: int | None = None
@@ -168,7 +171,8 @@ class ModeSummary(BaseModel):
         "`turnkv:bytes_received`, summed); None where no engine exports either."
     )
     recompute_fraction: float | None = Field(
-        description="Prefill-computed / prompt tokens, over turns that report both."
+        description="Computed / prompt tokens, over turns that report both: the prefill "
+        "engine's, plus the decode engine's for turns it served alone."
     )
     cpu_s: dict[str, float]
 
@@ -215,9 +219,9 @@ def _per_second(amount: float | None, wall_s: float | None, status: ModeStatus) 
 
 def _recompute_fraction(records: Sequence[TurnRecord]) -> float | None:
     both = [
-        (r.prefill_computed, r.prompt_tokens)
+        ((r.prefill_computed or 0) + (r.decode_computed or 0), r.prompt_tokens)
         for r in records
-        if r.prefill_computed is not None and r.prompt_tokens
+        if (r.prefill_computed is not None or r.decode_computed is not None) and r.prompt_tokens
     ]
     if not both:
         return None

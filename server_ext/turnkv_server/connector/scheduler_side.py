@@ -13,7 +13,10 @@ order"); it owns the block pool's extra references (`holds`) and decides, per re
 
 Held blocks are invisible to vLLM's admission, so room is made here: before a waiting request
 is matched (`make_room` for its missing blocks) and when a running request cannot grow
-(`has_pending_block_frees`, one lease at a time). A lease never makes a request wait.
+(`has_pending_block_frees`, one lease at a time). A lease never makes a request wait. When
+leases are not enough, sends that no receiver has registered for yet are abandoned (their
+receivers recompute): otherwise two engines whose caches are full of blocks kept for each
+other wait on each other until the transfers time out.
 
 The worker learns its orders through `StepOrders`, one per scheduler step.
 """
@@ -74,9 +77,12 @@ class StepOrders:
     declines: list[tuple[str, str]] = field(default_factory=list)  # (transfer_id, peer)
     # Transfers this engine was to send but has no blocks for (the request never ran).
     refusals: list[str] = field(default_factory=list)
+    # Sends to give up if nobody has registered for them yet: their blocks are needed here.
+    abandons: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.receives or self.sends or self.declines or self.refusals)
+        return bool(self.receives or self.sends or self.declines or self.refusals
+                    or self.abandons)
 
 
 @dataclass
@@ -85,6 +91,7 @@ class _Tracked:
     local_tokens: int = 0
     external_tokens: int = 0
     receive_done: bool = False
+    receive_failed: bool = False
 
 
 class SchedulerSide:
@@ -93,12 +100,16 @@ class SchedulerSide:
         self.policy = policy or LeasePolicy()
         self.holder: BlockHolder | None = None
         self._tracked: dict[str, _Tracked] = {}
-        # Requests whose blocks a peer is still writing: vLLM frees them when the receive ends.
-        self._receiving: set[str] = set()
+        # Requests whose blocks a peer is still writing, with those blocks: vLLM frees them
+        # when the receive ends.
+        self._receiving: dict[str, frozenset[int]] = {}
         self._orders = StepOrders()
         self._stats: dict[str, Any] = {}
         self._last_expiry = 0.0
         self._released_seen: dict[str, int] = {}
+        # Delay-freed requests waiting for their send, oldest first: request ID ->
+        # (transfer ID, blocks, abandoned).
+        self._sending: dict[str, tuple[str, int, bool]] = {}
 
     def bind(self, pool: BlockPool, total_blocks: int) -> None:
         # vLLM keeps one block as its null block; the cap is a share of the usable ones.
@@ -132,8 +143,8 @@ class SchedulerSide:
         tracked = self._tracked.get(request.request_id)
         session = tracked.params.session if tracked else None
         missing = request.num_tokens - num_computed_tokens
-        self._holder().make_room(math.ceil(missing / self.block_size) + 1,
-                                 keep=[session] if session else [])
+        self._make_room(math.ceil(missing / self.block_size) + 1,
+                        keep=[session] if session else [])
         if tracked is None or tracked.params.receive is None or tracked.receive_done:
             return 0, False
         receive = tracked.params.receive
@@ -162,7 +173,7 @@ class SchedulerSide:
         self._orders.receives.append(ReceiveOrder(
             request.request_id, receive.transfer_id, receive.peer,
             list(block_ids[first:last]), first, receive.timeout_s))
-        self._receiving.add(request.request_id)
+        self._receiving[request.request_id] = frozenset(block_ids[first:last])
         self._count("tokens_requested", num_external_tokens)
 
     def request_finished(self, request: Request, block_ids: Sequence[int],
@@ -176,13 +187,14 @@ class SchedulerSide:
         if request.request_id in self._receiving:
             # Aborted while its KV was still arriving: vLLM keeps the request until the receive
             # ends and then frees its blocks; they hold nothing worth keeping or sending.
-            self._receiving.discard(request.request_id)
+            del self._receiving[request.request_id]
             if params.send is not None:
                 self._orders.refusals.append(params.send.transfer_id)
             return False, None
         if params.send is not None and block_ids:
             self._orders.sends.append(SendOrder(request.request_id, params.send.transfer_id,
                                                 list(block_ids)))
+            self._sending[request.request_id] = (params.send.transfer_id, len(block_ids), False)
             delay_free = True
         elif params.send is not None:
             self._orders.refusals.append(params.send.transfer_id)
@@ -192,13 +204,25 @@ class SchedulerSide:
             held = holder.hold(session, block_ids, ttl_s=params.ttl_s, priority=params.priority)
             self._count("blocks_held", held)
         self._gauges()
+        received = tracked.external_tokens if tracked.receive_done else 0
         reply = {"held_blocks": held, "local_tokens": tracked.local_tokens,
-                 "received_tokens": tracked.external_tokens if tracked.receive_done else 0}
+                 "received_tokens": 0 if tracked.receive_failed else received,
+                 "receive_failed": tracked.receive_failed}
         return delay_free, {"turnkv": reply}
 
-    def received(self, request_ids: set[str]) -> None:
-        """The worker reports these requests' KV arrived (or failed and will be recomputed)."""
-        self._receiving -= request_ids
+    def received(self, request_ids: set[str], failed_blocks: set[int] | None = None) -> None:
+        """The worker reports these requests' KV arrived, or failed: `failed_blocks` are the
+        step's load errors, which vLLM recomputes."""
+        for request_id in request_ids:
+            blocks = self._receiving.pop(request_id, frozenset())
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and failed_blocks and blocks & failed_blocks:
+                tracked.receive_failed = True
+
+    def sent(self, request_ids: set[str]) -> None:
+        """The worker reports these requests' sends ended (written, failed or abandoned)."""
+        for request_id in request_ids:
+            self._sending.pop(request_id, None)
 
     def has_pending_block_frees(self) -> bool:
         """A running request cannot grow: give back the least valuable lease, if any."""
@@ -228,6 +252,19 @@ class SchedulerSide:
         return stats
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _make_room(self, blocks_needed: int, keep: list[str]) -> None:
+        holder = self._holder()
+        holder.make_room(blocks_needed, keep=keep)
+        short = blocks_needed - holder.pool.get_num_free_blocks()
+        for request_id, (transfer_id, blocks, abandoned) in self._sending.items():
+            if short <= 0:
+                break
+            # Blocks already abandoned are on their way back (the worker frees them next step).
+            short -= blocks
+            if not abandoned:
+                self._orders.abandons.append(transfer_id)
+                self._sending[request_id] = (transfer_id, blocks, True)
 
     def _holder(self) -> BlockHolder:
         if self.holder is None:

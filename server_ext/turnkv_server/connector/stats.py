@@ -9,14 +9,34 @@ sum to the Prometheus object that `build_prom_metrics` returned, which exposes e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-# Counters are deltas since the last report; gauges are the latest value.
+
+@dataclass
+class TransferCounters:
+    """What the worker's transfer thread counted: the worker half of `COUNTERS`."""
+
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    blocks_received: int = 0
+    bytes_received: int = 0
+    sends_done: int = 0
+    receives_done: int = 0
+    sends_failed: int = 0
+    receives_failed: int = 0
+    send_seconds: float = 0.0
+    receive_seconds: float = 0.0
+
+    def add(self, other: TransferCounters) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+# Counters are deltas since the last report; gauges are the latest value. The worker's names
+# come from `TransferCounters`, so a field added there reaches `/metrics` too.
 COUNTERS = (
-    "blocks_sent", "bytes_sent", "blocks_received", "bytes_received",
-    "sends_done", "receives_done", "sends_failed", "receives_failed",
-    "send_seconds", "receive_seconds",
+    *(f.name for f in fields(TransferCounters)),
     "tokens_requested", "transfers_declined",
     "lease_hits", "lease_misses", "blocks_held",
     "leases_released", "leases_expired", "leases_over_cap", "leases_pressure",

@@ -44,30 +44,13 @@ import msgspec
 import zmq
 
 from turnkv_server.connector.blocktable import BlockTable
+from turnkv_server.connector.stats import TransferCounters
 
 log = logging.getLogger(__name__)
 
 NOTIF_PREFIX = b"turnkv:"
 # While a transfer is pending the thread polls NIXL this often; idle, it blocks.
 TICK_MS = 2
-
-
-@dataclass
-class TransferCounters:
-    blocks_sent: int = 0
-    bytes_sent: int = 0
-    blocks_received: int = 0
-    bytes_received: int = 0
-    sends_done: int = 0
-    receives_done: int = 0
-    sends_failed: int = 0
-    receives_failed: int = 0
-    send_seconds: float = 0.0
-    receive_seconds: float = 0.0
-
-    def add(self, other: TransferCounters) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 @dataclass
@@ -196,6 +179,11 @@ class TransferAgent:
         """This engine has nothing to send under `transfer_id`: fail its registration."""
         self._command("refuse", (transfer_id,))
 
+    def abandon(self, transfer_id: str) -> None:
+        """Give up a send nobody has registered for yet and free its blocks: this engine
+        needs them. A registration that comes later is told the transfer failed."""
+        self._command("abandon", (transfer_id,))
+
     def decline(self, transfer_id: str, peer: str) -> None:
         """Tell the peer this engine needs nothing under `transfer_id` (it had every block)."""
         self._command("decline", (transfer_id, peer))
@@ -296,6 +284,12 @@ class TransferAgent:
                                                "reason": "the sender's request did not run"})
                 else:
                     self._refused[transfer_id] = self._clock() + self.send_timeout_s
+            elif name == "abandon":
+                (transfer_id,) = args
+                send = self._sends.pop(transfer_id, None)
+                if send is not None:  # else it is being written, or already over
+                    self._refused[transfer_id] = self._clock() + self.send_timeout_s
+                    self._finish_send(send.request_id, failed=True)
             elif name == "decline":
                 transfer_id, address = args
                 self._send_msg(self._peer(address), {"op": "cancel", "transfer_id": transfer_id})

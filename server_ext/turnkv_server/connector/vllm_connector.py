@@ -154,7 +154,9 @@ class TurnkvConnector(KVConnectorBase_V1):
         return self._sched().request_finished(request, block_ids, request.session_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched().received(set(connector_output.finished_recving or ()))
+        self._sched().received(set(connector_output.finished_recving or ()),
+                               set(connector_output.invalid_block_ids or ()))
+        self._sched().sent(set(connector_output.finished_sending or ()))
 
     def has_pending_block_frees(self) -> bool:
         return self._sched().has_pending_block_frees()

@@ -59,6 +59,8 @@ class WorkerSide:
             agent.decline(transfer_id, peer)
         for transfer_id in orders.refusals:
             agent.refuse(transfer_id)
+        for transfer_id in orders.abandons:
+            agent.abandon(transfer_id)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         if self.agent is None:

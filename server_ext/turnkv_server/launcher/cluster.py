@@ -57,6 +57,9 @@ class ClusterConfig:
     decoder_kv_ttl: float = 120.0
     # bidirectional: read back only when at least this many tokens are missing (vLLM: 64).
     kv_recompute_threshold: int | None = None
+    # turnkv: turns adding at most this many tokens run on the decode engine alone (None: the
+    # router's default).
+    short_delta_tokens: int | None = None
     router_port: int | None = None
     engine_ports: list[int] | None = None
     run_dir: Path | None = None
@@ -76,6 +79,8 @@ class ClusterConfig:
             raise ValueError("a prefill/decode cluster needs at least one engine of each role")
         if self.cores_per_engine < 1:
             raise ValueError("cores_per_engine must be at least 1")
+        if self.short_delta_tokens is not None and self.short_delta_tokens < 0:
+            raise ValueError("short_delta_tokens must be non-negative")
 
 
 class ClusterStartError(RuntimeError):
@@ -213,7 +218,10 @@ class Cluster:
             mode = "standard-nocache"
         cmd = [sys.executable, "-m", "turnkv_server.router", "--host", "127.0.0.1",
                "--port", str(port), "--mode", mode,
-               "--decoder-kv-ttl", str(self.config.decoder_kv_ttl), *self.config.router_args]
+               "--decoder-kv-ttl", str(self.config.decoder_kv_ttl)]
+        if self.config.short_delta_tokens is not None:
+            cmd += ["--short-delta-tokens", str(self.config.short_delta_tokens)]
+        cmd += self.config.router_args
         for engine in self.engines:
             spec = engine.spec
             cmd += [f"--{spec.role}", spec.url]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import time
@@ -110,11 +111,40 @@ def _thread_ids(pid: int) -> list[int]:
         return []
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that are free right now (held open together while picking)."""
-    sockets = []
+# Listening ports are picked below the kernel's ephemeral range: a port from that range can be
+# taken by any outgoing connection (the engines open many) between the pick and the server's
+# bind, which failed a NIXL side channel with "Address already in use" (measured in CI).
+PORT_FLOOR = 20_000
+
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
     try:
-        for _ in range(count):
+        with open(path) as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports that are free right now (held open together while picking),
+    outside the ephemeral range where it leaves room; else any free ones."""
+    low, _ = ephemeral_range()
+    candidates = list(range(PORT_FLOOR, low)) if low - PORT_FLOOR >= 1000 else []
+    random.shuffle(candidates)
+    sockets: list[socket.socket] = []
+    try:
+        for port in candidates:
+            if len(sockets) == count:
+                break
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                continue
+            sockets.append(sock)
+        while len(sockets) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind((host, 0))
             sockets.append(sock)

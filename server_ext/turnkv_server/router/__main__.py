@@ -8,6 +8,7 @@ import json
 import uvicorn
 
 from turnkv_server.router import ROUTER_MODES, RouterConfig, create_app
+from turnkv_server.router.config import SHORT_DELTA_TOKENS
 from turnkv_server.router.sessions import LeasePolicy
 
 
@@ -29,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "ENGINE_ID@HOST:PORT, in --decode order")
     parser.add_argument("--decoder-kv-ttl", type=float, default=120.0,
                         help="bidirectional mode: the decode engines' decoder_kv_blocks_ttl")
+    parser.add_argument("--short-delta-tokens", type=int, default=SHORT_DELTA_TOKENS,
+                        help="turnkv mode: a turn adding at most this many tokens to its "
+                             "session is computed on the decode engine alone (0: never)")
     parser.add_argument("--health-interval", type=float, default=2.0,
                         help="seconds between engine health probes")
     parser.add_argument("--api-keys", help="JSON file mapping API key to tenant name")
@@ -55,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_nixl=args.prefill_nixl,
         decode_nixl=args.decode_nixl,
         decoder_kv_ttl=args.decoder_kv_ttl,
+        short_delta_tokens=args.short_delta_tokens,
     )
 
 

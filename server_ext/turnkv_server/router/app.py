@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from turnkv import protocol as p
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.metrics import RouterMetrics
-from turnkv_server.router.modes import Mode, ModeContext, NixlPeer
+from turnkv_server.router.modes import Mode, ModeContext, NixlPeer, PrefillResult
 from turnkv_server.router.placement import EnginePool, Placement
 from turnkv_server.router.registry import make_mode
 from turnkv_server.router.sessions import Session, SessionKey, SessionTable
@@ -29,6 +29,7 @@ from turnkv_server.router.turn import (
     Turn,
     begin_stats,
     cancel_quietly,
+    decode_alone,
     decode_request,
     finish_stats,
     has_output,
@@ -65,7 +66,8 @@ class Router:
                          for name, peer in {**peers, **decode_peers}.items()}
         self.mode: Mode = make_mode(config.mode, ModeContext(
             upstream=self.upstream, prefill_peers=peers, decoder_kv_ttl=config.decoder_kv_ttl,
-            clock=self.sessions.clock, side_channels=side_channels, pool=self.pool))
+            clock=self.sessions.clock, side_channels=side_channels, pool=self.pool,
+            short_delta_tokens=config.short_delta_tokens))
 
     async def health_loop(self) -> None:
         while True:
@@ -143,6 +145,26 @@ class Router:
 
     async def _run(self, turn: Turn, placement: Placement, fallback: p.FallbackReason | None,
                    detail: str | None) -> Response:
+        prompt_ids = await decode_alone(turn, placement)
+        if prompt_ids is not None:
+            turn.decode_alone = True
+            turn.prompt_token_ids = prompt_ids
+            turn.stats = begin_stats(turn, placement, PrefillResult.skipped(prompt_ids),
+                                     fallback, detail)
+            upstream = await self._open_decode(
+                turn, placement, self.mode.decode_transfer_params(turn, placement, None))
+        else:
+            upstream = await self._prefill_then_decode(turn, placement, fallback, detail)
+        assert turn.stats is not None
+        if turn.stream:
+            return StreamingResponse(self._relay(turn, placement, upstream),
+                                     media_type="text/event-stream",
+                                     headers=_early_headers(turn.stats))
+        return await self._complete(turn, placement, upstream)
+
+    async def _prefill_then_decode(self, turn: Turn, placement: Placement,
+                                   fallback: p.FallbackReason | None, detail: str | None
+                                   ) -> Stream:
         params = await prefill_params(turn, placement)
         decode: asyncio.Task[Stream] | None = None
         if self.mode.concurrent:
@@ -159,12 +181,7 @@ class Router:
         if decode is None:
             decode = asyncio.create_task(self._open_decode(
                 turn, placement, self.mode.decode_transfer_params(turn, placement, prefill)))
-        upstream = await decode
-        if turn.stream:
-            return StreamingResponse(self._relay(turn, placement, upstream),
-                                     media_type="text/event-stream",
-                                     headers=_early_headers(turn.stats))
-        return await self._complete(turn, placement, upstream)
+        return await decode
 
     async def _open_decode(self, turn: Turn, placement: Placement,
                            params: dict[str, Any] | None) -> Stream:
@@ -205,7 +222,7 @@ class Router:
         choices = data.get("choices") or [{}]
         turn.output_token_ids = list(choices[0].get("token_ids") or [])
         usage = data.get("usage") or {}
-        stats = finish_stats(turn, int(usage.get("completion_tokens") or 0), None)
+        stats = finish_stats(turn, int(usage.get("completion_tokens") or 0), None, usage)
         self.mode.after_turn(turn, placement, data.pop("kv_transfer_params", None))
         self._remember(turn, placement)
         if not turn.want_token_ids:
@@ -219,12 +236,13 @@ class Router:
         first_token_ms: float | None = None
         completion_tokens = 0
         template: dict[str, Any] | None = None
+        usage: dict[str, Any] | None = None
         finished = False
         try:
             async for payload in sse_events(upstream):
                 if payload == b"[DONE]":
                     stats = finish_stats(turn, completion_tokens or len(turn.output_token_ids),
-                                         first_token_ms)
+                                         first_token_ms, usage)
                     self.mode.after_turn(turn, placement, None)
                     self._remember(turn, placement)
                     finished = True
@@ -241,12 +259,13 @@ class Router:
                     first_token_ms = turn.elapsed_ms()
                 for choice in chunk.get("choices") or []:
                     turn.output_token_ids.extend(choice.get("token_ids") or [])
-                usage = chunk.get("usage")
-                if usage:
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
                     completion_tokens = int(usage.get("completion_tokens") or 0)
                 if not turn.want_token_ids:
                     strip_token_ids(chunk)
-                    if not chunk.get("choices") and not usage and "error" not in chunk:
+                    if not chunk.get("choices") and not chunk.get("usage") \
+                            and "error" not in chunk:
                         continue
                 yield sse(chunk)
         except EngineConnectionError as exc:
@@ -279,9 +298,11 @@ class Router:
             totals.turns += 1
             totals.prompt_tokens += stats.prompt_tokens.total
             totals.completion_tokens += stats.completion_tokens
-            totals.prefill_computed += stats.prompt_tokens.prefill_computed or 0
-            totals.reused_tokens += stats.prompt_tokens.total - (
-                stats.prompt_tokens.prefill_computed or 0)
+            tokens = stats.prompt_tokens
+            totals.prefill_computed += tokens.prefill_computed or 0
+            totals.decode_computed += tokens.decode_computed or 0
+            totals.reused_tokens += max(0, tokens.total - (tokens.prefill_computed or 0)
+                                        - (tokens.decode_computed or 0))
             totals.fallbacks += 1 if stats.fallback else 0
             totals.prefix_breaks += 1 if stats.prefix_break_at is not None else 0
         session.prefill, session.decode = placement.prefill.name, placement.decode.name

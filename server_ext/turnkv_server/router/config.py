@@ -8,6 +8,8 @@ from turnkv_server.router.registry import MODES
 from turnkv_server.router.sessions import LeasePolicy
 
 ROUTER_MODES = tuple(MODES)
+# Measured with `turnkv bench` (docs/benchmarks.md, "Short deltas on the decode engine").
+SHORT_DELTA_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,15 @@ class RouterConfig:
     decode_nixl: list[str] = field(default_factory=list)
     # bidirectional: how long decode engines hold a finished turn (decoder_kv_blocks_ttl).
     decoder_kv_ttl: float = 120.0
+    # turnkv: a turn adding at most this many tokens to its session is computed on the decode
+    # engine alone, which holds the session's history; 0 turns it off.
+    short_delta_tokens: int = SHORT_DELTA_TOKENS
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTER_MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(ROUTER_MODES)}")
+        if self.short_delta_tokens < 0:
+            raise ValueError("short_delta_tokens must be non-negative")
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one prefill and one decode engine")
         if self.mode == "push" and len(self.prefill_nixl) != len(self.prefill):

@@ -55,6 +55,11 @@ class PrefillResult:
     cached_tokens: int
     elapsed_ms: float
 
+    @classmethod
+    def skipped(cls, prompt_token_ids: list[int]) -> PrefillResult:
+        """No prefill engine served the turn: the decode engine computes its prompt alone."""
+        return cls(None, prompt_token_ids, len(prompt_token_ids), 0, 0.0)
+
 
 @dataclass(frozen=True)
 class NixlPeer:
@@ -82,6 +87,9 @@ class ModeContext:
     # turnkv: every engine's connector side channel, engine name -> HOST:PORT.
     side_channels: dict[str, str] = field(default_factory=dict)
     pool: EnginePool | None = None
+    # turnkv: a turn adding at most this many tokens to a session is computed on its decode
+    # engine alone (0: never).
+    short_delta_tokens: int = 0
 
 
 class Mode:
@@ -95,6 +103,11 @@ class Mode:
 
     def __init__(self, ctx: ModeContext) -> None:
         self.ctx = ctx
+
+    async def decode_alone(self, turn: Turn, placement: Placement) -> list[int] | None:
+        """The prompt's token IDs when the decode engine should serve the turn by itself,
+        with no prefill request; None for the usual prefill, then decode."""
+        return None
 
     async def prefill_transfer_params(self, turn: Turn, placement: Placement) -> dict[str, Any]:
         return dict(PREFILL_FOR_REMOTE_DECODE)
@@ -181,7 +194,7 @@ class Bidirectional(Mode):
             # than read from an engine the router is steering away from.
             turn.reuse_note = ("session_moved", f"KV held on {held.decode}, not read back")
             return dict(PREFILL_FOR_REMOTE_DECODE)
-        prompt_ids = await self._tokenize(placement.prefill, turn)
+        prompt_ids = await tokenize(self.ctx.upstream, placement.prefill, turn)
         params, _ = trim_offer(held.params, held.token_ids, prompt_ids,
                                await self._block_size(placement.prefill))
         turn.reuse_params = True
@@ -253,21 +266,6 @@ class Bidirectional(Mode):
                 return None
         return held if isinstance(held, HeldKv) else None
 
-    async def _tokenize(self, engine: Engine, turn: Turn) -> list[int]:
-        body: dict[str, Any] = {"model": turn.body.get("model")}
-        if "messages" in turn.body:
-            for key in ("messages", "tools", "chat_template", "chat_template_kwargs",
-                        "add_generation_prompt", "continue_final_message"):
-                if key in turn.body:
-                    body[key] = turn.body[key]
-            body.setdefault("add_generation_prompt", True)
-        else:
-            body["prompt"] = turn.body.get("prompt")
-        response = await self.ctx.upstream.post(f"{engine.url}/tokenize", body, timeout=30.0)
-        if not response.ok:
-            raise EngineConnectionError(f"{engine.name} /tokenize answered {response.status}")
-        return list(response.json()["tokens"])
-
     async def _block_size(self, engine: Engine) -> int:
         if engine.name not in self._block_sizes:
             reply = await self.ctx.upstream.get(f"{engine.url}/metrics", timeout=10.0)
@@ -277,6 +275,23 @@ class Bidirectional(Mode):
                 raise RuntimeError(f"{engine.name} does not report its block size")
             self._block_sizes[engine.name] = int(match.group(1))
         return self._block_sizes[engine.name]
+
+
+async def tokenize(upstream: Upstream, engine: Engine, turn: Turn) -> list[int]:
+    """The turn's prompt as the engine will see it (chat template applied), from its /tokenize."""
+    body: dict[str, Any] = {"model": turn.body.get("model")}
+    if "messages" in turn.body:
+        for key in ("messages", "tools", "chat_template", "chat_template_kwargs",
+                    "add_generation_prompt", "continue_final_message"):
+            if key in turn.body:
+                body[key] = turn.body[key]
+        body.setdefault("add_generation_prompt", True)
+    else:
+        body["prompt"] = turn.body.get("prompt")
+    response = await upstream.post(f"{engine.url}/tokenize", body, timeout=30.0)
+    if not response.ok:
+        raise EngineConnectionError(f"{engine.name} /tokenize answered {response.status}")
+    return list(response.json()["tokens"])
 
 
 class Push(Mode):

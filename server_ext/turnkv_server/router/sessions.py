@@ -29,6 +29,8 @@ class SessionTotals:
     turns: int = 0
     prompt_tokens: int = 0
     prefill_computed: int = 0
+    # Prompt tokens the decode engine computed itself (turnkv's short deltas, failed receives).
+    decode_computed: int = 0
     reused_tokens: int = 0
     completion_tokens: int = 0
     fallbacks: int = 0

@@ -64,6 +64,8 @@ class Turn:
     reuse_note: tuple[FallbackReason, str] | None = None
     # After a failed read-back the turn is replayed without reuse.
     skip_reuse: bool = False
+    # The decode engine serves this attempt alone: no prefill request (a short delta).
+    decode_alone: bool = False
 
     def new_attempt(self) -> None:
         self.request_id = str(uuid.uuid4())
@@ -72,6 +74,7 @@ class Turn:
         self.output_token_ids = []
         self.reuse_params = False
         self.reuse_note = None
+        self.decode_alone = False
 
     @property
     def stream(self) -> bool:
@@ -148,7 +151,7 @@ def begin_stats(turn: Turn, placement: Placement, prefill: PrefillResult,
         session_id=session.key.session_id if session else None,
         turn=_turn_number(turn),
         mode=turn.mode.name,
-        prefill_node=placement.prefill.name,
+        prefill_node=None if turn.decode_alone else placement.prefill.name,
         decode_node=placement.decode.name,
         moved=moved,
         prompt_tokens=turn.mode.prompt_tokens(turn, prefill),
@@ -165,9 +168,16 @@ def _turn_number(turn: Turn) -> int:
     return (turn.session.turns + 1) if turn.session else 1
 
 
-def finish_stats(turn: Turn, completion_tokens: int, first_token_ms: float | None) -> TurnStats:
+def finish_stats(turn: Turn, completion_tokens: int, first_token_ms: float | None,
+                 usage: dict[str, Any] | None = None) -> TurnStats:
     assert turn.stats is not None
     stats = turn.stats
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    if turn.decode_alone and cached is not None:
+        # With no remote prefill, the decode engine's cached_tokens are its own prefix hits
+        # (in P/D it reports the prefill engine's, so they are not read there).
+        stats.prompt_tokens.decode_cached = int(cached)
+        stats.prompt_tokens.decode_computed = stats.prompt_tokens.total - int(cached)
     stats.completion_tokens = completion_tokens
     stats.times.first_token_ms = first_token_ms
     stats.times.total_ms = turn.elapsed_ms()
@@ -210,6 +220,17 @@ def has_output(chunk: dict[str, Any]) -> bool:
                 or delta.get("reasoning") or choice.get("token_ids"):
             return True
     return False
+
+
+async def decode_alone(turn: Turn, placement: Placement) -> list[int] | None:
+    """The prompt's token IDs if the mode has the decode engine serve this turn alone."""
+    if turn.skip_reuse:
+        return None
+    try:
+        return await turn.mode.decode_alone(turn, placement)
+    except EngineConnectionError as exc:
+        # Deciding asks the decode engine first (/tokenize).
+        raise EngineUnavailable(placement.decode, str(exc)) from exc
 
 
 async def prefill_params(turn: Turn, placement: Placement) -> dict[str, Any]:

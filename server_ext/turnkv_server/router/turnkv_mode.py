@@ -12,6 +12,11 @@ Per turn (see docs/architecture.md for the picture):
 3. Both engines hold the session's blocks under a lease: the client's TTL and priority hints
    ride along, the engines cap them; `final` and DELETE release them.
 
+A short delta skips step 1: when a turn adds at most `short_delta_tokens` tokens to the
+session's history (counted with the decode engine's /tokenize), the decode engine, which holds
+that history, computes them itself and no prefill request is sent. Step 2 brings the prefill
+engine up to date as usual, so a later long turn still prefills only its new tokens.
+
 Everything reaches the engines as `kv_transfer_params["turnkv"]` (`connector.params`).
 """
 
@@ -21,11 +26,13 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from turnkv.protocol import CacheHints, PromptTokens
 from turnkv_server.connector.params import KEY, Receive, Send, TurnParams
-from turnkv_server.router.modes import Mode, ModeContext, PrefillResult
+from turnkv_server.router.history import common_prefix_len
+from turnkv_server.router.modes import Mode, ModeContext, PrefillResult, tokenize
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session
 from turnkv_server.router.upstream import EngineConnectionError
@@ -36,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PUSH_BACK = "turnkv_push_back"
+PUSH_BACK_FROM = "turnkv_push_back_from"  # (transfer ID, decode engine name)
 MODEL = "turnkv_model"
 # The next turn waits this long for the previous push back to land on the prefill engine.
 PUSH_BACK_WAIT_S = 5.0
@@ -43,12 +51,43 @@ PUSH_BACK_TIMEOUT_S = 120.0
 # The decode engine's blocks are ready when the push back starts: a peer that does not answer
 # within this is gone, and the prefill engine recomputes instead of waiting.
 PUSH_BACK_RECEIVE_S = 10.0
+SHORT_DELTA = "turnkv_short_delta"
+# A held history leaves at most the tail of its last block to recompute (127 tokens with the
+# CPU backend's 128-token blocks, 15 on GPUs). A decode engine that computed more than this
+# beyond the delta had lost the session's KV: its leases are going to memory pressure.
+HELD_TAIL_TOKENS = 256
+# After such a miss, that decode engine's turns go through the prefill engine for this long
+# (which moves them the history back), doubling while misses go on.
+PRESSURE_BACKOFF_S = 30.0
+PRESSURE_BACKOFF_MAX_S = 600.0
 
 
 def lease_key(session: Session) -> str:
     """The engines' name for a session: tenant-scoped, and no IDs or tenant names in their logs."""
     raw = f"{session.key.tenant}\0{session.key.session_id}".encode()
     return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def is_short_delta(prompt_ids: list[int], history: list[int], limit: int) -> bool:
+    """Whether the prompt extends the session's history by at most `limit` tokens.
+
+    `history` is the last turn's prompt and output. Tokens past the first difference count as
+    new: an edited history is long by this measure, and goes through the prefill engine.
+    """
+    if limit <= 0 or not history:
+        return False
+    return new_tokens(prompt_ids, history) <= limit
+
+
+def new_tokens(prompt_ids: list[int], history: list[int]) -> int:
+    """Tokens of the prompt past its first difference from the session's history."""
+    return len(prompt_ids) - common_prefix_len(prompt_ids, history)
+
+
+def lost_history(computed: int | None, delta: int) -> bool:
+    """Whether a decode engine that computed `computed` prompt tokens for a short delta of
+    `delta` tokens had lost the session's KV (None: its usage did not say)."""
+    return computed is not None and computed > delta + HELD_TAIL_TOKENS
 
 
 class Turnkv(Mode):
@@ -58,12 +97,29 @@ class Turnkv(Mode):
 
     def __init__(self, ctx: ModeContext) -> None:
         super().__init__(ctx)
-        self._releases: set[asyncio.Task[None]] = set()
+        # Push backs and releases run on after their turn; a task nobody references may be
+        # collected before it ends.
+        self._background: set[asyncio.Task[None]] = set()
+        # Decode engine name -> (until when its turns skip short deltas, the current backoff).
+        self._pressure: dict[str, tuple[float, float]] = {}
         names = [e.name for e in ctx.pool.engines()] if ctx.pool is not None else []
         missing = [name for name in names if name not in ctx.side_channels]
         if missing:
             raise ValueError(f"turnkv mode needs the side channel (HOST:PORT) of every engine; "
                              f"missing: {', '.join(missing)}")
+
+    async def decode_alone(self, turn: Turn, placement: Placement) -> list[int] | None:
+        session = turn.session
+        decode = placement.decode.name
+        if (self.ctx.short_delta_tokens <= 0 or session is None or not session.tokens
+                or session.decode != decode or self._under_pressure(decode)):
+            return None
+        prompt_ids = await tokenize(self.ctx.upstream, placement.decode, turn)
+        delta = new_tokens(prompt_ids, session.tokens)
+        if delta > self.ctx.short_delta_tokens:
+            return None
+        session.mode_state[SHORT_DELTA] = delta
+        return prompt_ids
 
     async def prefill_transfer_params(self, turn: Turn, placement: Placement) -> dict[str, Any]:
         await self._settle_push_back(turn.session)
@@ -72,24 +128,26 @@ class Turnkv(Mode):
 
     def decode_transfer_params(self, turn: Turn, placement: Placement,
                                prefill: PrefillResult | None) -> dict[str, Any] | None:
-        receive = Receive(_transfer_id(turn, "p2d"), self.ctx.side_channels[placement.prefill.name])
+        receive = None if turn.decode_alone else Receive(
+            _transfer_id(turn, "p2d"), self.ctx.side_channels[placement.prefill.name])
         keep_going = turn.session is not None and not _hints(turn).final
         send = Send(_transfer_id(turn, "d2p")) if keep_going else None
         return {KEY: self._turn_params(turn, receive=receive, send=send).to_wire()}
 
     def prompt_tokens(self, turn: Turn, prefill: PrefillResult) -> PromptTokens:
+        if turn.decode_alone:
+            # No prefill engine took part; the decode engine's split arrives with its usage
+            # (`finish_stats`).
+            return PromptTokens(total=prefill.prompt_tokens)
         # The prefill engine's cached_tokens are its own prefix hits: the lease kept the
         # session's last turn there and the push back added its reply.
-        return PromptTokens(
-            total=prefill.prompt_tokens,
-            prefill_cached=prefill.cached_tokens,
-            prefill_received=0,
-            prefill_reused=prefill.cached_tokens,
-            prefill_computed=prefill.prompt_tokens - prefill.cached_tokens,
-        )
+        return super().prompt_tokens(turn, prefill)
 
     def after_turn(self, turn: Turn, placement: Placement,
                    decode_params: dict[str, Any] | None) -> None:
+        _read_decode_figures(turn, decode_params)
+        if turn.decode_alone:
+            self._judge_short_delta(turn, placement.decode.name)
         session = turn.session
         if session is None or _hints(turn).final or turn.prompt_token_ids is None \
                 or not turn.output_token_ids:
@@ -108,21 +166,35 @@ class Turnkv(Mode):
         if "cache_salt" in turn.body:
             # Block hashes include the salt: without it the history lands in another cache.
             body["cache_salt"] = turn.body["cache_salt"]
-        session.mode_state[PUSH_BACK] = asyncio.create_task(
-            self._push_back(placement.prefill, body))
+        session.mode_state[PUSH_BACK] = self._spawn(self._push_back(placement.prefill, body))
+        session.mode_state[PUSH_BACK_FROM] = (_transfer_id(turn, "d2p"), placement.decode.name)
 
     def drop_session(self, session: Session) -> None:
         task = session.mode_state.pop(PUSH_BACK, None)
-        if isinstance(task, asyncio.Task):
+        pending = session.mode_state.pop(PUSH_BACK_FROM, None)
+        if isinstance(task, asyncio.Task) and not task.done():
             task.cancel()
+        else:
+            pending = None
         model = session.mode_state.get(MODEL)
         pool = self.ctx.pool
         if pool is None or model is None:
             return
-        engines = [e for e in pool.engines()
-                   if e.name in (session.prefill, session.decode) and e.healthy]
-        params = TurnParams(session=lease_key(session), release=True)
-        self._releases.add(asyncio.create_task(self._release(engines, model, params)))
+        release = TurnParams(session=lease_key(session), release=True)
+        orders = []
+        for engine in pool.engines():
+            if engine.name not in (session.prefill, session.decode) or not engine.healthy:
+                continue
+            params = release
+            if pending is not None and engine.name == session.prefill:
+                # The push back was cancelled, perhaps before the prefill engine registered
+                # for it: decline it (nothing wanted), or the decode engine keeps the reply's
+                # blocks until its send times out.
+                transfer_id, decode = pending
+                params = TurnParams(session=release.session, release=True, receive=Receive(
+                    transfer_id, self.ctx.side_channels[decode], peer_tokens=0))
+            orders.append((engine, params))
+        self._spawn(self._release(model, orders))
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -136,6 +208,32 @@ class Turnkv(Mode):
         return TurnParams(session=lease_key(session), ttl_s=hints.ttl,
                           priority=hints.priority or 0, release=hints.final,
                           receive=receive, send=send)
+
+    def _under_pressure(self, decode: str) -> bool:
+        until, _ = self._pressure.get(decode, (0.0, 0.0))
+        return self.ctx.clock() < until
+
+    def _judge_short_delta(self, turn: Turn, decode: str) -> None:
+        """A short delta that found its history gone backs that decode engine off short
+        deltas; one that found it held ends the backoff."""
+        delta = turn.session.mode_state.pop(SHORT_DELTA, None) if turn.session else None
+        computed = turn.stats.prompt_tokens.decode_computed if turn.stats else None
+        if not isinstance(delta, int) or computed is None:
+            return
+        if not lost_history(computed, delta):
+            self._pressure.pop(decode, None)
+            return
+        _, backoff = self._pressure.get(decode, (0.0, PRESSURE_BACKOFF_S / 2))
+        backoff = min(backoff * 2, PRESSURE_BACKOFF_MAX_S)
+        self._pressure[decode] = (self.ctx.clock() + backoff, backoff)
+        log.info("%s recomputed %d tokens for a delta of %d: its turns skip short deltas "
+                 "for %.0f s", decode, computed, delta, backoff)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def _push_back(self, prefill: Engine, body: dict[str, Any]) -> None:
         try:
@@ -154,20 +252,35 @@ class Turnkv(Mode):
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(task), PUSH_BACK_WAIT_S)
 
-    async def _release(self, engines: list[Engine], model: str, params: TurnParams) -> None:
+    async def _release(self, model: str, orders: list[tuple[Engine, TurnParams]]) -> None:
         """End the session's leases now rather than at their TTL: a one-token request whose
         params say so (the engines take instructions only through their HTTP API)."""
-        body = {"model": model, "prompt": [0], "max_tokens": 1,
-                "kv_transfer_params": {KEY: params.to_wire()}}
-        try:
-            for engine in engines:
-                with contextlib.suppress(EngineConnectionError):
-                    await self.ctx.upstream.post(f"{engine.url}/v1/completions", body,
-                                                 timeout=30.0)
-        finally:
-            task = asyncio.current_task()
-            if task is not None:
-                self._releases.discard(task)
+        for engine, params in orders:
+            body = {"model": model, "prompt": [0], "max_tokens": 1,
+                    "kv_transfer_params": {KEY: params.to_wire()}}
+            with contextlib.suppress(EngineConnectionError):
+                await self.ctx.upstream.post(f"{engine.url}/v1/completions", body, timeout=30.0)
+
+
+def _read_decode_figures(turn: Turn, decode_params: dict[str, Any] | None) -> None:
+    """The decode engine's split of the prompt, from its connector's reply.
+
+    vLLM returns `kv_transfer_params` only in non-streamed responses; a streamed turn keeps
+    None there (the engines' `turnkv:*` counters have the totals).
+    """
+    figures = (decode_params or {}).get(KEY)
+    stats = turn.stats
+    if not isinstance(figures, dict) or stats is None or turn.decode_alone:
+        return
+    local, received = int(figures.get("local_tokens", 0)), int(figures.get("received_tokens", 0))
+    tokens = stats.prompt_tokens
+    tokens.decode_cached, tokens.decode_received = local, received
+    tokens.decode_computed = max(0, tokens.total - local - received)
+    stats.kv.to_decode_tokens = received
+    if figures.get("receive_failed") and stats.fallback is None:
+        stats.fallback = "transfer_failed"
+        stats.fallback_detail = "the prefill engine's KV did not arrive; the decode engine " \
+                                "recomputed it"
 
 
 def _transfer_id(turn: Turn, direction: str) -> str:
