@@ -170,7 +170,8 @@ def bench(
     trace: Annotated[Path | None, typer.Option(help="JSONL trace for --workload trace")] = None,
     modes: Annotated[str, typer.Option(
         help="comma-separated, run in this order: single, standard, standard-nocache, "
-             "bidirectional, push, turnkv")] = "single,standard,bidirectional,push,turnkv",
+             "bidirectional, push, turnkv, turnkv-end-write (turnkv without layer-by-layer "
+             "writes)")] = "single,standard,bidirectional,push,turnkv",
     model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
         "smollm2"
     ),

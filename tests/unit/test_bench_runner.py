@@ -55,6 +55,9 @@ def test_cluster_config_is_the_same_for_every_mode_but_the_mode(tmp_path: Path) 
                              max_model_len=2048, kv_recompute_threshold=0)
     nocache = cluster_config("standard-nocache", settings, tmp_path)
     assert (nocache.mode, nocache.prefill_cache) == ("standard", False)
+    end_write = cluster_config("turnkv-end-write", settings, tmp_path)
+    assert (end_write.mode, end_write.connector_settings) == ("turnkv", {"layer_writes": False})
+    assert cluster_config("turnkv", settings, tmp_path).connector_settings == {}
     for mode in ("single", "standard", "bidirectional", "push", "turnkv"):
         config = cluster_config(mode, settings, tmp_path / mode)
         assert (config.mode, config.prefill_cache) == (mode, True)

@@ -58,3 +58,14 @@ def test_wire_round_trip_and_compatibility() -> None:
 def test_no_block_dimension_is_refused() -> None:
     with pytest.raises(UnsupportedLayout, match="block count"):
         BlockTable.from_layers(cpu_layers(), BLOCKS + 1)
+
+
+def test_layer_ranges_name_each_layers_ranges() -> None:
+    layers = cpu_layers(3)
+    table = BlockTable.from_layers([*layers, layers[1]], BLOCKS)  # the last shares layer 1's KV
+    assert table.layer_ranges == ((0,), (1,), (2,), (1,))
+    assert table.indices([4], table.layer_ranges[2]) == [2 * BLOCKS + 4]
+    flash = BlockTable.from_layers([torch.zeros(2, BLOCKS, SIZE, HEADS, DIM) for _ in range(2)],
+                                   BLOCKS)
+    assert flash.layer_ranges == ((0, 1), (2, 3))
+    assert BlockTable.from_wire(flash.to_wire()) == flash  # local knowledge, off the wire

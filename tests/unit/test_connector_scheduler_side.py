@@ -9,7 +9,12 @@ from vllm.v1.core.block_pool import BlockPool
 
 from turnkv_server.connector.leases import LeasePolicy
 from turnkv_server.connector.params import Receive, Send, TurnParams
-from turnkv_server.connector.scheduler_side import ReceiveOrder, SchedulerSide, SendOrder
+from turnkv_server.connector.scheduler_side import (
+    ReceiveOrder,
+    SchedulerSide,
+    SendOrder,
+    StreamOrder,
+)
 
 BLOCKS = 32
 BLOCK = 16
@@ -199,3 +204,31 @@ def test_sends_nobody_registered_for_are_abandoned_when_leases_are_not_enough() 
     assert side.build_orders().abandons == ["t1"]
     side.get_num_new_matched_tokens(newcomer, 0)  # asked again before the worker acted
     assert side.build_orders().abandons == []
+
+
+def test_a_sending_request_names_the_blocks_each_step_completes() -> None:
+    _, side = setup()
+    req = request("r1", 70, session="s", send=Send("t1"))  # blocks 0..3 full, 4 holds 6 tokens
+    side.on_new_request(req)
+    # Step 1: tokens 10..40 of a prompt whose first 10 hit the cache; completes blocks 0 and 1.
+    side.scheduled("r1", [20, 21, 22], True, 10, 30)
+    # Step 2: tokens 40..70, with two more blocks; completes 2, 3 and the prompt's last block.
+    side.scheduled("r1", [23, 24], False, 40, 30)
+    # Decoding: nothing more to stream.
+    side.scheduled("r1", [], False, 70, 1)
+    assert side.build_orders().streams == [
+        StreamOrder("t1", [(0, 20), (1, 21)]),
+        StreamOrder("t1", [(2, 22), (3, 23), (4, 24)]),
+    ]
+    # Preempted and resumed: new blocks, and the worker is told to distrust what it wrote.
+    side.scheduled("r1", [30, 31, 32, 33, 34], True, 0, 70)
+    assert side.build_orders().streams == [
+        StreamOrder("t1", [(0, 30), (1, 31), (2, 32), (3, 33), (4, 34)], restart=True)]
+
+
+def test_only_sending_requests_stream() -> None:
+    _, side = setup()
+    side.on_new_request(request("r1", 64, session="s"))
+    side.scheduled("r1", [1, 2, 3, 4], True, 0, 64)
+    side.scheduled("untracked", [5], True, 0, 16)
+    assert side.build_orders().streams == []

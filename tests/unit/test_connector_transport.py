@@ -155,3 +155,67 @@ def test_an_abandoned_send_frees_its_blocks_and_fails_a_late_registration(
     wait_until(lambda: "rx" in receiver.collect().finished_recving)
     assert receiver.results.failed_blocks == {3, 4}
     assert bool((receiver.buffer == -1.0).all())
+
+
+def registered(engine: Engine, transfer_id: str) -> Callable[[], bool]:
+    # The sender's thread owns its registrations; reading the dict's keys is enough here.
+    return lambda: transfer_id in engine.agent._regs
+
+
+def test_layers_written_during_the_request_are_not_written_again(
+        pair: tuple[Engine, Engine, str]) -> None:
+    sender, receiver, address = pair
+    # The request's blocks are 0..4; the receiver lacks 2..4, into its blocks 7, 1, 5.
+    receiver.agent.receive("rx", "t1", address, [7, 1, 5], first_block=2)
+    wait_until(registered(sender, "t1"))
+    sender.agent.write_layer("t1", 0, [(0, 0), (1, 1), (2, 2), (3, 3)])  # 0, 1: not wanted
+    sender.agent.write_layer("t1", 1, [(2, 2)])
+    wait_until(lambda: bool((receiver.buffer[1, 7] == 3.0).all()))
+    streamed = sender.buffer.clone()
+    # Were blocks 2 and 3 rewritten at the end, these new bytes would show at the receiver.
+    sender.buffer[:, 2:5] += 100.0
+    sender.agent.send("tx", "t1", [0, 1, 2, 3, 4])
+    wait_until(lambda: "rx" in receiver.collect().finished_recving)
+    wait_until(lambda: "tx" in sender.collect().finished_sending)
+    assert receiver.results.failed_blocks == set()
+    assert torch.equal(receiver.buffer[0, 7], streamed[0, 2])   # layer 0, streamed
+    assert torch.equal(receiver.buffer[0, 1], streamed[0, 3])
+    assert torch.equal(receiver.buffer[1, 7], streamed[1, 2])   # layer 1, streamed
+    assert torch.equal(receiver.buffer[1, 1], sender.buffer[1, 3])  # layer 1, at the end
+    assert torch.equal(receiver.buffer[:, 5], sender.buffer[:, 4])  # both layers, at the end
+    layer_block = 4 * 16 * 4
+    counters = sender.results.counters
+    assert counters.bytes_streamed == 3 * layer_block
+    assert (counters.blocks_sent, counters.bytes_sent) == (3, 3 * LAYERS * layer_block)
+    untouched = [b for b in range(BLOCKS) if b not in (7, 1, 5)]
+    assert bool((receiver.buffer[:, untouched] == -1.0).all())
+
+
+def test_a_fully_streamed_transfer_still_notifies(pair: tuple[Engine, Engine, str]) -> None:
+    sender, receiver, address = pair
+    receiver.agent.receive("rx", "t1", address, [6, 2], first_block=0)
+    wait_until(registered(sender, "t1"))
+    for layer in range(LAYERS):
+        sender.agent.write_layer("t1", layer, [(0, 3), (1, 4)])
+    sender.agent.send("tx", "t1", [3, 4])
+    wait_until(lambda: "rx" in receiver.collect().finished_recving)
+    assert receiver.results.failed_blocks == set()
+    assert torch.equal(receiver.buffer[:, 6], sender.buffer[:, 3])
+    assert torch.equal(receiver.buffer[:, 2], sender.buffer[:, 4])
+
+
+def test_a_restarted_request_is_written_whole_at_the_end(pair: tuple[Engine, Engine, str]
+                                                         ) -> None:
+    sender, receiver, address = pair
+    receiver.agent.receive("rx", "t1", address, [6, 2], first_block=0)
+    wait_until(registered(sender, "t1"))
+    sender.agent.write_layer("t1", 0, [(0, 3), (1, 4)])
+    # Preempted: its blocks may have been reused, so nothing streamed so far is trusted, nor
+    # anything streamed after (an old write could land after a new one).
+    sender.agent.write_layer("t1", 0, [], restart=True)
+    sender.agent.write_layer("t1", 1, [(0, 3), (1, 4)])
+    sender.buffer[:, 3:5] += 100.0
+    sender.agent.send("tx", "t1", [3, 4])
+    wait_until(lambda: "rx" in receiver.collect().finished_recving)
+    assert torch.equal(receiver.buffer[:, 6], sender.buffer[:, 3])
+    assert torch.equal(receiver.buffer[:, 2], sender.buffer[:, 4])

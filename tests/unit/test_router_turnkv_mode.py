@@ -18,9 +18,9 @@ from turnkv_server.router.turn import Turn
 from turnkv_server.router.turnkv_mode import (
     PRESSURE_BACKOFF_S,
     SHORT_DELTA,
-    is_short_delta,
     lease_key,
     lost_history,
+    new_tokens,
 )
 from turnkv_server.router.upstream import Upstream
 
@@ -103,14 +103,11 @@ def test_engines_load_the_turnkv_connector_on_both_roles() -> None:
 
 def test_a_short_delta_is_counted_from_the_first_difference() -> None:
     history = list(range(100))
-    assert is_short_delta([*history, 1, 2, 3], history, limit=3)
-    assert not is_short_delta([*history, 1, 2, 3, 4], history, limit=3)
+    assert new_tokens([*history, 1, 2, 3], history) == 3
     # An edited history counts every token past the edit as new.
     edited = [*history[:50], -1, *history[51:], 1]
-    assert not is_short_delta(edited, history, limit=3)
-    # Nothing held yet, or the feature off: the prefill engine serves.
-    assert not is_short_delta([1, 2], [], limit=100)
-    assert not is_short_delta([*history, 1], history, limit=0)
+    assert new_tokens(edited, history) == 51
+    assert new_tokens([1, 2], []) == 2
 
 
 def test_decode_alone_needs_a_limit_a_history_and_the_sessions_decode_engine() -> None:

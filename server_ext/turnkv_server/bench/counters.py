@@ -30,6 +30,12 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
     "nixl_transfers": ("vllm:nixl_bytes_transferred", "_count", None),
     # The turnkv connector counts each transfer once, on the engine that received it.
     "turnkv_bytes_received": ("turnkv:bytes_received", "_total", None),
+    # ...and its sender: the bytes it wrote while the request computed, and the time from the
+    # last write's start to its end (on a prefill engine: what the decode engine waits for).
+    "turnkv_bytes_sent": ("turnkv:bytes_sent", "_total", None),
+    "turnkv_bytes_streamed": ("turnkv:bytes_streamed", "_total", None),
+    "turnkv_sends_done": ("turnkv:sends_done", "_total", None),
+    "turnkv_send_seconds": ("turnkv:send_seconds", "_total", None),
     "turnkv_blocks_received": ("turnkv:blocks_received", "_total", None),
     "turnkv_receives_failed": ("turnkv:receives_failed", "_total", None),
     "turnkv_leases_pressure": ("turnkv:leases_pressure", "_total", None),

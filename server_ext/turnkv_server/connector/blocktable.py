@@ -5,15 +5,23 @@ a paged cache has the same shape, so block `b`'s ranges are block 0's moved by a
 per range: the table keeps block 0's ranges and those strides (checked on the last block), and
 a peer can address any of our blocks from that short description. Descriptor `r * N + b` is
 range `r` of block `b` (N blocks): a transfer of some blocks is a list of indices on each side.
+`layer_ranges` says which ranges belong to which layer (of the cache as the engine lists it),
+so one layer of some blocks can be written on its own while the model computes the next.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from turnkv_server.connector.layout import KVTensor, UnsupportedLayout, block_regions
+from turnkv_server.connector.layout import (
+    KVTensor,
+    UnsupportedLayout,
+    block_regions,
+    block_regions_by_layer,
+    tensor_key,
+)
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,9 @@ class BlockTable:
     ranges: tuple[tuple[int, int, int], ...]
     mem_type: str = "DRAM"
     device: int = 0
+    # Range indices of each layer, in the engine's layer order; local knowledge, not on the
+    # wire (a compatible peer's ranges line up one for one).
+    layer_ranges: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
 
     @classmethod
     def from_layers(cls, layers: Sequence[KVTensor], num_blocks: int, mem_type: str = "DRAM",
@@ -32,8 +43,10 @@ class BlockTable:
             raise UnsupportedLayout("no KV tensors to describe")
         block_dim = find_block_dim(layers[0], num_blocks)
         first = block_regions(layers, block_dim, 0)
+        by_layer = _ranges_by_layer(layers, block_dim)
         if num_blocks == 1:
-            return cls(1, tuple((r.address, r.length, 0) for r in first), mem_type, device)
+            return cls(1, tuple((r.address, r.length, 0) for r in first), mem_type, device,
+                       by_layer)
         second = block_regions(layers, block_dim, 1)
         last = block_regions(layers, block_dim, num_blocks - 1)
         if not len(first) == len(second) == len(last):
@@ -44,7 +57,7 @@ class BlockTable:
             if a.length != b.length or z.address != a.address + (num_blocks - 1) * stride:
                 raise UnsupportedLayout("KV blocks are not evenly strided in memory")
             ranges.append((a.address, a.length, stride))
-        return cls(num_blocks, tuple(ranges), mem_type, device)
+        return cls(num_blocks, tuple(ranges), mem_type, device, by_layer)
 
     @property
     def block_bytes(self) -> int:
@@ -56,13 +69,15 @@ class BlockTable:
                 for address, length, stride in self.ranges
                 for b in range(self.num_blocks)]
 
-    def indices(self, blocks: Sequence[int]) -> list[int]:
-        """Descriptor indices of `blocks`, range-major (every block's range 0, then range 1...)."""
+    def indices(self, blocks: Sequence[int], ranges: Sequence[int] | None = None) -> list[int]:
+        """Descriptor indices of `blocks`, range-major (every block's range 0, then range 1...);
+        only `ranges` of each block if given (one layer's, say)."""
         n = self.num_blocks
         for b in blocks:
             if not 0 <= b < n:
                 raise IndexError(f"block {b} of {n}")
-        return [r * n + b for r in range(len(self.ranges)) for b in blocks]
+        which = range(len(self.ranges)) if ranges is None else ranges
+        return [r * n + b for r in which for b in blocks]
 
     def compatible(self, other: BlockTable) -> bool:
         """Whether blocks can be copied range for range between the two caches."""
@@ -78,6 +93,18 @@ class BlockTable:
         return cls(int(wire["num_blocks"]),
                    tuple((int(a), int(n), int(s)) for a, n, s in wire["ranges"]),
                    str(wire["mem_type"]), int(wire["device"]))
+
+
+def _ranges_by_layer(layers: Sequence[KVTensor], block_dim: int) -> tuple[tuple[int, ...], ...]:
+    # A layer listed twice (shared KV) owns the ranges of its first listing.
+    owned: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}
+    out, n = [], 0
+    for t, regions in zip(layers, block_regions_by_layer(layers, block_dim, 0), strict=True):
+        if regions is not None:
+            owned[tensor_key(t)] = tuple(range(n, n + len(regions)))
+            n += len(regions)
+        out.append(owned[tensor_key(t)])
+    return tuple(out)
 
 
 def find_block_dim(tensor: KVTensor, num_blocks: int) -> int:

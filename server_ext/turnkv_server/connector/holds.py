@@ -60,9 +60,9 @@ class BlockHolder:
         """End a session's hold (`final`, DELETE); returns the references freed."""
         return self._free(self.leases.release(session_id, reason))
 
-    def expire(self) -> int:
-        """Free the holds past their deadline; cheap enough to call every scheduler step."""
-        return self._free(self.leases.expire())
+    def expire(self, at_most_every_s: float = 0.0) -> int:
+        """Free the holds past their deadline (see `LeaseTable.expire`)."""
+        return self._free(self.leases.expire(at_most_every_s))
 
     def make_room(self, blocks_needed: int, keep: Iterable[str] = ()) -> int:
         """Free holds until `blocks_needed` blocks are free (or nothing is left to free)."""

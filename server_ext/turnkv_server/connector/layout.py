@@ -63,25 +63,40 @@ def contiguous_regions(t: KVTensor) -> list[Region]:
 
 
 def block_regions(layers: Sequence[KVTensor], block_dim: int, block: int) -> list[Region]:
-    """Every byte range that holds `block`, layer after layer.
+    """Every byte range that holds `block`, layer after layer."""
+    regions: list[Region] = []
+    for own in block_regions_by_layer(layers, block_dim, block):
+        regions += own or []
+    return regions
+
+
+def block_regions_by_layer(layers: Sequence[KVTensor], block_dim: int,
+                           block: int) -> list[list[Region] | None]:
+    """`block`'s byte ranges in each of `layers`, in order.
 
     Tensors that share storage (layers viewing one buffer) are distinct views and each
     contributes its own ranges; a tensor repeated in `layers` (the same view twice, as vLLM
-    passes shared KV) counts once.
+    passes shared KV) has its ranges once, at its first place, and `None` at the others.
     """
     seen: set[tuple[int, tuple[int, ...]]] = set()
-    regions: list[Region] = []
+    out: list[list[Region] | None] = []
     for t in layers:
-        key = (t.data_ptr(), tuple(t.shape))
+        key = tensor_key(t)
         if key in seen:
+            out.append(None)
             continue
         seen.add(key)
         if not 0 <= block_dim < t.dim():
             raise UnsupportedLayout(f"block dimension {block_dim} of a {t.dim()}-d KV tensor")
         if not 0 <= block < t.shape[block_dim]:
             raise IndexError(f"block {block} of {t.shape[block_dim]}")
-        regions += contiguous_regions(t.select(block_dim, block))
-    return regions
+        out.append(contiguous_regions(t.select(block_dim, block)))
+    return out
+
+
+def tensor_key(t: KVTensor) -> tuple[int, tuple[int, ...]]:
+    """What makes two entries of a layer list the same view of memory."""
+    return t.data_ptr(), tuple(t.shape)
 
 
 def check_parallelism(tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:

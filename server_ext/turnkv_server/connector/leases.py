@@ -83,6 +83,7 @@ class LeaseTable:
         self.policy = policy or LeasePolicy()
         self.cap_blocks = int(total_blocks * self.policy.max_pinned_fraction)
         self._clock = clock
+        self._next_expiry = float("-inf")
         self._leases: dict[str, Lease] = {}
         # How many leases hold each block: the cap counts distinct blocks.
         self._refs: Counter[int] = Counter()
@@ -147,9 +148,14 @@ class LeaseTable:
             return Released((), reason)
         return Released((self._end(lease, reason),), reason)
 
-    def expire(self) -> Released:
-        """End every lease past its deadline; called lazily from scheduler callbacks."""
+    def expire(self, at_most_every_s: float = 0.0) -> Released:
+        """End every lease past its deadline; called lazily from scheduler callbacks, which
+        may ask to look at most every `at_most_every_s` (a held block past its TTL is
+        harmless until then)."""
         now = self._clock()
+        if now < self._next_expiry:
+            return Released((), "expired")
+        self._next_expiry = now + at_most_every_s
         gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
         return Released(tuple(self._end(lease, "expired") for lease in gone), "expired")
 

@@ -8,6 +8,9 @@ order"); it owns the block pool's extra references (`holds`) and decides, per re
   router's transfer ID (`ReceiveOrder`). Nothing to fetch: the peer is told so (`decline`).
 - send: when the request ends its blocks stay allocated (delay-free) until the worker has
   written them to whichever engine registers the transfer ID, or gives up (`SendOrder`).
+- stream: while a request that will send computes its prompt, each step names the blocks it
+  completes, so that the worker can write them layer by layer as the model computes them, if
+  the receiver has registered already (`StreamOrder`);
 - lease: when the request ends its blocks are held for its session by reference, which costs
   the engine no steps; the next turn's prompt hits them as ordinary prefix-cache blocks.
 
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -70,6 +72,16 @@ class SendOrder:
     blocks: list[int]
 
 
+@dataclass(frozen=True)
+class StreamOrder:
+    """This step completes `blocks` ((index in the request, block ID) pairs) of a request whose
+    KV goes to `transfer_id`'s receiver. `restart`: the request was preempted and recomputes."""
+
+    transfer_id: str
+    blocks: list[tuple[int, int]]
+    restart: bool = False
+
+
 @dataclass
 class StepOrders:
     receives: list[ReceiveOrder] = field(default_factory=list)
@@ -79,15 +91,19 @@ class StepOrders:
     refusals: list[str] = field(default_factory=list)
     # Sends to give up if nobody has registered for them yet: their blocks are needed here.
     abandons: list[str] = field(default_factory=list)
+    streams: list[StreamOrder] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.receives or self.sends or self.declines or self.refusals
-                    or self.abandons)
+                    or self.abandons or self.streams)
 
 
 @dataclass
 class _Tracked:
     params: TurnParams
+    prompt_tokens: int = 0
+    # The request's block IDs as its steps were scheduled (sending requests only).
+    blocks: list[int] | None = None
     local_tokens: int = 0
     external_tokens: int = 0
     receive_done: bool = False
@@ -105,7 +121,6 @@ class SchedulerSide:
         self._receiving: dict[str, frozenset[int]] = {}
         self._orders = StepOrders()
         self._stats: dict[str, Any] = {}
-        self._last_expiry = 0.0
         self._released_seen: dict[str, int] = {}
         # Delay-freed requests waiting for their send, oldest first: request ID ->
         # (transfer ID, blocks, abandoned).
@@ -126,7 +141,7 @@ class SchedulerSide:
             params = None
         if params is None:
             return
-        self._tracked[request.request_id] = _Tracked(params)
+        self._tracked[request.request_id] = _Tracked(params, request.num_prompt_tokens)
         holder = self._holder()
         self._expire()
         if params.session is None:
@@ -175,6 +190,31 @@ class SchedulerSide:
             list(block_ids[first:last]), first, receive.timeout_s))
         self._receiving[request.request_id] = frozenset(block_ids[first:last])
         self._count("tokens_requested", num_external_tokens)
+
+    def scheduled(self, request_id: str, new_blocks: Sequence[int], replace: bool,
+                  computed_tokens: int, scheduled_tokens: int) -> None:
+        """The step being built computes `scheduled_tokens` tokens of the request from
+        `computed_tokens` on, with `new_blocks` added to its blocks (or, `replace`, as all
+        of them: a new or resumed request). Emits the blocks the step completes."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.params.send is None:
+            return
+        restart = replace and tracked.blocks is not None
+        if replace or tracked.blocks is None:
+            tracked.blocks = list(new_blocks)
+        else:
+            tracked.blocks += new_blocks
+        prompt = tracked.prompt_tokens
+        start, end = computed_tokens, min(computed_tokens + scheduled_tokens, prompt)
+        if start >= end:
+            return  # decoding: the prompt's blocks are complete
+        size = self.block_size
+        done = [(k, tracked.blocks[k])
+                for k in range(start // size, (end - 1) // size + 1)
+                if min((k + 1) * size, prompt) <= end and k < len(tracked.blocks)]
+        if done or restart:
+            self._orders.streams.append(StreamOrder(tracked.params.send.transfer_id, done,
+                                                    restart))
 
     def request_finished(self, request: Request, block_ids: Sequence[int],
                          session_id: str | None = None) -> tuple[bool, dict[str, Any] | None]:
@@ -272,11 +312,8 @@ class SchedulerSide:
         return self.holder
 
     def _expire(self) -> None:
-        now = time.monotonic()
-        if now - self._last_expiry >= EXPIRY_CHECK_S:
-            self._last_expiry = now
-            if self._holder().expire():
-                self._gauges()
+        if self._holder().expire(EXPIRY_CHECK_S):
+            self._gauges()
 
     def _gauges(self) -> None:
         leases = self._holder().leases

@@ -19,6 +19,7 @@ class TransferCounters:
 
     blocks_sent: int = 0
     bytes_sent: int = 0
+    bytes_streamed: int = 0
     blocks_received: int = 0
     bytes_received: int = 0
     sends_done: int = 0
@@ -46,6 +47,7 @@ GAUGES = ("pinned_blocks", "leases")
 HELP = {
     "blocks_sent": "KV blocks this engine wrote to another engine",
     "bytes_sent": "KV bytes this engine wrote to another engine",
+    "bytes_streamed": "KV bytes written layer by layer while the sending request still computed",
     "blocks_received": "KV blocks another engine wrote into this one",
     "bytes_received": "KV bytes another engine wrote into this one",
     "sends_done": "Transfers this engine completed as the sender",

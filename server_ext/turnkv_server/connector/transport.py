@@ -12,7 +12,14 @@ the engine that has them, under a transfer ID both were given by the router:
               <-- or `failed {transfer_id, reason}` over the side channel
 
 The sender writes its blocks `first_block ...` into the receiver's registered blocks, range by
-range. Every failure ends the transfer on both sides: the receiver reports its blocks as load
+range. When the registration arrives while the sender's request is still computing (a prefill
+and its decode are dispatched together), the sender does not wait for the end: after each layer
+of a step, it writes that layer of the blocks the step completed (`write_layer`), so that when
+the request ends only what was not streamed remains (blocks complete before the registration, or
+layers computed before it arrived), in one last write that carries the notification. That last
+write starts once the layer writes have completed, so the notification never overtakes them.
+
+Every failure ends the transfer on both sides: the receiver reports its blocks as load
 errors (vLLM recomputes them) and the sender lets its request's blocks go. Deadlines keep a
 late write out of blocks the receiver has given up on: the sender starts a write only within
 half the receiver's timeout of the registration's arrival.
@@ -64,6 +71,20 @@ class TransferResults:
 
 
 @dataclass
+class _Stream:
+    """The layer-by-layer writes of one transfer, while the sender's request computes."""
+
+    # Layer -> indices (in the sender's request) of the blocks whose final content was written.
+    done: dict[int, set[int]] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)
+    nbytes: int = 0
+    # The request was preempted and recomputes: what was streamed may have been read from
+    # blocks since reused, so the last write sends everything, after these writes end.
+    stopped: bool = False
+    failed: bool = False
+
+
+@dataclass
 class _Receive:
     request_id: str
     peer: str
@@ -101,6 +122,7 @@ class _Write:
     nbytes: int
     nblocks: int
     started: float
+    streamed: int = 0
 
 
 @dataclass
@@ -141,6 +163,9 @@ class TransferAgent:
         self._sends: dict[str, _Send] = {}
         self._regs: dict[str, _Registration] = {}
         self._writes: dict[str, _Write] = {}
+        self._streams: dict[str, _Stream] = {}
+        # Layer writes of transfers that ended early, kept until NIXL is done with them.
+        self._draining: list[Any] = []
         # Transfers cancelled before the sender's request finished, until when to remember them.
         self._cancelled: dict[str, float] = {}
         # Transfers this engine cannot serve, for registrations still on their way.
@@ -175,6 +200,13 @@ class TransferAgent:
     def send(self, request_id: str, transfer_id: str, blocks: list[int]) -> None:
         self._command("send", (request_id, transfer_id, blocks))
 
+    def write_layer(self, transfer_id: str, layer: int, blocks: list[tuple[int, int]],
+                    restart: bool = False) -> None:
+        """Layer `layer` of `blocks` ((index in the request, block ID) pairs) is final: write
+        it now if a receiver has registered `transfer_id`. `restart`: the request was
+        preempted and computes again."""
+        self._command("write_layer", (transfer_id, layer, blocks, restart))
+
     def refuse(self, transfer_id: str) -> None:
         """This engine has nothing to send under `transfer_id`: fail its registration."""
         self._command("refuse", (transfer_id,))
@@ -208,6 +240,9 @@ class TransferAgent:
         with contextlib.suppress(Exception):
             for write in self._writes.values():
                 self._nixl.release_xfer_handle(write.handle)
+            for handle in self._draining + [h for st in self._streams.values()
+                                            for h in st.handles]:
+                self._nixl.release_xfer_handle(handle)
             for agent, (dlist, _) in self._remote.items():
                 self._nixl.release_dlist_handle(dlist)
                 self._nixl.remove_remote_agent(agent)
@@ -215,7 +250,7 @@ class TransferAgent:
                 self._nixl.release_dlist_handle(self._local_dlist)
             if self._registered is not None:
                 self._nixl.deregister_memory(self._registered)
-        self._writes, self._remote = {}, {}
+        self._writes, self._remote, self._streams, self._draining = {}, {}, {}, []
         self._local_dlist = self._registered = None
 
     def _command(self, name: str, args: tuple[Any, ...]) -> None:
@@ -257,7 +292,8 @@ class TransferAgent:
                 log.exception("turnkv transfer thread")
 
     def _timeout_ms(self) -> int | None:
-        if self._writes or self._receives:
+        if self._writes or self._receives or self._draining or \
+                any(st.handles for st in self._streams.values()):
             return TICK_MS
         deadlines = [s.deadline for s in self._sends.values()] + \
             [r.write_deadline for r in self._regs.values()] + \
@@ -276,9 +312,12 @@ class TransferAgent:
                 self._start_receive(*args)
             elif name == "send":
                 self._start_send(*args)
+            elif name == "write_layer":
+                self._write_layer(*args)
             elif name == "refuse":
                 (transfer_id,) = args
                 reg = self._regs.pop(transfer_id, None)
+                self._drop_stream(transfer_id)
                 if reg is not None:
                     self._reply(reg.identity, {"op": "failed", "transfer_id": transfer_id,
                                                "reason": "the sender's request did not run"})
@@ -446,6 +485,7 @@ class TransferAgent:
             # The receiver needs nothing (it had every block) or gave up.
             transfer_id = msg.get("transfer_id", "")
             self._regs.pop(transfer_id, None)
+            self._drop_stream(transfer_id)
             send = self._sends.pop(transfer_id, None)
             if send is not None:
                 self._finish_send(send.request_id)
@@ -456,15 +496,67 @@ class TransferAgent:
         assert self._router is not None
         self._router.send_multipart([identity, msgspec.msgpack.encode(msg)])
 
+    def _write_layer(self, transfer_id: str, layer: int, blocks: list[tuple[int, int]],
+                     restart: bool) -> None:
+        reg = self._regs.get(transfer_id)
+        if reg is None:
+            return  # nobody registered yet, or the last write is under way
+        stream = self._streams.get(transfer_id)
+        if stream is None:
+            # Nothing was written before a restart, so there is nothing to distrust.
+            stream = self._streams[transfer_id] = _Stream()
+        elif restart and not stream.stopped:
+            stream.stopped = True
+            stream.done.clear()
+        remote = self._remote.get(reg.agent)
+        if stream.stopped or stream.failed or remote is None or \
+                self._clock() > reg.write_deadline or layer >= len(self.table.layer_ranges):
+            return
+        end = reg.first_block + len(reg.blocks)
+        wanted = [(k, block) for k, block in blocks if reg.first_block <= k < end]
+        if not wanted:
+            return
+        remote_dlist, remote_table = remote
+        ranges = self.table.layer_ranges[layer]
+        try:
+            handle = self._nixl.make_prepped_xfer(
+                "WRITE", self._local_dlist, self.table.indices([b for _, b in wanted], ranges),
+                remote_dlist,
+                remote_table.indices([reg.blocks[k - reg.first_block] for k, _ in wanted],
+                                     ranges), b"")
+            state = self._nixl.transfer(handle)
+        except Exception as exc:  # the last write reports it to the receiver
+            log.warning("turnkv: layer write for %s failed: %s", transfer_id, exc)
+            stream.failed = True
+            return
+        if state == "ERR":
+            self._nixl.release_xfer_handle(handle)
+            stream.failed = True
+            return
+        stream.handles.append(handle)
+        stream.done.setdefault(layer, set()).update(k for k, _ in wanted)
+        stream.nbytes += len(wanted) * sum(self.table.ranges[r][1] for r in ranges)
+
+    def _drop_stream(self, transfer_id: str) -> None:
+        stream = self._streams.pop(transfer_id, None)
+        if stream is not None:
+            self._draining += stream.handles
+
     def _try_write(self, transfer_id: str) -> None:
         send, reg = self._sends.get(transfer_id), self._regs.get(transfer_id)
         if send is None or reg is None:
             return
+        stream = self._streams.get(transfer_id)
+        if stream is not None and stream.handles:
+            return  # layer writes still in flight; `_progress` comes back when they end
         del self._sends[transfer_id], self._regs[transfer_id]
+        self._streams.pop(transfer_id, None)
         source = send.blocks[reg.first_block:reg.first_block + len(reg.blocks)]
         remote = self._remote.get(reg.agent)
         reason = None
-        if len(source) < len(reg.blocks):
+        if stream is not None and stream.failed:
+            reason = "a layer-by-layer write failed"
+        elif len(source) < len(reg.blocks):
             reason = (f"sender holds {len(send.blocks)} blocks, asked for blocks "
                       f"{reg.first_block}..{reg.first_block + len(reg.blocks) - 1}")
         elif remote is None:
@@ -478,10 +570,10 @@ class TransferAgent:
             return
         assert remote is not None
         remote_dlist, remote_table = remote
+        local, remote_indices = self._last_write(source, reg, remote_table, stream)
         try:
             handle = self._nixl.make_prepped_xfer(
-                "WRITE", self._local_dlist, self.table.indices(source),
-                remote_dlist, remote_table.indices(reg.blocks),
+                "WRITE", self._local_dlist, local, remote_dlist, remote_indices,
                 NOTIF_PREFIX + transfer_id.encode())
             state = self._nixl.transfer(handle)
         except Exception as exc:  # stale metadata, a dead peer: NIXL raises
@@ -497,7 +589,24 @@ class TransferAgent:
             return
         self._writes[transfer_id] = _Write(send.request_id, reg.identity, handle,
                                            len(source) * self.table.block_bytes, len(source),
-                                           self._clock())
+                                           self._clock(), stream.nbytes if stream else 0)
+
+    def _last_write(self, source: list[int], reg: _Registration, remote_table: BlockTable,
+                    stream: _Stream | None) -> tuple[list[int], list[int]]:
+        """Descriptor indices (local, remote) of what the receiver still lacks."""
+        if stream is None or not stream.done:
+            return self.table.indices(source), remote_table.indices(reg.blocks)
+        local: list[int] = []
+        remote: list[int] = []
+        for layer, ranges in enumerate(self.table.layer_ranges):
+            done = stream.done.get(layer, set())
+            todo = [i for i in range(len(source)) if reg.first_block + i not in done]
+            local += self.table.indices([source[i] for i in todo], ranges)
+            remote += remote_table.indices([reg.blocks[i] for i in todo], ranges)
+        if not local:
+            # Every layer of every block is there; the notification still needs a write.
+            return self.table.indices(source[-1:]), remote_table.indices(reg.blocks[-1:])
+        return local, remote
 
     def _finish_send(self, request_id: str, failed: bool = False,
                      write: _Write | None = None) -> None:
@@ -510,6 +619,7 @@ class TransferAgent:
                 c.sends_done += 1
                 c.blocks_sent += write.nblocks
                 c.bytes_sent += write.nbytes
+                c.bytes_streamed += write.streamed
                 c.send_seconds += self._clock() - write.started
 
     # both
@@ -526,6 +636,14 @@ class TransferAgent:
                 self._reply(write.identity, {"op": "failed", "transfer_id": transfer_id,
                                              "reason": f"NIXL write ended {state}"})
             self._finish_send(write.request_id, failed=state != "DONE", write=write)
+        self._draining, _ = self._settle(self._draining)
+        for transfer_id, stream in list(self._streams.items()):
+            if not stream.handles:
+                continue
+            stream.handles, failed = self._settle(stream.handles)
+            stream.failed |= failed
+            if not stream.handles:
+                self._try_write(transfer_id)
         if self._receives:
             self._on_notifs()
         for transfer_id, rx in list(self._receives.items()):
@@ -543,8 +661,21 @@ class TransferAgent:
         for transfer_id, reg in list(self._regs.items()):
             if now > reg.write_deadline:
                 del self._regs[transfer_id]
+                self._drop_stream(transfer_id)
                 self._reply(reg.identity, {"op": "failed", "transfer_id": transfer_id,
                                            "reason": "the sender's request never came"})
+
+    def _settle(self, handles: list[Any]) -> tuple[list[Any], bool]:
+        """Release the handles NIXL is done with: (those still in flight, whether any failed)."""
+        pending, failed = [], False
+        for handle in handles:
+            state = self._nixl.check_xfer_state(handle)
+            if state == "PROC":
+                pending.append(handle)
+            else:
+                self._nixl.release_xfer_handle(handle)
+                failed |= state != "DONE"
+        return pending, failed
 
     def _send_msg(self, peer: _Peer, msg: dict[str, Any]) -> None:
         peer.socket.send(msgspec.msgpack.encode(msg))

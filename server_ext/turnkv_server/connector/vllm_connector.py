@@ -13,6 +13,9 @@ and `worker_side` (NIXL). Settings, all in `kv_connector_extra_config`:
 - ``lease_ttl_s`` (300), ``lease_max_ttl_s`` (900): the default lease and the operator's cap;
 - ``max_pinned_fraction`` (0.5): the share of the cache leases may hold;
 - ``receive_timeout_s`` (120), ``send_timeout_s`` (60): how long a transfer may take to start;
+- ``layer_writes`` (true): write a prefill's KV layer by layer while it computes, when the
+  receiver has registered (CPU caches; a GPU cache gets one write at the end, see
+  `worker_side`);
 - ``side_channel_host``/``side_channel_port``: where peers reach this engine (default: vLLM's
   ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``).
 """
@@ -43,6 +46,10 @@ from turnkv_server.connector.layout import check_parallelism  # noqa: E402
 from turnkv_server.connector.leases import LeasePolicy  # noqa: E402
 from turnkv_server.connector.scheduler_side import SchedulerSide, StepOrders  # noqa: E402
 from turnkv_server.connector.worker_side import WorkerSide  # noqa: E402
+
+
+def _flag(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() not in ("0", "false", "no")
 
 
 def _log_like_vllm() -> None:
@@ -127,7 +134,8 @@ class TurnkvConnector(KVConnectorBase_V1):
                 str(self._kv_transfer_config.engine_id),
                 (str(host), int(port)) if port else None,
                 float(extra.get("receive_timeout_s", 120.0)),
-                float(extra.get("send_timeout_s", 60.0)))
+                float(extra.get("send_timeout_s", 60.0)),
+                layer_writes=_flag(extra.get("layer_writes", True)))
 
     # -- scheduler side ----------------------------------------------------------------------
 
@@ -147,7 +155,16 @@ class TurnkvConnector(KVConnectorBase_V1):
                                                num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return TurnkvMetadata(self._sched().build_orders())
+        sched, counts = self._sched(), scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            sched.scheduled(new.req_id, new.block_ids[0] if new.block_ids else [], True,
+                            new.num_computed_tokens, counts.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            added = cached.new_block_ids[i]
+            sched.scheduled(req_id, added[0] if added else [], req_id in cached.resumed_req_ids,
+                            cached.num_computed_tokens[i], counts.get(req_id, 0))
+        return TurnkvMetadata(sched.build_orders())
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -164,12 +181,11 @@ class TurnkvConnector(KVConnectorBase_V1):
     # -- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work().register_kv_caches(list(kv_caches.values()),
-                                        self._kv_cache_config.num_blocks)
+        self._work().register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if isinstance(connector_metadata, TurnkvMetadata) and connector_metadata.orders:
+        if isinstance(connector_metadata, TurnkvMetadata):
             self._work().apply(connector_metadata.orders)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -180,7 +196,8 @@ class TurnkvConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Blocks are sent when their request ends, to whoever registered for them."""
+        """This layer of the step's completed blocks goes to registered receivers now."""
+        self._work().layer_computed(layer_name)
 
     def wait_for_save(self) -> None:
         """Sends are asynchronous and keep their blocks until reported in `get_finished`."""

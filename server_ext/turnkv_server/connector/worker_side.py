@@ -4,17 +4,22 @@ vLLM calls it from the model runner every step (empty steps included). It hands 
 scheduler's orders to the transfer thread (`transport.TransferAgent`) and reports back what
 finished: requests whose blocks arrived or were written, and, for a failed receive, the block
 IDs that vLLM must recompute. It never waits on the network: a step costs a queue put and a
-dictionary swap.
+dictionary swap, and each layer of a step that completes blocks of a sending request one more
+queue put (the layer-by-layer writes).
+
+Layer-by-layer writes run on CPU caches only. On a GPU the model's kernels run ahead of the
+host, so a layer's blocks are final only once a CUDA event recorded after the layer has
+completed; that is not built, and a GPU cache is sent in one write when its request ends.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from turnkv_server.connector.blocktable import BlockTable
-from turnkv_server.connector.scheduler_side import StepOrders
+from turnkv_server.connector.scheduler_side import StepOrders, StreamOrder
 from turnkv_server.connector.transport import TransferAgent
 
 log = logging.getLogger(__name__)
@@ -22,7 +27,8 @@ log = logging.getLogger(__name__)
 
 class WorkerSide:
     def __init__(self, engine_id: str, listen: tuple[str, int] | None,
-                 receive_timeout_s: float, send_timeout_s: float) -> None:
+                 receive_timeout_s: float, send_timeout_s: float,
+                 layer_writes: bool = True) -> None:
         self.engine_id = engine_id
         self.listen = listen
         self.receive_timeout_s = receive_timeout_s
@@ -30,10 +36,16 @@ class WorkerSide:
         self.agent: TransferAgent | None = None
         self._failed_blocks: set[int] = set()
         self._stats: dict[str, Any] = {}
+        self.layer_writes = layer_writes
+        self._layer_index: dict[str, int] = {}
+        self._streams: list[StreamOrder] = []
 
-    def register_kv_caches(self, layers: Sequence[Any], num_blocks: int) -> None:
-        """Describe and register the cache (torch tensors, one per layer), start the thread."""
+    def register_kv_caches(self, caches: Mapping[str, Any], num_blocks: int) -> None:
+        """Describe and register the cache (torch tensors by layer name), start the thread."""
+        layers = list(caches.values())
+        self._layer_index = {name: i for i, name in enumerate(caches)}
         device = layers[0].device
+        self.layer_writes &= device.type == "cpu"
         mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         table = BlockTable.from_layers(layers, num_blocks, mem_type, device.index or 0)
         # Layers are views; register each underlying buffer once.
@@ -49,7 +61,9 @@ class WorkerSide:
                  num_blocks, table.block_bytes, mem_type, self.agent.name, self.agent.address)
 
     def apply(self, orders: StepOrders) -> None:
+        """The step's orders, before its forward pass."""
         agent = self._agent()
+        self._streams = orders.streams if self.layer_writes else []
         for receive in orders.receives:
             agent.receive(receive.request_id, receive.transfer_id, receive.peer,
                           receive.blocks, receive.first_block, receive.timeout_s)
@@ -61,6 +75,16 @@ class WorkerSide:
             agent.refuse(transfer_id)
         for transfer_id in orders.abandons:
             agent.abandon(transfer_id)
+
+    def layer_computed(self, layer_name: str) -> None:
+        if not self._streams:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        agent = self._agent()
+        for stream in self._streams:
+            agent.write_layer(stream.transfer_id, layer, stream.blocks, stream.restart)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         if self.agent is None:

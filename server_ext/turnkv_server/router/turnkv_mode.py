@@ -68,19 +68,9 @@ def lease_key(session: Session) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
-def is_short_delta(prompt_ids: list[int], history: list[int], limit: int) -> bool:
-    """Whether the prompt extends the session's history by at most `limit` tokens.
-
-    `history` is the last turn's prompt and output. Tokens past the first difference count as
-    new: an edited history is long by this measure, and goes through the prefill engine.
-    """
-    if limit <= 0 or not history:
-        return False
-    return new_tokens(prompt_ids, history) <= limit
-
-
 def new_tokens(prompt_ids: list[int], history: list[int]) -> int:
-    """Tokens of the prompt past its first difference from the session's history."""
+    """Tokens of the prompt past its first difference from the session's history (the last
+    turn's prompt and output): an edited history counts from the edit."""
     return len(prompt_ids) - common_prefix_len(prompt_ids, history)
 
 
