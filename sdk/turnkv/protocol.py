@@ -40,7 +40,8 @@ HEADER_FALLBACK = "X-TurnKV-Fallback"
 
 
 def is_valid_id(value: str) -> bool:
-    return bool(_ID_RE.match(value))
+    # fullmatch: `$` alone would also accept a trailing newline.
+    return bool(_ID_RE.fullmatch(value))
 
 
 class CacheHints(BaseModel):

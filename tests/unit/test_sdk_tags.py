@@ -120,3 +120,9 @@ def test_random_session_ids_are_valid_and_distinct() -> None:
 def test_every_public_name_resolves() -> None:
     for name in turnkv.__all__:
         assert getattr(turnkv, name) is not None, name
+
+
+def test_ids_are_matched_whole() -> None:
+    assert p.is_valid_id("abc-1.2:3")
+    for bad in ("abc\n", "\nabc", "", "-abc", "a b", "x" * 129, "é"):
+        assert not p.is_valid_id(bad), repr(bad)

@@ -102,7 +102,9 @@ class Router:
         want_ids = bool(body.get("return_token_ids"))
         if self.tenants.enforced:
             body["cache_salt"] = self.tenants.cache_salt(tenant, body.get("cache_salt"))
-        session = self.sessions.open(SessionKey(tenant, tag.session_id)) if tag else None
+        key = SessionKey(tenant, tag.session_id) if tag else None
+        opened = key is not None and self.sessions.get(key) is None
+        session = self.sessions.open(key) if key is not None else None
         turn = Turn(path=path, body=body, tag=tag, session=session, mode=self.mode,
                     want_token_ids=want_ids)
         if session is not None:
@@ -115,6 +117,10 @@ class Router:
             # A streamed turn stays in flight until its relay ends.
             if session is not None and not isinstance(response, StreamingResponse):
                 session.in_flight = False
+                # A session whose first turn failed holds nothing worth a table entry.
+                failed = response is None or response.status_code >= 400
+                if opened and failed and session.turns == 0:
+                    self.release(session)
 
     async def _serve_turn(self, turn: Turn) -> Response:
         fallback, detail = _home_lost(self.pool, turn.session)
@@ -326,9 +332,15 @@ class Router:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.config.max_body_bytes:
             raise BadRequest(f"request body over {self.config.max_body_bytes} bytes", status=413)
-        raw = await request.body()
-        if len(raw) > self.config.max_body_bytes:
-            raise BadRequest(f"request body over {self.config.max_body_bytes} bytes", status=413)
+        # A chunked body has no length to check first: read it, up to the limit.
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.config.max_body_bytes:
+                raise BadRequest(f"request body over {self.config.max_body_bytes} bytes",
+                                 status=413)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             body = orjson.loads(raw)
         except ValueError as exc:
@@ -375,8 +387,9 @@ def _check_supported(body: dict[str, Any]) -> None:
     if "kv_transfer_params" in body:
         raise BadRequest("kv_transfer_params is set by the router, not by clients",
                          param="kv_transfer_params")
-    if not isinstance(body.get("model", ""), str):
-        raise BadRequest("model must be a string", param="model")
+    for name in ("model", "cache_salt"):
+        if not isinstance(body.get(name, ""), str):
+            raise BadRequest(f"{name} must be a string", param=name)
 
 
 def _early_headers(stats: p.TurnStats) -> dict[str, str]:
@@ -424,7 +437,10 @@ def create_app(config: RouterConfig) -> FastAPI:
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        # Turn counts and latencies of every tenant together: for the operator only.
+        if not router.tenants.is_admin(request.headers.get("authorization")):
+            return error_response(403, "the metrics route needs the admin key")
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -1,0 +1,315 @@
+"""Tenants, API keys and bad input, on a real `turnkv` cluster (tiny model, float32).
+
+The router is started with two tenants' API keys and an admin key. Tenants never see, extend
+or release each other's sessions, even under the same session ID, and never hit each other's
+cached prefixes. Then the router's HTTP API is fuzzed (hypothesis): whatever arrives gets an
+answer below 500, the router and its engines stay healthy, and once the engines' leases run
+out no KV block is left in use. Last, no log of the cluster holds a key or a prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from turnkv.protocol import MAX_PRIORITY, MIN_PRIORITY
+from turnkv_server.engine_metrics import fetch_connector_counters
+from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
+
+KEYS = {"sk-tenant-a-5f1e9c": "tenant-a", "sk-tenant-b-07d2aa": "tenant-b"}
+KEY_A, KEY_B = list(KEYS)
+ADMIN_KEY = "sk-admin-93be41"
+# Engine leases end this soon after a turn, so that a fuzzed session's KV comes back quickly.
+ENGINE_LEASE_S = 3.0
+# Put in every prompt this module sends: it must not reach any log.
+MARKER = "zebra-quartz-7731"
+# Long enough for a full 128-token block with the tiny model's byte-level tokenizer.
+SHARED_PROMPT = f"{MARKER} " + " ".join(f"fact {i}: the sky is blue." for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[ClusterState]:
+    run_dir = tmp_path_factory.mktemp("security")
+    keys_file = run_dir / "api-keys.json"
+    keys_file.write_text(json.dumps(KEYS))
+    config = ClusterConfig(mode="turnkv", model=str(tiny_model), dtype="float32",
+                           run_dir=run_dir,
+                           router_args=("--api-keys", str(keys_file), "--admin-key", ADMIN_KEY),
+                           connector_settings={"lease_ttl_s": ENGINE_LEASE_S})
+    with Cluster(config) as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=120) as c:
+        yield c
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def chat(state: ClusterState, client: httpx.Client, key: str, content: str,
+         tag: dict[str, Any] | None = None) -> httpx.Response:
+    body: dict[str, Any] = {"model": state.served_model_name, "max_tokens": 2,
+                            "temperature": 0,
+                            "messages": [{"role": "user", "content": content}]}
+    if tag is not None:
+        body["turnkv"] = tag
+    return client.post(f"{state.router}/v1/chat/completions", json=body, headers=auth(key))
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.3)
+
+
+def test_keys_are_required_and_admin_routes_need_the_admin_key(
+        cluster: ClusterState, client: httpx.Client) -> None:
+    router = cluster.router
+    for headers in ({}, auth("sk-unknown"), {"authorization": KEY_A},  # not "Bearer ..."
+                    {"authorization": "Basic " + KEY_A}):
+        response = client.post(f"{router}/v1/chat/completions", headers=headers,
+                               json={"messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 401, headers
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert client.get(f"{router}/v1/models", headers=headers).status_code == 401
+        assert client.get(f"{router}/v1/turnkv/sessions/any", headers=headers
+                          ).status_code == 401
+    assert client.get(f"{router}/v1/models", headers=auth(KEY_A)).status_code == 200
+    for key in (KEY_A, KEY_B):
+        assert client.get(f"{router}/v1/turnkv/stats", headers=auth(key)).status_code == 403
+        assert client.get(f"{router}/metrics", headers=auth(key)).status_code == 403
+    assert client.get(f"{router}/v1/turnkv/stats").status_code == 403
+    assert client.get(f"{router}/v1/turnkv/stats", headers=auth(ADMIN_KEY)).status_code == 200
+    assert client.get(f"{router}/metrics", headers=auth(ADMIN_KEY)).status_code == 200
+    # Load balancers probe without a key.
+    assert client.get(f"{router}/health").status_code == 200
+
+
+def test_tenants_cannot_see_extend_or_release_each_others_sessions(
+        cluster: ClusterState, client: httpx.Client) -> None:
+    sessions = f"{cluster.router}/v1/turnkv/sessions"
+    first = chat(cluster, client, KEY_A, f"{MARKER} hello", {"session_id": "same-name"})
+    assert first.status_code == 200
+    # B, with A's session ID: the same answers as for a session that does not exist.
+    for request in (lambda: client.get(f"{sessions}/same-name", headers=auth(KEY_B)),
+                    lambda: client.delete(f"{sessions}/same-name", headers=auth(KEY_B)),
+                    lambda: client.post(f"{sessions}/same-name/hints", headers=auth(KEY_B),
+                                        json={"ttl": 1})):
+        response = request()
+        assert response.status_code == 404
+        assert response.json()["error"]["message"] == "no live session 'same-name'"
+    # B's turn under that ID opens B's own session; A's is untouched.
+    assert chat(cluster, client, KEY_B, f"{MARKER} hi", {"session_id": "same-name"}
+                ).status_code == 200
+    a = client.get(f"{sessions}/same-name", headers=auth(KEY_A)).json()
+    b = client.get(f"{sessions}/same-name", headers=auth(KEY_B)).json()
+    assert a["turns"] == b["turns"] == 1
+    assert a["expires_in_s"] > 60  # B's hints above did not shorten it
+    assert client.delete(f"{sessions}/same-name", headers=auth(KEY_B)).json()["released"]
+    assert client.get(f"{sessions}/same-name", headers=auth(KEY_A)).json()["turns"] == 1
+    assert client.delete(f"{sessions}/same-name", headers=auth(KEY_A)).json()["released"]
+
+
+def test_tenants_never_hit_each_others_cached_prefixes(
+        cluster: ClusterState, client: httpx.Client) -> None:
+    def cached(key: str, salt: str | None = None) -> int:
+        body = {"model": cluster.served_model_name, "max_tokens": 1, "temperature": 0,
+                "messages": [{"role": "user", "content": SHARED_PROMPT}]}
+        if salt is not None:
+            body["cache_salt"] = salt
+        response = client.post(f"{cluster.router}/v1/chat/completions", json=body,
+                               headers=auth(key))
+        assert response.status_code == 200
+        return int(response.json()["turnkv"]["prompt_tokens"]["prefill_cached"])
+
+    assert cached(KEY_A) == 0
+    assert cached(KEY_A) > 0  # A's own prefix is cached...
+    assert cached(KEY_B) == 0  # ...B's identical prompt does not hit it
+    # A client's own salt is scoped by the tenant's: B cannot pick A's salt.
+    assert cached(KEY_A, "team") == 0
+    assert cached(KEY_B, "team") == 0
+    assert cached(KEY_A, "team") > 0
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+# JSON has no NaN or infinity (a client library would not send them either).
+FLOAT = st.floats(allow_nan=False, allow_infinity=False)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | FLOAT
+    | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=3),
+    max_leaves=6)
+# Any unicode a JSON string can carry: controls, combining marks, astral planes, RTL marks.
+ODD = st.text(st.characters(codec="utf-8"), max_size=40)
+HINTS = st.dictionaries(
+    st.sampled_from(["ttl", "next_turn_in", "final", "priority", "unknown"]),
+    st.integers(-10**9, 10**9) | FLOAT | st.booleans() | ODD | JSON, max_size=4)
+TAG = st.fixed_dictionaries({}, optional={
+    "session_id": ODD | JSON | st.text("abc-_.:", min_size=1, max_size=300),
+    "turn": st.integers(-5, 2**64) | JSON,
+    "prefix_id": ODD | JSON,
+    "hints": HINTS | JSON,
+    "unknown": JSON,
+})
+SESSION_ID = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,20}", fullmatch=True)
+VALID_TAG = st.fixed_dictionaries({"session_id": SESSION_ID}, optional={
+    "turn": st.integers(0, 10),
+    "prefix_id": SESSION_ID,
+    "hints": st.fixed_dictionaries({}, optional={
+        "ttl": st.floats(0.5, 600), "next_turn_in": st.floats(0, 60), "final": st.booleans(),
+        "priority": st.integers(MIN_PRIORITY, MAX_PRIORITY)}),
+})
+MESSAGE = st.fixed_dictionaries({
+    "role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]) | JSON,
+    "content": ODD.map(lambda s: f"{MARKER} {s}") | JSON,
+})
+# max_tokens is always there and small (or not a number): a valid request stays short.
+MAX_TOKENS = st.integers(-2, 3) | st.text(max_size=4) | st.lists(st.integers(), max_size=2)
+CHAT = st.fixed_dictionaries({
+    "messages": st.lists(MESSAGE, max_size=3) | JSON,
+    "max_tokens": MAX_TOKENS,
+}, optional={
+    "model": JSON,
+    "stream": st.booleans() | JSON,
+    "turnkv": TAG | JSON,
+    "n": st.integers(-1, 3),
+    "temperature": st.floats(-1, 3) | JSON,
+    "return_token_ids": JSON,
+    "cache_salt": ODD | JSON,
+    "kv_transfer_params": JSON,
+    "stream_options": JSON,
+    "unknown_field": JSON,
+})
+COMPLETION = st.fixed_dictionaries({
+    "prompt": ODD.map(lambda s: f"{MARKER} {s}") | JSON,
+    "max_tokens": MAX_TOKENS,
+}, optional={"turnkv": TAG | JSON, "stream": st.booleans(), "echo": JSON})
+HEADERS = st.dictionaries(
+    st.sampled_from(["x-turnkv-session", "x-turnkv-turn", "x-turnkv-ttl", "x-turnkv-final",
+                     "x-turnkv-priority", "x-turnkv-next-turn-in", "x-turnkv-prefix"]),
+    # (What HTTP lets a client send: visible ASCII, no whitespace at either end.)
+    st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20).map(str.strip),
+    max_size=3)
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow])
+tried: dict[str, int] = {}
+
+
+def answered(response: httpx.Response) -> int:
+    """Read all of the answer (streamed or not); its status, which must be below 500."""
+    response.read()
+    assert response.status_code < 500, (response.status_code, response.text[:300])
+    if response.status_code >= 400:
+        body = response.json()
+        # The router's and the engines' errors, or the web framework's for unknown routes.
+        message = body["error"]["message"] if "error" in body else body["detail"]
+        assert message, body
+    return response.status_code
+
+
+def send(client: httpx.Client, method: str, url: str, **kwargs: Any) -> int:
+    with client.stream(method, url, **kwargs) as response:
+        status = answered(response)
+    tried[f"{status // 100}xx"] = tried.get(f"{status // 100}xx", 0) + 1
+    return status
+
+
+@FUZZ
+@given(body=CHAT, headers=HEADERS)
+def test_fuzzed_chat_requests(cluster: ClusterState, client: httpx.Client,
+                              body: dict[str, Any], headers: dict[str, str]) -> None:
+    body.setdefault("model", cluster.served_model_name)
+    send(client, "POST", f"{cluster.router}/v1/chat/completions", json=body,
+         headers={**auth(KEY_A), **headers})
+
+
+@FUZZ
+@given(content=ODD, tag=VALID_TAG | TAG, headers=st.just({}) | HEADERS, stream=st.booleans())
+def test_fuzzed_tags_on_valid_turns(cluster: ClusterState, client: httpx.Client, content: str,
+                                    tag: dict[str, Any], headers: dict[str, str],
+                                    stream: bool) -> None:
+    # Odd unicode in a well-formed turn, and any tag: sessions are opened, renewed, refused.
+    body = {"model": cluster.served_model_name, "max_tokens": 2, "stream": stream,
+            "messages": [{"role": "user", "content": f"{MARKER} {content}"}], "turnkv": tag}
+    send(client, "POST", f"{cluster.router}/v1/chat/completions", json=body,
+         headers={**auth(KEY_B), **headers})
+
+
+@FUZZ
+@given(body=COMPLETION)
+def test_fuzzed_completion_requests(cluster: ClusterState, client: httpx.Client,
+                                    body: dict[str, Any]) -> None:
+    body.setdefault("model", cluster.served_model_name)
+    send(client, "POST", f"{cluster.router}/v1/completions", json=body, headers=auth(KEY_B))
+
+
+@FUZZ
+@given(raw=st.binary(max_size=200) | ODD.map(str.encode), session_id=ODD,
+       hints=HINTS | JSON)
+def test_fuzzed_bodies_and_session_routes(cluster: ClusterState, client: httpx.Client,
+                                          raw: bytes, session_id: str, hints: Any) -> None:
+    router, headers = cluster.router, {**auth(KEY_A), "content-type": "application/json"}
+    assert send(client, "POST", f"{router}/v1/chat/completions", content=raw,
+                headers=headers) == 400
+    quoted = f"{router}/v1/turnkv/sessions/{urllib.parse.quote(session_id, safe='')}"
+    for method, url, extra in (("GET", quoted, {}), ("DELETE", quoted, {}),
+                               ("POST", f"{quoted}/hints", {"json": hints})):
+        assert send(client, method, url, headers=auth(KEY_A), **extra) in (400, 404, 405)
+
+
+def test_a_huge_body_is_refused(cluster: ClusterState, client: httpx.Client) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * (17 * 2**20)}],
+                       "max_tokens": 1}).encode()
+    response = client.post(f"{cluster.router}/v1/chat/completions", content=body,
+                           headers={**auth(KEY_A), "content-type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_after_the_fuzzing_everything_is_healthy_and_no_kv_is_left(
+        cluster: ClusterState, client: httpx.Client) -> None:
+    print(f"fuzzed requests by answer: {dict(sorted(tried.items()))}")
+    # The examples are fixed (derandomized): some were served, most refused.
+    assert tried.get("2xx", 0) > 0 and tried.get("4xx", 0) > tried.get("2xx", 0)
+    stats = client.get(f"{cluster.router}/v1/turnkv/stats", headers=auth(ADMIN_KEY)).json()
+    assert all(engine["healthy"] for engine in stats["engines"])
+    assert all(engine["in_flight"] == 0 for engine in stats["engines"])
+    assert chat(cluster, client, KEY_A, f"{MARKER} still there?").status_code == 200
+    # The fuzzed sessions' leases run out on the engines (they expire lazily, on the next
+    # request); then every block is free again.
+    engines = [url for urls in cluster.endpoints().values() if isinstance(urls, list)
+               for url in urls]
+    time.sleep(ENGINE_LEASE_S + 1)
+
+    def empty() -> bool:
+        chat(cluster, client, KEY_B, f"{MARKER} tick")
+        return all(fetch_connector_counters(url).get("kv_cache_usage") == 0
+                   for url in engines)
+    wait_for(empty, "every KV block free on both engines")
+
+
+def test_no_log_holds_a_key_or_a_prompt(cluster: ClusterState) -> None:
+    logs = sorted(Path(cluster.run_dir).glob("logs/*.log"))
+    assert logs, "the cluster wrote no logs"
+    for log in logs:
+        text = log.read_text(errors="replace")
+        for secret in (*KEYS, ADMIN_KEY, MARKER):
+            assert secret not in text, f"{log.name} holds {secret!r}"
