@@ -18,7 +18,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-unit lint typecheck clean
+.PHONY: install demo test test-unit lint typecheck redis clean
 
 install: $(STAMP)
 
@@ -42,8 +42,14 @@ $(STAMP):
 demo: install
 	$(PY) examples/coding_agent.py --start-cluster
 
-test: install lint typecheck
+test: install lint typecheck redis
 	$(PY) -m pytest -q -ra
+
+# The router's shared-session tests run a real redis-server (Debian's package); they start
+# and stop their own, on a free port.
+redis:
+	@command -v redis-server >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
 test-unit: install
 	$(PY) -m pytest -q -m "not integration"

@@ -74,6 +74,9 @@ def up(
         help="turnkv: turns adding at most this many tokens run on the decode engine alone "
              "(default: the router's)")] = None,
     port: Annotated[int | None, typer.Option(help="router port (default: a free one)")] = None,
+    redis: Annotated[str | None, typer.Option(
+        help="share the router's sessions through this Redis, redis://HOST:PORT/DB "
+             "(more routers: `turnkv router --redis ...`)")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="run folder for logs and state")] = None,
     foreground: Annotated[bool, typer.Option(help="stay attached; Ctrl-C stops it")] = False,
 ) -> None:
@@ -92,6 +95,7 @@ def up(
             prefill_cache=prefill_cache, kv_cache_bytes=kv_cache_bytes,
             cores_per_engine=cores_per_engine, router_port=port, run_dir=run_dir,
             decoder_kv_ttl=decoder_kv_ttl, short_delta_tokens=short_delta_tokens,
+            router_args=("--redis", redis) if redis else (),
             register_as_current=True,
         )
     except ValueError as exc:

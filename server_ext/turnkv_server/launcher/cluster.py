@@ -213,22 +213,7 @@ class Cluster:
         if self.config.mode == "single":
             return self.engines[0].spec.url
         port = self.config.router_port or free_ports(1)[0]
-        mode: str = self.config.mode
-        if mode == "standard" and not self.config.prefill_cache:
-            mode = "standard-nocache"
-        cmd = [sys.executable, "-m", "turnkv_server.router", "--host", "127.0.0.1",
-               "--port", str(port), "--mode", mode,
-               "--decoder-kv-ttl", str(self.config.decoder_kv_ttl)]
-        if self.config.short_delta_tokens is not None:
-            cmd += ["--short-delta-tokens", str(self.config.short_delta_tokens)]
-        cmd += self.config.router_args
-        for engine in self.engines:
-            spec = engine.spec
-            cmd += [f"--{spec.role}", spec.url]
-            if spec.kv_transfer_config and spec.nixl_port and (
-                    spec.role == "prefill" or mode == "turnkv"):
-                engine_id = spec.kv_transfer_config["engine_id"]
-                cmd += [f"--{spec.role}-nixl", f"{engine_id}@{spec.host}:{spec.nixl_port}"]
+        cmd = self.router_command(port)
         log_path = self.run_dir / "logs" / "router.log"
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
@@ -252,6 +237,27 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise ClusterStartError(f"router not healthy after 30 s; see {log_path}")
             time.sleep(0.2)
+
+    def router_command(self, port: int) -> list[str]:
+        """The command line of a router in front of this cluster's engines, on `port`: the
+        launcher's own, or another one sharing its sessions (`--redis` in `router_args`)."""
+        mode: str = self.config.mode
+        if mode == "standard" and not self.config.prefill_cache:
+            mode = "standard-nocache"
+        cmd = [sys.executable, "-m", "turnkv_server.router", "--host", "127.0.0.1",
+               "--port", str(port), "--mode", mode,
+               "--decoder-kv-ttl", str(self.config.decoder_kv_ttl)]
+        if self.config.short_delta_tokens is not None:
+            cmd += ["--short-delta-tokens", str(self.config.short_delta_tokens)]
+        cmd += self.config.router_args
+        for engine in self.engines:
+            spec = engine.spec
+            cmd += [f"--{spec.role}", spec.url]
+            if spec.kv_transfer_config and spec.nixl_port and (
+                    spec.role == "prefill" or mode == "turnkv"):
+                engine_id = spec.kv_transfer_config["engine_id"]
+                cmd += [f"--{spec.role}-nixl", f"{engine_id}@{spec.host}:{spec.nixl_port}"]
+        return cmd
 
     def _record(self, served_name: str, model_path: Path, router_url: str) -> ClusterState:
         def server(name: str, role: str, url: str, ref: ProcessRef, cores: list[int],

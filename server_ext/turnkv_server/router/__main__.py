@@ -35,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "session is computed on the decode engine alone (0: never)")
     parser.add_argument("--health-interval", type=float, default=2.0,
                         help="seconds between engine health probes")
+    parser.add_argument("--redis", help="share sessions with other routers through this "
+                        "Redis server, redis://HOST:PORT/DB (or TURNKV_REDIS_URL)")
+    parser.add_argument("--engine-read-timeout", type=float, default=600.0,
+                        help="seconds an engine may send nothing before its turn fails "
+                             "(longer than the longest prefill)")
     parser.add_argument("--api-keys", help="JSON file mapping API key to tenant name")
     parser.add_argument("--admin-key", help="key for admin routes (or TURNKV_ADMIN_KEY)")
     return parser.parse_args(argv)
@@ -56,10 +61,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_sessions=args.max_sessions, api_keys=keys,
         admin_key=args.admin_key or os.environ.get("TURNKV_ADMIN_KEY"),
         health_interval=args.health_interval,
+        engine_read_timeout=args.engine_read_timeout,
         prefill_nixl=args.prefill_nixl,
         decode_nixl=args.decode_nixl,
         decoder_kv_ttl=args.decoder_kv_ttl,
         short_delta_tokens=args.short_delta_tokens,
+        redis_url=args.redis or os.environ.get("TURNKV_REDIS_URL") or None,
     )
 
 

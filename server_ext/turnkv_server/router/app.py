@@ -20,6 +20,7 @@ from turnkv_server.router.metrics import RouterMetrics
 from turnkv_server.router.modes import Mode, ModeContext, NixlPeer, PrefillResult
 from turnkv_server.router.placement import EnginePool, Placement
 from turnkv_server.router.registry import make_mode
+from turnkv_server.router.session_store import StoreUnavailable, apply_record, make_store
 from turnkv_server.router.sessions import Session, SessionKey, SessionTable
 from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.turn import (
@@ -54,9 +55,10 @@ class Router:
         self.config = config
         self.pool = EnginePool.from_urls(config.prefill, config.decode)
         self.sessions = SessionTable(config.lease, max_sessions=config.max_sessions)
+        self.store = make_store(config.redis_url)
         self.tenants = Tenants(config.api_keys, config.admin_key)
         self.metrics = RouterMetrics()
-        self.upstream = Upstream()
+        self.upstream = Upstream(read_timeout=config.engine_read_timeout)
         peers = {engine.name: NixlPeer.parse(spec)
                  for engine, spec in zip(self.pool.prefill, config.prefill_nixl, strict=False)}
         decode_peers = {engine.name: NixlPeer.parse(spec)
@@ -74,7 +76,9 @@ class Router:
             await asyncio.gather(*(self._probe(e) for e in self.pool.engines()))
             self.metrics.sessions.set(len(self.sessions))
             for gone in self.sessions.sweep():
-                self.mode.drop_session(gone)
+                # Expired here; with a shared store, another router may have renewed it.
+                if not await self._alive_elsewhere(gone.key):
+                    self.mode.drop_session(gone)
             await asyncio.sleep(self.config.health_interval)
 
     async def _probe(self, engine: Any) -> None:
@@ -103,6 +107,8 @@ class Router:
         if self.tenants.enforced:
             body["cache_salt"] = self.tenants.cache_salt(tenant, body.get("cache_salt"))
         key = SessionKey(tenant, tag.session_id) if tag else None
+        if key is not None:
+            await self.sync_session(key)
         opened = key is not None and self.sessions.get(key) is None
         session = self.sessions.open(key) if key is not None else None
         turn = Turn(path=path, body=body, tag=tag, session=session, mode=self.mode,
@@ -120,7 +126,7 @@ class Router:
                 # A session whose first turn failed holds nothing worth a table entry.
                 failed = response is None or response.status_code >= 400
                 if opened and failed and session.turns == 0:
-                    self.release(session)
+                    await self.release(session)
 
     async def _serve_turn(self, turn: Turn) -> Response:
         fallback, detail = _home_lost(self.pool, turn.session)
@@ -230,7 +236,7 @@ class Router:
         usage = data.get("usage") or {}
         stats = finish_stats(turn, int(usage.get("completion_tokens") or 0), None, usage)
         self.mode.after_turn(turn, placement, data.pop("kv_transfer_params", None))
-        self._remember(turn, placement)
+        await self._remember(turn, placement)
         if not turn.want_token_ids:
             strip_token_ids(data)
         data["turnkv"] = stats.model_dump()
@@ -250,7 +256,7 @@ class Router:
                     stats = finish_stats(turn, completion_tokens or len(turn.output_token_ids),
                                          first_token_ms, usage)
                     self.mode.after_turn(turn, placement, None)
-                    self._remember(turn, placement)
+                    await self._remember(turn, placement)
                     finished = True
                     yield stats_chunk(turn, stats, template)
                     yield b"data: [DONE]\n\n"
@@ -289,7 +295,7 @@ class Router:
             if not finished:
                 self.metrics.errors.labels("incomplete_stream").inc()
 
-    def _remember(self, turn: Turn, placement: Placement) -> None:
+    async def _remember(self, turn: Turn, placement: Placement) -> None:
         stats = turn.stats
         assert stats is not None
         tagged = turn.session is not None
@@ -320,12 +326,44 @@ class Router:
             self.pool.remember_prefix(turn.tag.prefix_id, placement)
         hints = turn.tag.hints if turn.tag else p.CacheHints()
         if hints.final:
-            self.release(session)
+            await self.release(session)
         else:
-            self.sessions.renew(session, hints)
+            await self.renew(session, hints)
 
-    def release(self, session: Session) -> None:
+    async def sync_session(self, key: SessionKey) -> None:
+        """With a shared store, take the session as the routers last left it: another router
+        may have served its last turn, or ended it."""
+        if not self.store.shared:
+            return
+        try:
+            record = await self.store.load(key)
+        except StoreUnavailable:
+            return  # serve from this router's copy, if any
+        local = self.sessions.get(key)
+        if local is not None and local.in_flight:
+            return  # a turn of it is under way here; it writes the record when it ends
+        if record is None:
+            if local is not None:
+                self.sessions.release(key)
+            return
+        session = self.sessions.open(key)
+        apply_record(session, record)
+
+    async def _alive_elsewhere(self, key: SessionKey) -> bool:
+        if not self.store.shared:
+            return False
+        try:
+            return await self.store.load(key) is not None
+        except StoreUnavailable:
+            return False
+
+    async def renew(self, session: Session, hints: p.CacheHints) -> None:
+        self.sessions.renew(session, hints)
+        await self.store.save(session, session.expires_at - self.sessions.clock())
+
+    async def release(self, session: Session) -> None:
         self.sessions.release(session.key)
+        await self.store.delete(session.key)
         self.mode.drop_session(session)
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
@@ -417,6 +455,9 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        secret = await router.store.start()
+        if secret is not None:
+            router.tenants.use_secret(secret)
         health = asyncio.create_task(router.health_loop())
         try:
             yield
@@ -425,6 +466,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await health
             await router.upstream.close()
+            await router.store.close()
 
     app = FastAPI(title="turnkv router", lifespan=lifespan)
     app.state.router = router
@@ -463,12 +505,13 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await router.serve(request, "/v1/completions")
 
-    def _session_or_error(request: Request, session_id: str) -> Session | JSONResponse:
+    async def _session_or_error(request: Request, session_id: str) -> Session | JSONResponse:
         tenant = router.tenants.tenant_for(request.headers.get("authorization"))
         if tenant is None:
             return error_response(401, "missing or unknown API key")
         if not p.is_valid_id(session_id):
             return error_response(400, "invalid session id", param="session_id")
+        await router.sync_session(SessionKey(tenant, session_id))
         session = router.sessions.get(SessionKey(tenant, session_id))
         if session is None:
             return error_response(404, f"no live session {session_id!r}")
@@ -476,22 +519,22 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/v1/turnkv/sessions/{session_id}")
     async def get_session(request: Request, session_id: str) -> Response:
-        found = _session_or_error(request, session_id)
+        found = await _session_or_error(request, session_id)
         if isinstance(found, Response):
             return found
         return JSONResponse(router.session_view(found))
 
     @app.delete("/v1/turnkv/sessions/{session_id}")
     async def release_session(request: Request, session_id: str) -> Response:
-        found = _session_or_error(request, session_id)
+        found = await _session_or_error(request, session_id)
         if isinstance(found, Response):
             return found
-        router.release(found)
+        await router.release(found)
         return JSONResponse({"session_id": session_id, "released": True})
 
     @app.post("/v1/turnkv/sessions/{session_id}/hints")
     async def session_hints(request: Request, session_id: str) -> Response:
-        found = _session_or_error(request, session_id)
+        found = await _session_or_error(request, session_id)
         if isinstance(found, Response):
             return found
         try:
@@ -501,9 +544,9 @@ def create_app(config: RouterConfig) -> FastAPI:
             where = ".".join(str(x) for x in first["loc"]) or "body"
             return error_response(400, f"invalid hints.{where}: {first['msg']}", param=where)
         if hints.final:
-            router.release(found)
+            await router.release(found)
             return JSONResponse({"session_id": session_id, "released": True})
-        router.sessions.renew(found, hints)
+        await router.renew(found, hints)
         return JSONResponse(router.session_view(found))
 
     @app.get("/v1/turnkv/stats")

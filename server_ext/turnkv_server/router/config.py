@@ -24,6 +24,9 @@ class RouterConfig:
     admin_key: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     health_interval: float = 2.0
+    # An engine that sends nothing for this long fails the turn (retried on another pair, or
+    # an error): no turn waits on a hung engine forever. It must exceed the longest prefill.
+    engine_read_timeout: float = 600.0
     # A turn that fails on an unavailable engine is retried on another pair this many times.
     retries: int = 1
     # push and turnkv: each prefill engine's NIXL side channel, ENGINE_ID@HOST:PORT, in
@@ -35,10 +38,15 @@ class RouterConfig:
     # turnkv: a turn adding at most this many tokens to its session is computed on the decode
     # engine alone, which holds the session's history; 0 turns it off.
     short_delta_tokens: int = SHORT_DELTA_TOKENS
+    # Sessions shared by every router on this Redis server (redis://HOST:PORT/DB); None: this
+    # router's memory only.
+    redis_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTER_MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(ROUTER_MODES)}")
+        if self.engine_read_timeout <= 0:
+            raise ValueError("engine_read_timeout must be positive")
         if self.short_delta_tokens < 0:
             raise ValueError("short_delta_tokens must be non-negative")
         if not self.prefill or not self.decode:

@@ -18,8 +18,14 @@ class Tenants:
     def __init__(self, api_keys: Mapping[str, str], admin_key: str | None = None) -> None:
         self._keys = dict(api_keys)
         self._admin_key = admin_key
-        # Per-process secret: salts are not derivable from tenant names by a client.
+        # Salts are not derivable from tenant names by a client. Per process, unless routers
+        # share one (`use_secret`, from the session store).
         self._secret = secrets.token_bytes(32)
+
+    def use_secret(self, secret: bytes) -> None:
+        """Salt with `secret`, which every router of a deployment shares: a tenant's cached
+        prefixes then match whichever router serves it."""
+        self._secret = secret
 
     @property
     def enforced(self) -> bool:

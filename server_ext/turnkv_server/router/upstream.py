@@ -79,8 +79,12 @@ class Stream:
 class Upstream:
     """One connection pool to every engine; created in the event loop on first use."""
 
-    def __init__(self, connect_timeout: float = 5.0, max_connections: int = 1024) -> None:
+    def __init__(self, connect_timeout: float = 5.0, max_connections: int = 1024,
+                 read_timeout: float | None = None) -> None:
         self._connect_timeout = connect_timeout
+        # The longest an engine may go without sending a byte: a hung engine (stopped, or
+        # wedged) fails the turn instead of holding it forever.
+        self._read_timeout = read_timeout
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
 
@@ -88,7 +92,8 @@ class Upstream:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout,
+                                              sock_read=self._read_timeout),
                 # Engine responses are passed on as they are; no cookies between tenants.
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),

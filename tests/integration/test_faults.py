@@ -1,0 +1,190 @@
+"""Faults on a real `turnkv` cluster (tiny model, float32): engines killed with SIGKILL
+mid-stream and between turns, and an engine that hangs. (A router killed between turns:
+test_router_shared_sessions.py; a decode engine restarted mid-session and a lease that
+expired between turns: test_turnkv_connector.py; a transfer that times out and a NIXL peer
+that restarts: tests/unit/test_connector_transport.py, between two real NIXL agents.)
+
+Each fault must end the affected turn with a clear error (an SSE error event, or a 503 with
+`Retry-After`), never a hang or a silently truncated answer, and after the engine is back
+every later turn of the session must equal a single engine's greedy output. The turns that
+failed are replayed by the client, as an agent would, and must then be exact too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.conversation import conversation
+from tests.support.oracle import Completion, compare, greedy_chat, routed_chat
+from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
+
+TURNS = 4
+MAX_TOKENS = 16
+# A hung engine fails its turn after this long without a byte (the router's default is 600 s,
+# above the longest CPU prefill).
+READ_TIMEOUT_S = 8.0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[list[list[dict[str, Any]]], list[Completion]]:
+    config = ClusterConfig(mode="single", model=str(tiny_model), dtype="float32",
+                           run_dir=tmp_path_factory.mktemp("single"))
+    with Cluster(config) as state, httpx.Client(timeout=300) as client:
+        replies: list[str] = []
+        outputs = []
+        for turn in range(TURNS):
+            out = greedy_chat(state.router, state.served_model_name,
+                              conversation(replies, TURNS)[turn], MAX_TOKENS, client=client)
+            outputs.append(out)
+            replies.append(out.text)
+    return conversation(replies, TURNS), outputs
+
+
+@pytest.fixture(scope="module")
+def cluster(reference: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[Cluster, ClusterState]]:
+    config = ClusterConfig(mode="turnkv", model=str(tiny_model), dtype="float32",
+                           run_dir=tmp_path_factory.mktemp("faults"),
+                           router_args=("--engine-read-timeout", str(READ_TIMEOUT_S),
+                                        "--health-interval", "1"))
+    launched = Cluster(config)
+    with launched as state:
+        yield launched, state
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=120) as c:
+        yield c
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.5)
+
+
+def engine(launched: Cluster, role: str) -> Any:
+    return next(e for e in launched.engines if e.spec.role == role)
+
+
+def kill_9(victim: Any) -> None:
+    """SIGKILL the engine's whole process group, as a crash or the OOM killer would."""
+    assert victim.ref is not None
+    os.killpg(victim.ref.pid, signal.SIGKILL)
+
+
+def restart(victim: Any, state: ClusterState, client: httpx.Client) -> None:
+    victim.stop()  # reaps what is left of the group
+    victim.start()
+    wait_for(victim.is_healthy, f"{victim.spec.name} healthy again")
+    # ...and the router's health loop has seen it.
+    wait_for(lambda: all(e["healthy"] for e in client.get(
+        f"{state.router}/v1/turnkv/stats").json()["engines"]), "the router sees it healthy")
+
+
+def play(state: ClusterState, client: httpx.Client,
+         reference: tuple[list[list[dict[str, Any]]], list[Completion]], session_id: str,
+         turn: int, stream: bool = False) -> dict[str, Any]:
+    messages, expected = reference
+    out = routed_chat(state.router, state.served_model_name, messages[turn - 1], MAX_TOKENS,
+                      session={"session_id": session_id, "turn": turn}, stream=stream,
+                      client=client)
+    verdict = compare(expected[turn - 1], out.completion)
+    print(f"{session_id} turn {turn}: {verdict.describe()}; {out.stats['prompt_tokens']}")
+    assert verdict.acceptable, f"{session_id} turn {turn}: {verdict.describe()}"
+    return out.stats
+
+
+def stream_until_fault(state: ClusterState, client: httpx.Client,
+                       messages: list[dict[str, Any]], session_id: str, turn: int,
+                       fault: Callable[[], None]) -> list[dict[str, Any]]:
+    """Stream a long answer; inject `fault` after the first token; return the events."""
+    body = {"model": state.served_model_name, "messages": messages, "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0, "stream": True,
+            "turnkv": {"session_id": session_id, "turn": turn}}
+    events: list[dict[str, Any]] = []
+    with client.stream("POST", f"{state.router}/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[len("data: "):]))
+            if len(events) == 1:
+                fault()
+    return events
+
+
+def test_a_decode_engine_killed_mid_stream(
+    reference: tuple[list[list[dict[str, Any]]], list[Completion]],
+    cluster: tuple[Cluster, ClusterState], client: httpx.Client,
+) -> None:
+    launched, state = cluster
+    decode = engine(launched, "decode")
+    play(state, client, reference, "mid-stream", 1)
+    events = stream_until_fault(state, client, reference[0][1], "mid-stream", 2,
+                                lambda: kill_9(decode))
+    # The stream ends with an error event, not a silently short answer.
+    assert "error" in events[-1], events[-1]
+    assert "decode engine lost mid-stream" in events[-1]["error"]["message"]
+    assert not any(e.get("turnkv") for e in events)  # no stats: the turn did not complete
+    restart(decode, state, client)
+    # The agent replays the failed turn; the restarted engine has no KV of the session and
+    # must recompute, exactly.
+    for turn in (2, 3, 4):
+        play(state, client, reference, "mid-stream", turn, stream=turn == 3)
+
+
+def test_a_prefill_engine_killed_between_turns(
+    reference: tuple[list[list[dict[str, Any]]], list[Completion]],
+    cluster: tuple[Cluster, ClusterState], client: httpx.Client,
+) -> None:
+    launched, state = cluster
+    prefill = engine(launched, "prefill")
+    play(state, client, reference, "no-prefill", 1)
+    kill_9(prefill)
+    # A turn that needs a prefill gets a clear 503 (after one retry), never a hang.
+    fresh = {"model": state.served_model_name, "max_tokens": 4,
+             "messages": [{"role": "user", "content": "A new conversation."}]}
+    response = client.post(f"{state.router}/v1/chat/completions", json=fresh)
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"]
+    assert response.json()["error"]["message"]
+    # A short delta needs no prefill engine: the session's decode engine serves it alone.
+    assert play(state, client, reference, "no-prefill", 2, stream=True)["prefill_node"] is None
+    restart(prefill, state, client)
+    for turn in (3, 4):
+        play(state, client, reference, "no-prefill", turn)
+
+
+def test_a_hung_decode_engine_fails_the_turn_instead_of_hanging(
+    reference: tuple[list[list[dict[str, Any]]], list[Completion]],
+    cluster: tuple[Cluster, ClusterState], client: httpx.Client,
+) -> None:
+    launched, state = cluster
+    decode = engine(launched, "decode")
+    assert decode.ref is not None
+    play(state, client, reference, "hung", 1)
+    try:
+        events = stream_until_fault(state, client, reference[0][1], "hung", 2,
+                                    lambda: os.killpg(decode.ref.pid, signal.SIGSTOP))
+    finally:
+        os.killpg(decode.ref.pid, signal.SIGCONT)
+    assert "error" in events[-1], events[-1]
+    wait_for(decode.is_healthy, "the decode engine answering again", timeout=60)
+    wait_for(lambda: all(e["healthy"] for e in client.get(
+        f"{state.router}/v1/turnkv/stats").json()["engines"]), "the router sees it healthy")
+    for turn in (2, 3, 4):
+        play(state, client, reference, "hung", turn)
