@@ -1,8 +1,9 @@
 """Faults on a real `turnkv` cluster (tiny model, float32): engines killed with SIGKILL
-mid-stream and between turns, and an engine that hangs. (A router killed between turns:
-test_router_shared_sessions.py; a decode engine restarted mid-session and a lease that
-expired between turns: test_turnkv_connector.py; a transfer that times out and a NIXL peer
-that restarts: tests/unit/test_connector_transport.py, between two real NIXL agents.)
+mid-stream and between turns, an engine that hangs, and a KV transfer that times out.
+Elsewhere: a router killed between turns and mid-stream (test_router_shared_sessions.py); a
+decode engine restarted mid-session and a lease that expired between turns
+(test_turnkv_connector.py); transfers refused, timed out or to a restarted peer between two
+real NIXL agents (tests/unit/test_connector_transport.py).
 
 Each fault must end the affected turn with a clear error (an SSE error event, or a 503 with
 `Retry-After`), never a hang or a silently truncated answer, and after the engine is back
@@ -25,6 +26,7 @@ import pytest
 
 from tests.support.conversation import conversation
 from tests.support.oracle import Completion, compare, greedy_chat, routed_chat
+from turnkv_server.engine_metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
 
 TURNS = 4
@@ -32,6 +34,8 @@ MAX_TOKENS = 16
 # A hung engine fails its turn after this long without a byte (the router's default is 600 s,
 # above the longest CPU prefill).
 READ_TIMEOUT_S = 8.0
+# A registered receive that gets no KV in this long is recomputed (the engines' default: 120 s).
+RECEIVE_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,8 @@ def cluster(reference: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathF
     config = ClusterConfig(mode="turnkv", model=str(tiny_model), dtype="float32",
                            run_dir=tmp_path_factory.mktemp("faults"),
                            router_args=("--engine-read-timeout", str(READ_TIMEOUT_S),
-                                        "--health-interval", "1"))
+                                        "--health-interval", "1"),
+                           connector_settings={"receive_timeout_s": RECEIVE_TIMEOUT_S})
     launched = Cluster(config)
     with launched as state:
         yield launched, state
@@ -188,3 +193,34 @@ def test_a_hung_decode_engine_fails_the_turn_instead_of_hanging(
         f"{state.router}/v1/turnkv/stats").json()["engines"]), "the router sees it healthy")
     for turn in (2, 3, 4):
         play(state, client, reference, "hung", turn)
+
+
+def test_a_transfer_that_times_out(
+    reference: tuple[list[list[dict[str, Any]]], list[Completion]],
+    cluster: tuple[Cluster, ClusterState], client: httpx.Client,
+) -> None:
+    launched, state = cluster
+    prefill, decode = engine(launched, "prefill"), engine(launched, "decode")
+    assert prefill.ref is not None
+    before = fetch_connector_counters(decode.spec.url)
+    # The prefill engine hangs before a new conversation's turn: the decode engine registers
+    # for its KV and waits; the router waits for the prefill's answer.
+    os.killpg(prefill.ref.pid, signal.SIGSTOP)
+    try:
+        fresh = {"model": state.served_model_name, "max_tokens": 4,
+                 "messages": [{"role": "user", "content": "Is anyone there?"}]}
+        response = client.post(f"{state.router}/v1/chat/completions", json=fresh)
+        assert response.status_code == 503, response.text
+        assert "no engine could serve the turn" in response.json()["error"]["message"]
+        # The decode engine gave up on the KV that never came and let its blocks go.
+        def given_up() -> bool:
+            now = fetch_connector_counters(decode.spec.url)
+            return now["receives_failed"] > before["receives_failed"] and \
+                now["kv_cache_usage"] == before["kv_cache_usage"]
+        wait_for(given_up, "the decode engine's receive timed out, its blocks free", 60)
+    finally:
+        os.killpg(prefill.ref.pid, signal.SIGCONT)
+    wait_for(lambda: all(e["healthy"] for e in client.get(
+        f"{state.router}/v1/turnkv/stats").json()["engines"]), "the router sees it healthy")
+    for turn in (1, 2):
+        play(state, client, reference, "after-timeout", turn)

@@ -25,6 +25,7 @@ import pytest
 from tests.support.conversation import conversation
 from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_chat, routed_chat
 from tests.support.redis_server import redis_server
+from turnkv_server.engine_metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
 from turnkv_server.launcher.processes import free_ports
 
@@ -142,6 +143,55 @@ def test_turns_move_between_routers_and_survive_a_killed_router(
         second.stop()
         if replacement is not None:
             replacement.stop()
+
+
+def test_a_router_killed_mid_stream(
+    reference: tuple[list[list[dict[str, Any]]], list[Completion]],
+    cluster: tuple[Cluster, ClusterState],
+) -> None:
+    launched, state = cluster
+    messages, expected = reference
+    logs = Path(state.run_dir) / "logs"
+    doomed = Router(launched, logs / "router-4.log")
+    heir: Router | None = None
+    try:
+        with httpx.Client(timeout=300) as client:
+            body = {"model": state.served_model_name, "messages": messages[0],
+                    "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True,
+                    "turnkv": {"session_id": "orphan", "turn": 1}}
+            received, done = 0, False
+            try:
+                with client.stream("POST", f"{doomed.url}/v1/chat/completions",
+                                   json=body) as response:
+                    for line in response.iter_lines():
+                        done = done or line == "data: [DONE]"
+                        received += line.startswith("data: ")
+                        if received == 1:
+                            doomed.process.kill()
+            except httpx.HTTPError:
+                pass  # the connection dropped under the client: what a dead router does
+            assert received >= 1 and not done
+            # The agent replays the turn on another router: exact, and the session goes on.
+            heir = Router(launched, logs / "router-5.log")
+            for n in (1, 2):
+                out = routed_chat(heir.url, state.served_model_name, messages[n - 1],
+                                  MAX_TOKENS, session={"session_id": "orphan", "turn": n,
+                                                       "hints": {"final": n == 2}},
+                                  stream=False, client=client)
+                verdict = compare(expected[n - 1], out.completion)
+                assert verdict.acceptable, f"turn {n}: {verdict.describe()}"
+        # The killed router's engine requests were aborted with its connections: once the
+        # session's `final` released its leases, no block is in use.
+        engines = [e.url for e in state.engines]
+        deadline = time.monotonic() + 60
+        while not all(fetch_connector_counters(url).get("kv_cache_usage") == 0
+                      for url in engines):
+            assert time.monotonic() < deadline, "KV blocks still in use"
+            time.sleep(0.5)
+    finally:
+        doomed.stop()
+        if heir is not None:
+            heir.stop()
 
 
 def test_the_router_command_is_the_launchers(cluster: tuple[Cluster, ClusterState]) -> None:
