@@ -1,5 +1,6 @@
 """Faults on a real `turnkv` cluster (tiny model, float32): engines killed with SIGKILL
-mid-stream and between turns, an engine that hangs, and a KV transfer that times out.
+mid-stream and between turns, an engine that hangs, a KV transfer that times out, and an
+engine whose core died while its API server answers 503 (health) and 500 (requests).
 Elsewhere: a router killed between turns and mid-stream (test_router_shared_sessions.py); a
 decode engine restarted mid-session and a lease that expired between turns
 (test_turnkv_connector.py); transfers refused, timed out or to a restarted peer between two
@@ -28,6 +29,7 @@ from tests.support.conversation import conversation
 from tests.support.oracle import Completion, compare, greedy_chat, routed_chat
 from turnkv_server.engine_metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
+from turnkv_server.launcher.processes import group_members
 
 TURNS = 4
 MAX_TOKENS = 16
@@ -224,3 +226,49 @@ def test_a_transfer_that_times_out(
         f"{state.router}/v1/turnkv/stats").json()["engines"]), "the router sees it healthy")
     for turn in (1, 2):
         play(state, client, reference, "after-timeout", turn)
+
+
+def test_an_engine_whose_core_died(
+    reference: tuple[list[list[dict[str, Any]]], list[Completion]],
+    cluster: tuple[Cluster, ClusterState], client: httpx.Client,
+) -> None:
+    """Only the decode engine's core process is killed: its API server, still up, answers 503
+    on /health and 5xx on requests until it exits."""
+    launched, state = cluster
+    decode = engine(launched, "decode")
+    assert decode.ref is not None
+    play(state, client, reference, "dead-core", 1)
+    cores = [p for p in group_members(decode.ref.pid) if "EngineCore" in " ".join(p.cmdline())
+             or "EngineCore" in p.name()]
+    assert cores, [p.name() for p in group_members(decode.ref.pid)]
+    for process in cores:
+        process.kill()
+    # What the API server says meanwhile, until it exits: 503 from /health.
+    seen: set[int | str] = set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and 503 not in seen:
+        try:
+            seen.add(httpx.get(f"{decode.spec.url}/health", timeout=5).status_code)
+        except httpx.HTTPError as exc:
+            seen.add(type(exc).__name__)
+        time.sleep(0.1)
+    print(f"the decode engine's /health after its core died: {seen}")
+    # (Unless the API server was even quicker to exit: then nothing answers at all.)
+    assert 503 in seen or any(isinstance(status, str) for status in seen), seen
+    # The session's next turn (a short delta, on that engine alone) fails clearly or is
+    # replayed; it never hangs and is never wrong.
+    messages, expected = reference
+    body = {"model": state.served_model_name, "messages": messages[1],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True,
+            "turnkv": {"session_id": "dead-core", "turn": 2}}
+    response = client.post(f"{state.router}/v1/chat/completions", json=body)
+    print(f"the turn after the core died: {response.status_code} {response.text[:200]}")
+    if response.status_code == 200:
+        got = Completion(response.json()["choices"][0]["token_ids"], "")
+        assert compare(expected[1], got).acceptable
+    else:
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["message"]
+    restart(decode, state, client)
+    for turn in (2, 3):
+        play(state, client, reference, "dead-core", turn)
