@@ -73,7 +73,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     app = create_app(config_from_args(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    # Idle client connections stay open longer than clients keep them (httpx and the openai
+    # client: 5 s), so a client never reuses a connection the router is closing at that
+    # moment; uvicorn's own 5 s made that race (a read error on a fresh request) under load.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_keep_alive=30)
 
 
 if __name__ == "__main__":
