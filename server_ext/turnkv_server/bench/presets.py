@@ -24,8 +24,9 @@ from turnkv_server.bench.workloads import (
 PRESETS = ("agent", "chat", "conversation", "smoke", "memory-pressure")
 
 # The memory-pressure cache: 4,096 tokens per engine (32 blocks of 128), small enough that a
-# handful of sessions outgrows it. ENVIRONMENT.md's instance used 20,864 tokens and 47k tokens
-# of context on a machine that prefilled about 10x faster; `--kv-cache-bytes` reproduces it.
+# handful of sessions outgrows it. An earlier measurement (10 sessions, SmolLM2 in bf16, one
+# core per engine) used a cache of 20,864 tokens and 47k tokens of context on a machine that
+# prefilled about 10x faster; `--kv-cache-bytes` reproduces that cache.
 DEFAULT_KV_CACHE_TOKENS = 4_096
 # Generated sessions stop being added once their total context is this multiple of the cache.
 DEFAULT_PRESSURE = 2.0
@@ -43,8 +44,9 @@ _BASE: dict[str, dict[str, Any]] = {
     "chat": dict(kind="chat", sessions=8, concurrency=4, turns=(3, 8), system_tokens=200,
                  user_tokens=(8, 60), output_tokens=(32, 96), think_time_median_s=4.0,
                  think_time_sigma=0.5, think_time_max_s=30.0, max_context_tokens=4096),
-    # ENVIRONMENT.md's side-by-side instance: one conversation of 8 turns, a 1,500-token first
-    # prompt, then about 470 new tokens and the previous 64-token reply per turn.
+    # An earlier measurement of the upstream modes side by side (SmolLM2 in bf16, one core per
+    # engine): one conversation of 8 turns, a 1,500-token first prompt, then about 470 new
+    # tokens and the previous 64-token reply per turn.
     "conversation": dict(kind="agent", sessions=1, concurrency=1, turns=(8, 8),
                          system_tokens=1000, tool_count=3, tool_result_tokens=(400, 400),
                          tool_result_median=400.0, tool_result_sigma=0.0,
@@ -58,9 +60,9 @@ _BASE: dict[str, dict[str, Any]] = {
                   user_tokens=(10, 30), follow_up_prob=0.0, output_tokens=(8, 16),
                   think_time_median_s=0.05, think_time_max_s=0.2, max_context_tokens=1536),
     # Sessions whose total context outgrows the KV cache, with tool time long enough for LRU
-    # eviction to take each session's blocks before it returns (ENVIRONMENT.md's shape: a
-    # session's own head, 5 turns of about +250 tokens, 2 s of tool time, starts about 0.5 s
-    # apart), sized to this machine.
+    # eviction to take each session's blocks before it returns (the shape of an earlier
+    # memory-pressure measurement: a session's own head, 5 turns of about +250 tokens, 2 s of
+    # tool time, starts about 0.5 s apart), sized to this machine.
     "memory-pressure": dict(kind="agent", sessions=MAX_PRESSURE_SESSIONS, arrival_rate=2.0,
                             turns=(5, 5), system_tokens=400, tool_count=3,
                             tool_result_tokens=(150, 250), tool_result_median=200.0,

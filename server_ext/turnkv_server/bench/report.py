@@ -48,7 +48,7 @@ def plot_ttft_by_turn(result: BenchResult, path: Path) -> Path:
         ]
         if not points:
             continue
-        # 1-based on the axis, as in the tables of ENVIRONMENT.md and docs/benchmarks.md.
+        # 1-based on the axis, as in the tables of docs/benchmarks.md.
         turns, p50, p90 = (list(col) for col in zip(*points, strict=True))
         turns = [t + 1 for t in turns]
         style = "-" if s.status.state == "ok" else "--"

@@ -5,7 +5,8 @@ session sleeps through its tool time no turn is in flight and nothing is expecte
 of "no progress" therefore starts at the later of the last chunk and the moment turns were
 last put in flight with none before them.
 
-Upstream bidirectional P/D deadlocked under memory pressure (ENVIRONMENT.md): both engines at
+Upstream bidirectional P/D deadlocked under memory pressure in an earlier measurement
+(SmolLM2, one core per engine, sessions whose context outgrew the KV cache): both engines at
 zero throughput with requests waiting for capacity. That is what this catches.
 """
 
