@@ -73,7 +73,8 @@ def up(
     short_delta_tokens: Annotated[int | None, typer.Option(
         help="turnkv: turns adding at most this many tokens run on the decode engine alone "
              "(default: the router's)")] = None,
-    port: Annotated[int | None, typer.Option(help="router port (default: a free one)")] = None,
+    port: Annotated[int | None, typer.Option(
+        help="router port (default: a free one, which the router binds itself)")] = None,
     redis: Annotated[str | None, typer.Option(
         help="share the router's sessions through this Redis, redis://HOST:PORT/DB "
              "(more routers: `turnkv router --redis ...`)")] = None,

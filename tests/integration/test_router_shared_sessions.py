@@ -27,7 +27,7 @@ from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_c
 from tests.support.redis_server import redis_server
 from turnkv_server.engine_metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
-from turnkv_server.launcher.processes import free_ports
+from turnkv_server.ports import read_report
 
 TURNS = 5
 MAX_TOKENS = 16
@@ -65,16 +65,19 @@ class Router:
     """Another router process on the cluster's engines and Redis; stopped by its PID."""
 
     def __init__(self, launched: Cluster, log: Path) -> None:
-        port = free_ports(1)[0]
-        self.url = f"http://127.0.0.1:{port}"
+        port_file = log.with_suffix(".addr")
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
-                [*launched.router_command(port)], stdin=subprocess.DEVNULL, stdout=out,
+                [*launched.router_command(0, port_file)], stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = ""
         deadline = time.monotonic() + 60
         while True:
+            bound = read_report(port_file)
+            if bound is not None:
+                self.url = f"http://{bound[0]}:{bound[1]}"
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if bound and httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -327,6 +327,30 @@ def test_a_decode_engine_restarted_mid_session(
     _end_session(state, client, engines, "restart")
 
 
+def test_an_idle_engine_ends_an_expired_lease_without_another_request(
+    reference: Reference, cluster: tuple[Cluster, ClusterState], client: httpx.Client
+) -> None:
+    """After a turn nothing reaches either engine (the router keeps the session for minutes,
+    so it sends no release): each engine's lease still ends at its TTL and its blocks come
+    back. vLLM's engine core sleeps on its input queue while it has no request; the connector
+    wakes it at the lease's deadline."""
+    _, state = cluster
+    engines = Engines(state)
+    before = engines.read()
+    _play(state, client, reference, {"session_id": "idle"}, range(1, 2))
+    # The reply's push back is the last request: the prefill engine's receive of it.
+    wait_for(lambda: engines.read()[0]["receives_done"] > before[0]["receives_done"],
+             "the turn's push back")
+    assert all(c["pinned_blocks"] > 0 for c in engines.read())
+    wait_for(lambda: all(c.get("pinned_blocks") == 0 and c.get("leases") == 0
+                         and c.get("kv_cache_usage") == 0 for c in engines.read()),
+             "both idle engines' leases expired and every block free",
+             timeout=ENGINE_LEASE_S + 30)
+    for b, a in zip(before, engines.read(), strict=True):
+        assert a["leases_expired"] > b["leases_expired"]
+    assert client.delete(f"{state.router}/v1/turnkv/sessions/idle").status_code == 200
+
+
 def test_down_stops_exactly_the_cluster(cluster: tuple[Cluster, ClusterState]) -> None:
     _, state = cluster
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],

@@ -1,4 +1,8 @@
-"""A real redis-server for the tests, on a free port, stopped by its PID.
+"""A real redis-server for the tests, on a Unix socket, stopped by its PID.
+
+A Unix socket in a folder of the test's own needs no port: a TCP port chosen free here could
+be taken before redis-server binds it (redis cannot bind port 0 and report it: `--port 0`
+turns TCP off). Routers reach it as ``unix://PATH?db=0`` (redis-py's URL form).
 
 `make test` installs Debian's redis-server (the Makefile's `redis` target).
 """
@@ -7,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,24 +19,25 @@ from pathlib import Path
 
 import redis
 
-from turnkv_server.launcher.processes import free_ports
-
 
 @contextmanager
 def redis_server(folder: Path) -> Iterator[str]:
-    """Start redis-server (no persistence, loopback only); yields its URL."""
+    """Start redis-server (no persistence, no TCP, a socket only this user can open); yields
+    its URL. Its log goes to `folder`."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed: `make test` installs it "
                            "(apt-get install redis-server)")
-    port = free_ports(1)[0]
+    # A Unix socket's path has at most 107 bytes, and pytest's folders can be longer.
+    socket_dir = Path(tempfile.mkdtemp(prefix="turnkv-redis-"))
+    socket_path = socket_dir / "redis.sock"
     log = folder / "redis.log"
     with open(log, "ab") as out:
         process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(folder)],
+            [binary, "--port", "0", "--unixsocket", str(socket_path), "--unixsocketperm", "700",
+             "--save", "", "--appendonly", "no", "--dir", str(folder)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"unix://{socket_path}?db=0"
     try:
         client = redis.Redis.from_url(url)
         deadline = time.monotonic() + 20
@@ -52,3 +58,4 @@ def redis_server(folder: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        shutil.rmtree(socket_dir, ignore_errors=True)

@@ -78,3 +78,29 @@ def test_the_null_block_is_never_held() -> None:
     assert pool.blocks[0].is_null
     new = [b.block_id for b in pool.get_new_blocks(2)]
     assert holder.hold("s", [0, *new]) == 2
+
+
+def test_make_room_counts_only_blocks_that_return_to_the_pool() -> None:
+    pool, holder, clock = setup()
+    # "old" holds 5 blocks that a running request also uses (it hit them); "new" 5 of its own.
+    shared = finish_request(pool, holder, "old", 5)
+    pool.touch([pool.blocks[i] for i in shared])  # the running request's references
+    clock.now += 1
+    finish_request(pool, holder, "new", 5)
+    running = pool.get_new_blocks(pool.get_num_free_blocks())  # and every other block
+    assert pool.get_num_free_blocks() == 0
+    # Releasing "old" gives nothing back: "new" has to go too for 3 blocks to be free.
+    holder.make_room(3)
+    assert pool.get_num_free_blocks() == 5
+    assert len(holder.leases) == 0
+    assert all(pool.blocks[i].ref_cnt == 1 for i in shared)  # still the running request's
+    pool.free_blocks(running)
+
+
+def test_release_all_gives_every_block_back() -> None:
+    pool, holder, _ = setup()
+    start = pool.get_num_free_blocks()
+    first = finish_request(pool, holder, "a", 3)
+    finish_request(pool, holder, "b", 2, shared=first[:2])
+    assert holder.release_all("reset") == 7
+    assert pool.get_num_free_blocks() == start and len(holder.leases) == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from turnkv_server.connector.leases import LeasePolicy, LeaseTable
@@ -110,27 +112,67 @@ def test_a_lease_bigger_than_the_cap_is_not_kept() -> None:
     assert "huge" not in leases and "small" in leases
 
 
-def test_make_room_releases_until_the_request_fits_and_never_blocks() -> None:
+def test_eviction_takes_the_lowest_priority_then_least_recent_and_spares_keep() -> None:
     leases, clock = table(total=20, fraction=1.0)
-    for i, sid in enumerate(["a", "b", "c"]):
-        leases.pin(sid, [10 * i, 10 * i + 1, 10 * i + 2])
+    for sid, priority in (("a", 0), ("b", 0), ("c", 0), ("vip", 1)):
+        leases.pin(sid, [len(leases)], priority=priority)
         clock.now += 1
-    # 2 free, 5 needed: releasing a (3 blocks of its own) is enough.
-    room = leases.make_room(blocks_needed=5, free_blocks=2)
-    assert [lease.session_id for lease in room.leases] == ["a"]
-    # The session being admitted is spared, even when that leaves the request short.
-    room = leases.make_room(blocks_needed=100, free_blocks=0, keep=["c"])
-    assert [lease.session_id for lease in room.leases] == ["b"]
-    assert list(leases.make_room(100, 0, keep=["c"]).leases) == []
-    assert leases.make_room(blocks_needed=1, free_blocks=1).leases == ()
+    leases.renew("a")  # a's next turn came: now the most recent of the priority-0 leases
+    order = []
+    while (gone := leases.evict(keep=["c"])).leases:
+        order.append(gone.leases[0].session_id)
+    assert order == ["b", "a", "vip"]  # c, the request being admitted, is spared
+    assert list(leases) == ["c"] and leases.released_total["pressure"] == 3
+    leases.renew("c", priority=-1)
+    assert leases.evict().leases[0].session_id == "c"
+    assert leases.evict().leases == ()
 
 
-def test_make_room_counts_only_blocks_a_release_really_frees() -> None:
-    leases, clock = table(total=20, fraction=1.0)
-    leases.pin("a", [0, 1, 2])
-    clock.now += 1
-    leases.pin("b", [0, 1, 3])  # shares 0 and 1 with a
-    # Releasing a frees only block 2; b must go too for 3 blocks to come back.
-    room = leases.make_room(blocks_needed=3, free_blocks=0)
-    assert [lease.session_id for lease in room.leases] == ["a", "b"]
-    assert leases.pinned_blocks == 0
+def test_the_next_deadline_follows_pins_renewals_and_releases() -> None:
+    leases, clock = table(default_ttl_s=100, max_ttl_s=1000)
+    assert leases.next_expiry() == math.inf and not leases.due()
+    leases.pin("a", [1], ttl_s=10)
+    leases.pin("b", [2], ttl_s=20)
+    assert leases.next_expiry() == clock.now + 10
+    leases.renew("a", ttl_s=50)
+    assert leases.next_expiry() == clock.now + 20
+    leases.release("b")
+    assert leases.next_expiry() == clock.now + 50
+    clock.now += 50
+    assert leases.due()
+    assert [lease.session_id for lease in leases.expire().leases] == ["a"]
+    assert leases.next_expiry() == math.inf and not leases.due()
+
+
+def test_release_all_ends_every_lease() -> None:
+    leases, _ = table()
+    leases.pin("a", [1, 2])
+    leases.pin("b", [2, 3])
+    assert sorted(leases.release_all("reset").blocks) == [1, 2, 2, 3]
+    assert len(leases) == 0 and leases.pinned_blocks == 0 and leases.next_expiry() == math.inf
+
+
+class Priority(int):
+    """A priority that counts how often the table compares it: what picking a victim costs."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        Priority.compared += 1
+        return int(self) == other
+
+    __hash__ = int.__hash__
+
+
+def test_picking_victims_is_logarithmic_not_a_scan() -> None:
+    n = 2000
+    leases, clock = table(total=10 * n, fraction=1.0)
+    for i in range(n):
+        leases.pin(f"s{i}", [i], priority=Priority(0))
+        clock.now += 1
+    Priority.compared = 0
+    order = [leases.evict().leases[0].session_id for _ in range(n)]
+    assert order == [f"s{i}" for i in range(n)]
+    # A scan compares every remaining lease per victim (n * n / 2 = 2,000,000 here); a heap
+    # about 2 log2(n) per victim.
+    assert Priority.compared < 30 * n * math.log2(n) / 2

@@ -37,3 +37,30 @@ def test_other_connectors_params_are_not_ours() -> None:
 def test_malformed_params_name_the_field(raw: object, field: str) -> None:
     with pytest.raises(BadParams, match=field):
         parse({"turnkv": raw})
+
+
+def test_abandon_and_stream_round_trip_and_are_left_out_when_unset() -> None:
+    params = TurnParams(session="s", send=Send("t-1", stream=True), abandon=("t-2", "t-3"))
+    wire = params.to_wire()
+    assert wire["abandon"] == ["t-2", "t-3"] and wire["send"] == {"transfer_id": "t-1",
+                                                                  "stream": True}
+    assert parse({"turnkv": wire}) == params
+    plain = TurnParams(session="s", send=Send("t-1")).to_wire()
+    assert plain == {"session": "s", "send": {"transfer_id": "t-1"}}
+    assert parse({"turnkv": plain}) == TurnParams(session="s", send=Send("t-1"))
+
+
+@pytest.mark.parametrize("raw", [
+    {"abandon": "t-1"},
+    {"abandon": ["ok", "not ok"]},
+    {"abandon": [3]},
+    {"abandon": [f"t{i}" for i in range(65)]},
+])
+def test_malformed_abandon_is_refused(raw: object) -> None:
+    with pytest.raises(BadParams, match="abandon"):
+        parse({"turnkv": raw})
+
+
+def test_malformed_stream_is_refused() -> None:
+    with pytest.raises(BadParams, match="stream"):
+        parse({"turnkv": {"send": {"transfer_id": "t", "stream": "yes"}}})

@@ -1,15 +1,21 @@
-"""The connector's scheduler half on vLLM's real block pool: orders, leases and room."""
+"""The connector's scheduler half on vLLM's real block pool and requests: orders, leases, room."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
 from typing import Any
 
+import pytest
+from vllm import SamplingParams
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.request import Request, RequestStatus
 
+from turnkv_server.connector.identity import token_digest
 from turnkv_server.connector.leases import LeasePolicy
 from turnkv_server.connector.params import Receive, Send, TurnParams
 from turnkv_server.connector.scheduler_side import (
+    ExpectOrder,
     ReceiveOrder,
     SchedulerSide,
     SendOrder,
@@ -21,17 +27,20 @@ BLOCK = 16
 PEER = "127.0.0.1:7000"
 
 
-@dataclass
-class Request:
-    request_id: str
-    kv_transfer_params: dict[str, Any] | None
-    num_prompt_tokens: int
-    num_tokens: int
+def prompt(tokens: int) -> list[int]:
+    return [1000 + i for i in range(tokens)]
 
 
 def request(rid: str, tokens: int, **params: Any) -> Request:
-    wire = {"turnkv": TurnParams(**params).to_wire()} if params else None
-    return Request(rid, wire, tokens, tokens)
+    """A vLLM request for `tokens` prompt tokens carrying these turnkv params."""
+    return raw_request(rid, tokens, {"turnkv": TurnParams(**params).to_wire()} if params else None)
+
+
+def raw_request(rid: str, tokens: int, kv_transfer_params: dict[str, Any] | None,
+                session_id: str | None = None) -> Request:
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return Request(rid, prompt(tokens), SamplingParams(max_tokens=16, extra_args=extra), None,
+                   session_id=session_id)
 
 
 def setup(fraction: float = 1.0) -> tuple[BlockPool, SchedulerSide]:
@@ -45,11 +54,14 @@ def allocate(pool: BlockPool, n: int) -> list[int]:
     return [b.block_id for b in pool.get_new_blocks(n)]
 
 
-def finish(pool: BlockPool, side: SchedulerSide, req: Request, ids: list[int]
+def finish(pool: BlockPool, side: SchedulerSide, req: Request, ids: list[int],
+           status: RequestStatus = RequestStatus.FINISHED_STOPPED
            ) -> tuple[bool, dict[str, Any] | None]:
+    """The request ends with `status`; its blocks are freed unless delay-freed, as vLLM does."""
+    req.status = status
     result = side.request_finished(req, ids)
     if not result[0]:
-        pool.free_blocks([pool.blocks[i] for i in reversed(ids)])  # what vLLM then does
+        pool.free_blocks([pool.blocks[i] for i in reversed(ids)])
     return result
 
 
@@ -63,7 +75,10 @@ def test_a_receive_registers_only_the_blocks_past_the_local_hit() -> None:
     ids = allocate(pool, 5)
     side.update_state_after_alloc(req, ids, 38)
     orders = side.build_orders()
-    assert orders.receives == [ReceiveOrder("r1", "t1", PEER, ids[2:5], 2)]
+    # The order names the tokens the blocks will hold once received, from token 0: the
+    # sender checks them against its own.
+    assert orders.receives == [ReceiveOrder("r1", "t1", PEER, ids[2:5], 2, None, 70,
+                                            token_digest(prompt(70)))]
     # Once registered, a preempted request recomputes instead of asking twice.
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     assert side.take_stats()["tokens_requested"] == 38
@@ -86,15 +101,17 @@ def test_a_sender_keeps_its_blocks_until_written_and_holds_them_for_the_session(
     req = request("r1", 40, session="s", send=Send("t1"))
     side.on_new_request(req)
     ids = allocate(pool, 3)
-    delay_free, reply = side.request_finished(req, ids)
+    req.append_output_token_ids([7, 8])
+    delay_free, reply = finish(pool, side, req, ids)
     assert delay_free is True
     assert reply == {"turnkv": {"held_blocks": 3, "local_tokens": 0, "received_tokens": 0,
                                 "receive_failed": False}}
-    assert side.build_orders().sends == [SendOrder("r1", "t1", ids)]
+    # The send names every token of the request: the receiver's registration must match.
+    assert side.build_orders().sends == [SendOrder("r1", "t1", ids, (*prompt(40), 7, 8))]
     # A send whose request never computed anything is refused, not waited for.
     empty = request("r2", 40, send=Send("t2"))
     side.on_new_request(empty)
-    assert side.request_finished(empty, []) == (False, {"turnkv": {
+    assert finish(pool, side, empty, []) == (False, {"turnkv": {
         "held_blocks": 0, "local_tokens": 0, "received_tokens": 0, "receive_failed": False}})
     assert side.build_orders().refusals == ["t2"]
 
@@ -141,7 +158,7 @@ def test_room_is_made_for_a_waiting_request_and_a_growing_one() -> None:
 
 def test_malformed_params_leave_the_request_alone() -> None:
     pool, side = setup()
-    req = Request("r1", {"turnkv": {"ttl_s": -1}}, 40, 40)
+    req = raw_request("r1", 40, {"turnkv": {"ttl_s": -1}})
     side.on_new_request(req)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     assert finish(pool, side, req, allocate(pool, 3)) == (False, None)
@@ -154,9 +171,13 @@ def test_a_request_aborted_while_receiving_neither_holds_nor_sends() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (40, True)
     ids = allocate(pool, 3)
     side.update_state_after_alloc(req, ids, 40)
+    req.status = RequestStatus.FINISHED_ABORTED
     assert side.request_finished(req, ids) == (False, None)
     orders = side.build_orders()
     assert orders.refusals == ["t2"] and orders.sends == []
+    # The peer may still be writing into the blocks: the transport cancels the receive with it
+    # and reports the request received (its blocks failed) once nothing can land there.
+    assert orders.cancels == ["t1"]
     assert "s" not in side.holder.leases  # type: ignore[union-attr]
     # Once the receive has ended, a finished request is handled as usual.
     again = request("r2", 40, session="s", receive=Receive("t3", PEER))
@@ -164,8 +185,21 @@ def test_a_request_aborted_while_receiving_neither_holds_nor_sends() -> None:
     side.get_num_new_matched_tokens(again, 0)
     side.update_state_after_alloc(again, ids, 40)
     side.received({"r2"})
+    again.status = RequestStatus.FINISHED_STOPPED
     assert side.request_finished(again, ids)[1] is not None
     assert "s" in side.holder.leases  # type: ignore[union-attr]
+
+
+def test_a_request_aborted_before_it_asked_for_its_kv_lets_the_sender_go() -> None:
+    """Aborted while waiting (never allocated, never registered): the sender's finished
+    request would keep its blocks for the whole send timeout if nobody told it."""
+    pool, side = setup()
+    req = request("r1", 40, receive=Receive("t1", PEER))
+    side.on_new_request(req)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert side.request_finished(req, []) == (False, {"turnkv": {
+        "held_blocks": 0, "local_tokens": 0, "received_tokens": 0, "receive_failed": False}})
+    assert side.build_orders().declines == [("t1", PEER)]
 
 
 def test_the_reply_says_what_arrived_and_what_failed() -> None:
@@ -208,7 +242,8 @@ def test_sends_nobody_registered_for_are_abandoned_when_leases_are_not_enough() 
 
 def test_a_sending_request_names_the_blocks_each_step_completes() -> None:
     _, side = setup()
-    req = request("r1", 70, session="s", send=Send("t1"))  # blocks 0..3 full, 4 holds 6 tokens
+    # Blocks 0..3 full, 4 holds 6 tokens; the router marks the prefill's send for streaming.
+    req = request("r1", 70, session="s", send=Send("t1", stream=True))
     side.on_new_request(req)
     # Step 1: tokens 10..40 of a prompt whose first 10 hit the cache; completes blocks 0 and 1.
     side.scheduled("r1", [20, 21, 22], True, 10, 30)
@@ -226,9 +261,168 @@ def test_a_sending_request_names_the_blocks_each_step_completes() -> None:
         StreamOrder("t1", [(0, 30), (1, 31), (2, 32), (3, 33), (4, 34)], restart=True)]
 
 
-def test_only_sending_requests_stream() -> None:
+def test_only_sends_marked_for_streaming_stream() -> None:
     _, side = setup()
     side.on_new_request(request("r1", 64, session="s"))
     side.scheduled("r1", [1, 2, 3, 4], True, 0, 64)
     side.scheduled("untracked", [5], True, 0, 16)
+    # A decode engine's send back to prefill: its receiver registers only after it ends.
+    side.on_new_request(request("r2", 64, session="s", send=Send("t2")))
+    side.scheduled("r2", [6, 7, 8, 9], True, 0, 64)
     assert side.build_orders().streams == []
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_STOPPED,
+                                    RequestStatus.FINISHED_LENGTH_CAPPED,
+                                    RequestStatus.FINISHED_REPETITION])
+def test_a_request_that_finished_normally_sends(status: RequestStatus) -> None:
+    pool, side = setup()
+    req = request("r1", 40, send=Send("t1"))
+    side.on_new_request(req)
+    ids = allocate(pool, 3)
+    assert finish(pool, side, req, ids, status)[0] is True
+    orders = side.build_orders()
+    assert orders.sends == [SendOrder("r1", "t1", ids, tuple(prompt(40)))]
+    assert orders.refusals == []
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED,
+                                    RequestStatus.FINISHED_ERROR,
+                                    RequestStatus.FINISHED_IGNORED])
+def test_a_request_that_did_not_finish_normally_refuses_its_send(status: RequestStatus) -> None:
+    pool, side = setup()
+    # Aborted on a block boundary inside the prompt: vLLM hands over exactly the blocks it
+    # computed, so a block count cannot tell that the prompt's last block is missing.
+    req = request("r1", 40, session="s", send=Send("t1"))
+    side.on_new_request(req)
+    ids = allocate(pool, 2)
+    assert finish(pool, side, req, ids, status)[0] is False  # nothing to keep for a send
+    orders = side.build_orders()
+    assert orders.sends == [] and orders.refusals == ["t1"]
+    # The lease still holds what was computed: vLLM hashes only full computed blocks, so the
+    # next turn can hit only KV of its own tokens.
+    assert side.holder is not None and side.holder.leases.get("s") is not None
+
+
+def test_a_sending_request_is_announced_with_its_prompt() -> None:
+    _, side = setup()
+    side.on_new_request(request("r1", 40, send=Send("t1")))
+    side.on_new_request(request("r2", 40, session="s"))
+    # The transport answers a registration that comes before the request ends, and checks
+    # its tokens, from this.
+    assert side.build_orders().expects == [ExpectOrder("t1", tuple(prompt(40)))]
+
+
+def test_the_router_can_abandon_this_engines_sends() -> None:
+    pool, side = setup()
+    sender = request("r1", 40, send=Send("t1"))
+    side.on_new_request(sender)
+    finish(pool, side, sender, allocate(pool, 3))
+    side.build_orders()
+    # The push back will not come: a one-token request says so.
+    side.on_new_request(request("r2", 1, abandon=("t1", "t0")))
+    assert side.build_orders().abandons == ["t1", "t0"]
+    # Room is short later: t1 is not abandoned twice.
+    newcomer = request("r3", 30 * BLOCK)
+    side.on_new_request(newcomer)
+    side.get_num_new_matched_tokens(newcomer, 0)
+    assert side.build_orders().abandons == []
+
+
+def test_a_lease_shared_with_a_running_request_frees_nothing_and_says_so() -> None:
+    pool, side = setup()
+    first = request("r1", 5 * BLOCK, session="s")
+    side.on_new_request(first)
+    ids = allocate(pool, 5)
+    finish(pool, side, first, ids)
+    # The session's next turn runs on those blocks (a prefix hit) and fills the pool.
+    pool.touch([pool.blocks[i] for i in ids])
+    running = pool.get_new_blocks(pool.get_num_free_blocks())
+    # It cannot grow. Dropping the lease gives no block back: vLLM must preempt, not wait.
+    assert side.has_pending_block_frees() is False
+    assert side.holder is not None and len(side.holder.leases) == 0
+    assert pool.get_num_free_blocks() == 0
+    pool.free_blocks(running)
+
+
+def test_an_idle_engine_is_woken_when_a_lease_runs_out() -> None:
+    pool, side = setup()
+    woken = threading.Event()
+    side.bind(pool, BLOCKS, wake=woken.set)
+    start = pool.get_num_free_blocks()
+    req = request("r1", 40, session="s", ttl_s=0.2)
+    side.on_new_request(req)
+    finish(pool, side, req, allocate(pool, 3))
+    side.build_orders()
+    assert side.has_pending_push_work() is False  # the engine may sleep on its input queue
+    # vLLM's engine core sleeps until something arrives on its queue: at the lease's deadline
+    # the connector's timer puts a wake-up there; the engine then steps once.
+    assert woken.wait(10)
+    assert side.has_pending_push_work() is True
+    assert pool.get_num_free_blocks() == start - 3  # only the engine's thread frees blocks
+    side.build_orders()
+    assert pool.get_num_free_blocks() == start
+    assert side.has_pending_push_work() is False
+    side.close()
+
+
+def test_a_new_lease_rearms_the_wake_up_earlier() -> None:
+    pool, side = setup()
+    wakes: list[float] = []
+    side.bind(pool, BLOCKS, wake=lambda: wakes.append(time.monotonic()))
+    long = request("r1", 40, session="long", ttl_s=60)
+    side.on_new_request(long)
+    finish(pool, side, long, allocate(pool, 3))
+    begin = time.monotonic()
+    short = request("r2", 40, session="short", ttl_s=0.2)
+    side.on_new_request(short)
+    finish(pool, side, short, allocate(pool, 3))
+    deadline = time.monotonic() + 10
+    while not wakes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert wakes and wakes[0] - begin >= 0.2
+    side.close()
+
+
+def test_reset_prefix_cache_and_reset_cache_work_with_leases_present() -> None:
+    pool, side = setup()
+    for rid, session in (("r1", "a"), ("r2", "b")):
+        req = request(rid, 40, session=session)
+        side.on_new_request(req)
+        finish(pool, side, req, allocate(pool, 3))
+    # vLLM resets the prefix cache (weights updated, sleep) only when no block is in use:
+    # leases go first, their KV belongs to the old cache anyway.
+    assert pool.reset_prefix_cache() is True
+    assert side.holder is not None and len(side.holder.leases) == 0
+    assert pool.get_num_free_blocks() == BLOCKS - 1
+    req = request("r3", 40, session="c")
+    side.on_new_request(req)
+    finish(pool, side, req, allocate(pool, 3))
+    assert side.reset_cache() is True
+    assert len(side.holder.leases) == 0 and pool.get_num_free_blocks() == BLOCKS - 1
+    assert side.take_stats()["leases_released"] == 3
+
+
+def test_a_send_abandoned_before_its_request_ends_is_refused_when_it_does() -> None:
+    pool, side = setup()
+    sender = request("r1", 40, send=Send("t1"))
+    side.on_new_request(sender)
+    # The router gives the send up while the request still runs here (its abandon overtook
+    # the request's end): the request keeps no blocks for it once it ends.
+    side.on_new_request(request("r2", 1, abandon=("t1",)))
+    side.build_orders()
+    assert finish(pool, side, sender, allocate(pool, 3))[0] is False
+    orders = side.build_orders()
+    assert orders.sends == [] and orders.refusals == ["t1"]
+
+
+def test_a_send_abandoned_before_its_request_arrives_is_refused_when_it_ends() -> None:
+    pool, side = setup()
+    # The router's abandon overtook the prefill request itself (still in the API server).
+    side.on_new_request(request("r0", 1, abandon=("t1",)))
+    assert side.build_orders().abandons == ["t1"]  # the transport answers a registration
+    sender = request("r1", 40, send=Send("t1"))
+    side.on_new_request(sender)
+    assert finish(pool, side, sender, allocate(pool, 3))[0] is False
+    orders = side.build_orders()
+    assert orders.sends == [] and orders.refusals == ["t1"]

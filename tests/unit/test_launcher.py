@@ -1,17 +1,26 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
 from turnkv_server.engine_metrics import PromptTokenSources, parse_prompt_token_sources
-from turnkv_server.launcher import ClusterConfig, ClusterState, EngineSpec
+from turnkv_server.launcher import (
+    Cluster,
+    ClusterConfig,
+    ClusterState,
+    EngineSpec,
+    EngineStartError,
+)
 from turnkv_server.launcher.cluster import _core_sets, kv_transfer_config
-from turnkv_server.launcher.engine import first_error, resolve_dtype
+from turnkv_server.launcher.engine import SECRET_ENV, EngineProcess, first_error, resolve_dtype
 from turnkv_server.launcher.processes import (
     PORT_FLOOR,
     ProcessRef,
@@ -23,6 +32,7 @@ from turnkv_server.launcher.processes import (
     unpinned_threads,
 )
 from turnkv_server.launcher.state import ServerState
+from turnkv_server.ports import SIDE_CHANNEL_REPORT_ENV, read_report
 
 
 def _spec(**changes: object) -> EngineSpec:
@@ -33,21 +43,64 @@ def _spec(**changes: object) -> EngineSpec:
 
 
 def test_engine_command_and_environment(tmp_path: Path) -> None:
-    spec = _spec(nixl_port=5600, kv_transfer_config=kv_transfer_config("standard", "prefill", "e0"),
+    spec = _spec(port=0, nixl_port=0,
+                 kv_transfer_config=kv_transfer_config("standard", "prefill", "e0"),
                  prefix_caching=False, kv_cache_bytes=1 << 28, dtype="float32")
-    cmd = spec.command()
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    cmd = spec.command(tmp_path / "http.addr")
+    # vLLM's server through the wrapper that binds the port and reports it.
+    assert cmd[1:5] == ["-m", "turnkv_server.launcher.serve_engine",
+                        "--port-file", str(tmp_path / "http.addr")]
+    assert cmd[cmd.index("--port") + 1] == "0"
     assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(1 << 28)
     assert '"kv_role": "kv_producer"' in cmd[cmd.index("--kv-transfer-config") + 1]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    env = spec.environment(tmp_path, tmp_path / "tmp")
+    env = spec.environment(tmp_path, tmp_path / "tmp", tmp_path / "side.addr")
     assert env["VLLM_RPC_BASE_PATH"] == env["TMPDIR"] == str(tmp_path / "tmp")
     assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
-    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    # Port 0: the connector binds a free port and reports it here.
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "0"
+    assert env[SIDE_CHANNEL_REPORT_ENV] == str(tmp_path / "side.addr")
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert env["HF_HUB_OFFLINE"] == "1" and env["UCX_NET_DEVICES"]
     assert "VLLM_CPU_KVCACHE_SPACE" not in env  # the byte size wins
+    assert SECRET_ENV not in env
+
+
+def test_the_side_channel_secret_is_per_cluster_and_only_in_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "inherited")
+
+    def cluster(**config: Any) -> Cluster:
+        return Cluster(ClusterConfig(run_dir=tmp_path / "run", **config))
+
+    first, second = cluster(mode="turnkv"), cluster(mode="turnkv")
+    specs = first._engine_specs(Path("/m"), "m")
+    secret = first.side_channel_secret
+    assert len(secret) == 64 and secret != second.side_channel_secret
+    assert [s.side_channel_secret for s in specs] == [secret, secret]
+    # Every port is left to the engine that binds it.
+    assert [(s.port, s.nixl_port) for s in specs] == [(0, 0), (0, 0)]
+    for spec in specs:
+        assert spec.environment(tmp_path, tmp_path)[SECRET_ENV] == secret
+        assert secret not in " ".join(spec.command(tmp_path / "p"))  # ps shows command lines
+        assert secret not in repr(spec)
+    assert secret not in repr(first.config)
+    assert cluster(mode="turnkv", side_channel_secret="operator's").side_channel_secret == (
+        "operator's")
+    # Upstream's connectors have no use for it, and an inherited one is not passed on.
+    baseline = cluster(mode="standard")._engine_specs(Path("/m"), "m")
+    assert all(SECRET_ENV not in s.environment(tmp_path, tmp_path) for s in baseline)
+
+
+def test_the_state_file_holds_no_secret(tmp_path: Path) -> None:
+    cluster = Cluster(ClusterConfig(mode="turnkv", run_dir=tmp_path))
+    cluster.engines = [EngineProcess(spec, tmp_path)
+                       for spec in cluster._engine_specs(Path("/m"), "m")]
+    for engine in cluster.engines:
+        engine.ref = ProcessRef.of(os.getpid())
+    cluster._record("m", Path("/m"), "http://127.0.0.1:1")
+    assert cluster.side_channel_secret not in (tmp_path / "state.json").read_text()
 
 
 def test_auto_dtype_is_float32_without_native_bf16(tmp_path: Path) -> None:
@@ -155,3 +208,97 @@ def test_prompt_token_sources_parse_and_subtract() -> None:
     assert now == PromptTokenSources(7, 128, 41)
     assert (now - PromptTokenSources(1, 0, 40)).total == 135
     assert parse_prompt_token_sources("") == PromptTokenSources()
+
+
+# A stand-in for an engine (vLLM takes half a minute): it binds its HTTP port and its side
+# channel as the real one does (the port asked for, 0 for a free one), reports both, and
+# answers /health.
+FAKE_ENGINE = """
+import http.server, os, sys
+from turnkv_server.ports import bind_listener, write_report
+args = sys.argv[1:]
+http_sock = bind_listener("127.0.0.1", int(args[args.index("--port") + 1]))
+write_report(args[args.index("--port-file") + 1], "127.0.0.1", http_sock.getsockname()[1])
+side = bind_listener("127.0.0.1", int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"]))
+if os.environ.get("REPORT_SIDE_CHANNEL", "1") == "1":
+    write_report(os.environ["TURNKV_SIDE_CHANNEL_REPORT"], "127.0.0.1", side.getsockname()[1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+server = http.server.HTTPServer(http_sock.getsockname(), Health, bind_and_activate=False)
+server.socket.close()
+server.socket = http_sock
+server.serve_forever()
+"""
+
+
+def _fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> EngineProcess:
+    script = tmp_path / "fake_engine.py"
+    script.write_text(FAKE_ENGINE)
+
+    def command(self: EngineSpec, port_file: Path) -> list[str]:
+        return [sys.executable, str(script), "--port-file", str(port_file),
+                "--port", str(self.port)]
+
+    monkeypatch.setattr(EngineSpec, "command", command)
+    spec = Cluster(ClusterConfig(mode="turnkv", run_dir=tmp_path / "run"))._engine_specs(
+        Path("/m"), "m")[0]
+    return EngineProcess(spec, tmp_path / "run")
+
+
+def _wait_healthy(engine: EngineProcess) -> None:
+    deadline = time.monotonic() + 30
+    while not engine.is_healthy():
+        assert time.monotonic() < deadline, engine.log_tail()
+        time.sleep(0.05)
+
+
+def _listening_pids(port: int) -> set[int]:
+    return {c.pid for c in psutil.net_connections("tcp")
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid}
+
+
+def test_engine_ports_come_from_the_engine_and_survive_a_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _fake_engine(tmp_path, monkeypatch)
+    assert (engine.spec.port, engine.spec.nixl_port) == (0, 0)
+    try:
+        engine.start()
+        _wait_healthy(engine)
+        # The ports are the ones the engine bound and reported, not a guess of the launcher.
+        http_port, side_port = engine.spec.port, engine.spec.nixl_port
+        assert http_port and side_port
+        assert read_report(engine.http_report) == ("127.0.0.1", http_port)
+        assert read_report(engine.side_channel_report) == ("127.0.0.1", side_port)
+        assert engine.ref is not None
+        assert _listening_pids(http_port) == _listening_pids(side_port) == {engine.ref.pid}
+
+        # Stopped, its ports stay held for it: nobody else gets them before its restart...
+        engine.stop()
+        for port in (http_port, side_port):
+            with socket.socket() as squatter, pytest.raises(OSError):
+                squatter.bind(("127.0.0.1", port))
+        # ...which asks for them again (its peers and the router know them) and gets them.
+        engine.start()
+        _wait_healthy(engine)
+        assert (engine.spec.port, engine.spec.nixl_port) == (http_port, side_port)
+        assert _listening_pids(http_port) == {engine.ref.pid}
+    finally:
+        engine.stop()
+        engine.release_ports()
+
+
+def test_an_engine_that_reports_no_side_channel_fails_its_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REPORT_SIDE_CHANNEL", "0")
+    engine = _fake_engine(tmp_path, monkeypatch)
+    try:
+        engine.start()
+        with pytest.raises(EngineStartError, match="reported no side channel"):
+            _wait_healthy(engine)
+    finally:
+        engine.stop()
+        engine.release_ports()

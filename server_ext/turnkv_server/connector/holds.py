@@ -1,12 +1,13 @@
 """Session leases applied to vLLM's block pool: a reference per held block, given back on time.
 
-The connector's scheduler side calls this from scheduler callbacks only (the engine-core
-thread, which owns the block pool and takes no lock). `hold` runs in `request_finished`: it
-adds one reference to each of the finished request's blocks, so they outlive the request
-without delay-free, keep their hashes and serve the session's next turn as prefix hits, and
-the engine can go idle. The lease table (`leases`) decides when the references go: on
-release, expiry, the pin cap, and `make_room` under pressure, which the admission callbacks
-call because vLLM's scheduler cannot see held blocks (CONNECTOR-NOTES.md).
+The connector's scheduler side calls this from the engine-core thread only (scheduler
+callbacks and the engine's own calls into the pool), which owns the block pool and takes no
+lock. `hold` runs in `request_finished`: it adds one reference to each of the finished
+request's blocks, so they outlive the request without delay-free, keep their hashes and serve
+the session's next turn as prefix hits, and the engine can go idle. The lease table (`leases`)
+decides when the references go: on release, expiry, the pin cap, a prefix-cache reset, and
+`make_room` under pressure, which the admission callbacks call because vLLM's scheduler counts
+held blocks as used and cannot give them back itself.
 """
 
 from __future__ import annotations
@@ -60,14 +61,30 @@ class BlockHolder:
         """End a session's hold (`final`, DELETE); returns the references freed."""
         return self._free(self.leases.release(session_id, reason))
 
-    def expire(self, at_most_every_s: float = 0.0) -> int:
-        """Free the holds past their deadline (see `LeaseTable.expire`)."""
-        return self._free(self.leases.expire(at_most_every_s))
+    def release_all(self, reason: str = "reset") -> int:
+        """End every hold (the prefix cache is being reset); returns the references freed."""
+        return self._free(self.leases.release_all(reason))
+
+    def expire(self) -> int:
+        """Free the holds past their deadline; returns the references freed."""
+        return self._free(self.leases.expire())
 
     def make_room(self, blocks_needed: int, keep: Iterable[str] = ()) -> int:
-        """Free holds until `blocks_needed` blocks are free (or nothing is left to free)."""
-        return self._free(self.leases.make_room(
-            blocks_needed, self.pool.get_num_free_blocks(), keep=keep))
+        """Free holds until `blocks_needed` blocks are free, or no hold is left to free (a
+        request never waits on a lease). Returns the blocks that came back to the pool.
+
+        Each victim is freed before the next is chosen and the pool's own free count decides:
+        a held block that a running request (or another lease) also references goes back to
+        the pool only with its last reference, so it is not counted as room.
+        """
+        pool = self.pool
+        start = pool.get_num_free_blocks()
+        while pool.get_num_free_blocks() < blocks_needed:
+            released = self.leases.evict(keep)
+            if not released.leases:
+                break
+            self._free(released)
+        return pool.get_num_free_blocks() - start
 
     def _free(self, released: Released) -> int:
         blocks = released.blocks

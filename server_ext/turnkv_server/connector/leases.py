@@ -2,13 +2,13 @@
 
 The connector's scheduler side holds a finished turn's blocks by reference (it `touch()`es
 them in the block pool) instead of delay-freeing the request, so an engine holding leases goes
-idle (CONNECTOR-NOTES.md, "Holding KV after a request ends"). Held blocks are invisible to
+idle (vLLM steps without pause while any request is delay-freed). Held blocks are invisible to
 vLLM's admission, so the holder must give them back itself: on expiry, on release, when the
 pinned blocks pass their cap, and when a new request needs room. This table decides which; it
 never touches the block pool. Every method returns the block IDs whose hold ends, and the
 caller frees exactly those (one reference each), from a scheduler callback.
 
-The rules follow SGLang's TTL policy and BRIEF.md's protocol:
+The rules follow SGLang's TTL policy and turnkv's session protocol:
 - the operator sets a default TTL and a cap; a client's TTL may only shorten the cap;
 - a session's next turn replaces its lease (and renews it); `final`, DELETE or expiry end it;
 - pinned blocks are capped per engine; over the cap, or when room is needed, the lowest
@@ -17,13 +17,22 @@ The rules follow SGLang's TTL policy and BRIEF.md's protocol:
 One owner of the clock: the table reads `clock()` and nothing else does. Blocks shared by
 several leases (a common system prompt) are counted once against the cap, and a lease frees
 only its own reference to them.
+
+Two heaps keep every decision logarithmic in the number of leases: one by deadline (what
+expires next, and when: the scheduler side wakes an idle engine then) and one by priority
+and last use (the next victim). A renewal or a new turn pushes a fresh entry and leaves the
+old one behind; an entry counts only while it is its session's latest (lazy invalidation),
+and the heaps are rebuilt when stale entries outnumber live ones.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -83,8 +92,12 @@ class LeaseTable:
         self.policy = policy or LeasePolicy()
         self.cap_blocks = int(total_blocks * self.policy.max_pinned_fraction)
         self._clock = clock
-        self._next_expiry = float("-inf")
         self._leases: dict[str, Lease] = {}
+        # Heap entries end with (version, session): valid while `_version[session]` matches.
+        self._by_deadline: list[tuple[float, int, str]] = []
+        self._by_value: list[tuple[int, float, int, str]] = []
+        self._version: dict[str, int] = {}
+        self._versions = itertools.count()
         # How many leases hold each block: the cap counts distinct blocks.
         self._refs: Counter[int] = Counter()
         self.released_total: Counter[str] = Counter()
@@ -94,6 +107,9 @@ class LeaseTable:
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._leases
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._leases))
 
     def get(self, session_id: str) -> Lease | None:
         return self._leases.get(session_id)
@@ -136,9 +152,9 @@ class LeaseTable:
         if lease is None:
             return False
         now = self._clock()
-        self._leases[session_id] = Lease(
-            session_id, lease.blocks, lease.priority if priority is None else priority,
-            now + self.policy.ttl(ttl_s), now)
+        self._index(Lease(session_id, lease.blocks,
+                          lease.priority if priority is None else priority,
+                          now + self.policy.ttl(ttl_s), now))
         return True
 
     def release(self, session_id: str, reason: str = "release") -> Released:
@@ -148,34 +164,35 @@ class LeaseTable:
             return Released((), reason)
         return Released((self._end(lease, reason),), reason)
 
-    def expire(self, at_most_every_s: float = 0.0) -> Released:
-        """End every lease past its deadline; called lazily from scheduler callbacks, which
-        may ask to look at most every `at_most_every_s` (a held block past its TTL is
-        harmless until then)."""
+    def release_all(self, reason: str = "reset") -> Released:
+        """End every lease (the prefix cache is being reset)."""
+        return Released(tuple(self._end(lease, reason) for lease in list(self._leases.values())),
+                        reason)
+
+    def expire(self) -> Released:
+        """End every lease past its deadline. Called from scheduler callbacks; costs one heap
+        look when nothing is due, so it may run every step."""
         now = self._clock()
-        if now < self._next_expiry:
-            return Released((), "expired")
-        self._next_expiry = now + at_most_every_s
-        gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
-        return Released(tuple(self._end(lease, "expired") for lease in gone), "expired")
+        gone = []
+        while (lease := self._next_to_expire()) is not None and lease.expires_at <= now:
+            gone.append(self._end(lease, "expired"))
+        return Released(tuple(gone), "expired")
 
-    def make_room(self, blocks_needed: int, free_blocks: int,
-                  keep: Iterable[str] = ()) -> Released:
-        """Release leases until `free_blocks` plus what they free covers `blocks_needed`.
+    def next_expiry(self) -> float:
+        """The earliest deadline of any lease (infinity when there is none)."""
+        lease = self._next_to_expire()
+        return math.inf if lease is None else lease.expires_at
 
-        Lowest priority first, then least recently used; sessions in `keep` (the request being
-        admitted) are spared. Stops when no lease is left to release, so a request never waits
-        on a pin: if it still does not fit, vLLM's own admission decides.
-        """
-        kept = set(keep)
-        ended: list[Lease] = []
-        while free_blocks < blocks_needed:
-            victim = self._victim(exclude=kept)
-            if victim is None:
-                break
-            free_blocks += self._exclusive_blocks(victim)
-            ended.append(self._end(victim, "pressure"))
-        return Released(tuple(ended), "pressure")
+    def due(self) -> bool:
+        """Whether some lease is past its deadline and waits for `expire`."""
+        return self.next_expiry() <= self._clock()
+
+    def evict(self, keep: Iterable[str] = ()) -> Released:
+        """End the least valuable lease, for room: the lowest priority, then the least recently
+        used; sessions in `keep` (the request being admitted) are spared. Nothing left to end:
+        an empty `Released` (a request never waits on a pin; vLLM's admission decides)."""
+        victim = self._victim(exclude=set(keep))
+        return Released(() if victim is None else (self._end(victim, "pressure"),), "pressure")
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -186,21 +203,57 @@ class LeaseTable:
         return lease
 
     def _victim(self, exclude: set[str]) -> Lease | None:
-        candidates = [lease for sid, lease in self._leases.items() if sid not in exclude]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda lease: (lease.priority, lease.last_used))
+        heap, skipped = self._by_value, []
+        victim = None
+        while heap:
+            *_, version, session_id = heap[0]
+            if self._version.get(session_id) != version:
+                heapq.heappop(heap)  # stale: replaced, renewed or ended since
+            elif session_id in exclude:
+                skipped.append(heapq.heappop(heap))
+            else:
+                victim = self._leases[session_id]
+                break
+        for entry in skipped:  # `exclude` is the one session being admitted: cheap
+            heapq.heappush(heap, entry)
+        return victim
 
-    def _exclusive_blocks(self, lease: Lease) -> int:
-        # Blocks only this lease holds: what releasing it gives back to the free pool.
-        return sum(1 for b in lease.blocks if self._refs[b] == 1)
+    def _next_to_expire(self) -> Lease | None:
+        heap = self._by_deadline
+        while heap:
+            _, version, session_id = heap[0]
+            if self._version.get(session_id) == version:
+                return self._leases[session_id]
+            heapq.heappop(heap)
+        return None
 
     def _add(self, lease: Lease) -> None:
-        self._leases[lease.session_id] = lease
+        self._index(lease)
         self._refs.update(lease.blocks)
+
+    def _index(self, lease: Lease) -> None:
+        """Make `lease` its session's current one, in both heaps."""
+        session_id, version = lease.session_id, next(self._versions)
+        self._leases[session_id] = lease
+        self._version[session_id] = version
+        heapq.heappush(self._by_deadline, (lease.expires_at, version, session_id))
+        heapq.heappush(self._by_value, (lease.priority, lease.last_used, version, session_id))
+        # Stale entries leave a heap only when they reach its top: drop them all once they
+        # outnumber the live ones, which keeps the cost amortized O(log n).
+        if max(len(self._by_deadline), len(self._by_value)) > 2 * len(self._leases) + 64:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        live = [(lease, self._version[sid]) for sid, lease in self._leases.items()]
+        self._by_deadline = [(lease.expires_at, v, lease.session_id) for lease, v in live]
+        self._by_value = [(lease.priority, lease.last_used, v, lease.session_id)
+                          for lease, v in live]
+        heapq.heapify(self._by_deadline)
+        heapq.heapify(self._by_value)
 
     def _drop(self, session_id: str) -> Lease | None:
         lease = self._leases.pop(session_id, None)
+        self._version.pop(session_id, None)
         if lease is not None:
             refs = self._refs
             for block in lease.blocks:

@@ -12,7 +12,13 @@ One request may carry:
 - ``receive``: the request's missing KV arrives from ``peer`` (a side-channel address) under
   ``transfer_id``; the peer holds ``peer_tokens`` tokens of this prompt (``None``: all of it);
   after ``timeout_s`` (at most the engine's own limit) the blocks are recomputed instead;
-- ``send``: when the request ends, its blocks go to whichever engine registers ``transfer_id``.
+- ``send``: when the request ends, its blocks go to whichever engine registers ``transfer_id``;
+  with ``stream`` the engine also writes them layer by layer while it computes the prompt, to a
+  receiver that registered already (the prefill-to-decode send: a decode engine's send back to
+  prefill has no receiver before it ends, so streaming it would be wasted work);
+- ``abandon``: transfer IDs of this engine's sends to give up now: the router knows their
+  receiver will never register (the push back is not coming), so their blocks go back at once
+  instead of after the send timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Any
 KEY = "turnkv"
 _TRANSFER_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _PEER = re.compile(r"[A-Za-z0-9_.-]+:\d{1,5}")
+# One request may abandon this many sends: the router abandons one or two at a time.
+MAX_ABANDON = 64
 
 
 class BadParams(ValueError):
@@ -41,6 +49,7 @@ class Receive:
 @dataclass(frozen=True)
 class Send:
     transfer_id: str
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,12 +60,17 @@ class TurnParams:
     release: bool = False
     receive: Receive | None = None
     send: Send | None = None
+    abandon: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         """The dict to put under ``kv_transfer_params["turnkv"]``; unset fields left out."""
-        wire = {k: v for k, v in asdict(self).items() if v not in (None, False)}
+        wire = {k: v for k, v in asdict(self).items() if v not in (None, False, ())}
         if self.priority == 0:
             wire.pop("priority", None)
+        if self.send is not None and not self.send.stream:
+            wire["send"].pop("stream")
+        if self.abandon:
+            wire["abandon"] = list(self.abandon)
         return wire
 
 
@@ -80,7 +94,8 @@ def parse(kv_transfer_params: dict[str, Any] | None) -> TurnParams | None:
         raise BadParams(f"{KEY}.release must be true or false")
     return TurnParams(session=session, ttl_s=None if ttl is None else float(ttl),
                       priority=priority, release=release,
-                      receive=_receive(raw.get("receive")), send=_send(raw.get("send")))
+                      receive=_receive(raw.get("receive")), send=_send(raw.get("send")),
+                      abandon=_abandon(raw.get("abandon", ())))
 
 
 def _receive(raw: Any) -> Receive | None:
@@ -108,7 +123,18 @@ def _send(raw: Any) -> Send | None:
         return None
     if not isinstance(raw, dict):
         raise BadParams(f"{KEY}.send must be an object")
-    return Send(_transfer_id(raw, "send"))
+    stream = raw.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadParams(f"{KEY}.send.stream must be true or false")
+    return Send(_transfer_id(raw, "send"), stream)
+
+
+def _abandon(raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, (list, tuple)) or len(raw) > MAX_ABANDON or not all(
+            isinstance(t, str) and _TRANSFER_ID.fullmatch(t) for t in raw):
+        raise BadParams(f"{KEY}.abandon must be a list of at most {MAX_ABANDON} transfer IDs "
+                        "(1-128 characters of letters, digits and _.:-)")
+    return tuple(raw)
 
 
 def _transfer_id(raw: dict[str, Any], where: str) -> str:

@@ -26,6 +26,10 @@ class TransferCounters:
     receives_done: int = 0
     sends_failed: int = 0
     receives_failed: int = 0
+    sends_abandoned: int = 0
+    receives_cancelled: int = 0
+    transfers_mismatched: int = 0
+    side_channel_rejected: int = 0
     send_seconds: float = 0.0
     receive_seconds: float = 0.0
 
@@ -54,6 +58,12 @@ HELP = {
     "receives_done": "Transfers this engine completed as the receiver",
     "sends_failed": "Transfers that failed or were never asked for, sender side",
     "receives_failed": "Transfers that failed on the receiver; their blocks were recomputed",
+    "sends_abandoned": "Sends given up before any receiver registered (room needed, or the "
+                       "router said no receiver would come)",
+    "receives_cancelled": "Receives this engine gave up on (timeout, abort) and cancelled with "
+                          "the sender before reusing their blocks",
+    "transfers_mismatched": "Registrations refused because the two engines' tokens differ",
+    "side_channel_rejected": "Side-channel messages dropped: bad signature, stale or malformed",
     "send_seconds": "Seconds from write start to completion, summed",
     "receive_seconds": "Seconds from registration to arrival, summed",
     "tokens_requested": "Prompt tokens this engine asked a peer for",

@@ -8,7 +8,7 @@
 The same class runs on prefill and decode engines; what a request does is up to the router's
 `kv_transfer_params["turnkv"]` (`params`). This module only adapts vLLM's interface
 (`kv_connector/v1/base.py`) to the two halves: `scheduler_side` (pure logic on the block pool)
-and `worker_side` (NIXL). Settings, all in `kv_connector_extra_config`:
+and `worker_side` (NIXL). Settings, in `kv_connector_extra_config` unless said otherwise:
 
 - ``lease_ttl_s`` (300), ``lease_max_ttl_s`` (900): the default lease and the operator's cap;
 - ``max_pinned_fraction`` (0.5): the share of the cache leases may hold;
@@ -17,13 +17,31 @@ and `worker_side` (NIXL). Settings, all in `kv_connector_extra_config`:
   receiver has registered (CPU caches; a GPU cache gets one write at the end, see
   `worker_side`);
 - ``side_channel_host``/``side_channel_port``: where peers reach this engine (default: vLLM's
-  ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``).
+  ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``; neither port set: no side channel). Port 0
+  binds a free port when the worker starts; with the environment variable
+  ``TURNKV_SIDE_CHANNEL_REPORT`` naming a file, the worker writes the "host:port" it bound
+  there (whole: written, then renamed), for whoever launched the engine;
+- the side channel's secret, shared by every engine of a cluster: every side-channel message
+  is signed with it. The environment variable ``TURNKV_SIDE_CHANNEL_SECRET`` (preferred: it
+  stays off the command line) or ``side_channel_secret``; without one the worker refuses to
+  start.
+
+Each worker also describes its engine (`engine_fingerprint`: a digest of the model's weights,
+the dtype, KV-cache dtype and block size); two engines exchange KV only if their descriptions
+match.
+
+The scheduler's connector finds vLLM's engine-core input queue when it is bound (vLLM binds it
+inside the engine core's constructor), so that leases expire on time on an idle engine (see
+`scheduler_side`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
+import sys
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from turnkv_server.nixl_poll import apply_poll_delay
@@ -41,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
+from turnkv_server.connector import identity  # noqa: E402
 from turnkv_server.connector import stats as stats_  # noqa: E402
 from turnkv_server.connector.layout import check_parallelism  # noqa: E402
 from turnkv_server.connector.leases import LeasePolicy  # noqa: E402
@@ -75,6 +94,72 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["TurnkvConnector"]
+
+SECRET_ENV = "TURNKV_SIDE_CHANNEL_SECRET"
+REPORT_ENV = "TURNKV_SIDE_CHANNEL_REPORT"
+
+log = logging.getLogger(__name__)
+
+
+def side_channel_secret(extra: Mapping[str, Any], environ: Mapping[str, str]) -> bytes:
+    """The cluster's side-channel secret: the environment's, else the extra config's."""
+    secret = environ.get(SECRET_ENV) or extra.get("side_channel_secret")
+    if not isinstance(secret, str) or not secret:
+        raise ValueError(
+            "turnkv: the KV side channel needs a secret shared by the cluster's engines: set "
+            f"the environment variable {SECRET_ENV} (preferred: it stays off the command "
+            "line) or kv_connector_extra_config.side_channel_secret")
+    return secret.encode()
+
+
+def side_channel_listen(extra: Mapping[str, Any], environ: Mapping[str, str]
+                        ) -> tuple[str, int] | None:
+    """Where to bind the side channel (port 0: a free one), or None for no side channel."""
+    host = extra.get("side_channel_host") or environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST",
+                                                         "127.0.0.1")
+    port = extra.get("side_channel_port")
+    if port is None or port == "":  # 0 is a port: "bind a free one"
+        port = environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    if port is None or port == "":
+        return None
+    return str(host), int(port)
+
+
+def engine_fingerprint(vllm_config: Any) -> identity.Fingerprint:
+    """What a peer must share with this engine for KV to be copied between them (the
+    transfer agent adds the KV layout). The model is named by a digest of its weights, not by
+    its path, which may differ between hosts that load the same checkpoint; the tokenizer is
+    checked per transfer, by the digest of the tokens moved."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    return identity.Fingerprint.of({
+        "model": identity.checkpoint_digest(model.model),
+        "dtype": model.dtype,
+        "kv_cache_dtype": cache.cache_dtype,
+        "block_size": cache.block_size,
+    })
+
+
+def find_engine_core_wakeup() -> Callable[[], None] | None:
+    """A function that wakes vLLM's engine core when it sleeps on its input queue, or None.
+
+    The scheduler and its connector are built inside the engine core's constructor, which
+    creates the queue first: the constructing engine core is the `self` of a frame up the
+    stack. A wake-up is vLLM's own no-op message on that queue (`queue.Queue` is
+    thread-safe); vLLM's signal handling sends the same one to end an idle engine.
+    """
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCore
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, EngineCore):
+            inbox = getattr(owner, "input_queue", None)
+            if isinstance(inbox, queue.Queue):
+                message = (EngineCoreRequestType.WAKEUP, None)
+                return lambda: inbox.put_nowait(message)
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 class TurnkvMetadata(KVConnectorMetadata):
@@ -126,21 +211,24 @@ class TurnkvConnector(KVConnectorBase_V1):
                 max_pinned_fraction=float(extra.get("max_pinned_fraction", 0.5)))
             self._scheduler = SchedulerSide(vllm_config.cache_config.block_size, policy)
         else:
-            host = extra.get("side_channel_host") or os.environ.get(
-                "VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-            port = extra.get("side_channel_port") or os.environ.get(
-                "VLLM_NIXL_SIDE_CHANNEL_PORT")
             self._worker = WorkerSide(
                 str(self._kv_transfer_config.engine_id),
-                (str(host), int(port)) if port else None,
+                side_channel_listen(extra, os.environ),
                 float(extra.get("receive_timeout_s", 120.0)),
                 float(extra.get("send_timeout_s", 60.0)),
-                layer_writes=_flag(extra.get("layer_writes", True)))
+                layer_writes=_flag(extra.get("layer_writes", True)),
+                secret=side_channel_secret(extra, os.environ),
+                fingerprint=engine_fingerprint(vllm_config),
+                report_path=os.environ.get(REPORT_ENV) or None)
 
     # -- scheduler side ----------------------------------------------------------------------
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        self._sched().bind(gpu_block_pool, gpu_block_pool.num_gpu_blocks)
+        wake = find_engine_core_wakeup()
+        if wake is None:
+            log.info("turnkv: no engine-core input queue found: leases expire when the engine "
+                     "next steps")
+        self._sched().bind(gpu_block_pool, gpu_block_pool.num_gpu_blocks, wake=wake)
 
     def on_new_request(self, request: Request) -> None:
         self._sched().on_new_request(request)
@@ -168,7 +256,9 @@ class TurnkvConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().request_finished(request, block_ids, request.session_id)
+        # Leases are keyed by the router's tenant-scoped session only, never by vLLM's own
+        # `request.session_id` (the client's, which another tenant may use too).
+        return self._sched().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched().received(set(connector_output.finished_recving or ()),
@@ -177,6 +267,12 @@ class TurnkvConnector(KVConnectorBase_V1):
 
     def has_pending_block_frees(self) -> bool:
         return self._sched().has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched().has_pending_push_work()
+
+    def reset_cache(self) -> bool:
+        return self._sched().reset_cache()
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -212,6 +308,8 @@ class TurnkvConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # -- both --------------------------------------------------------------------------------
 

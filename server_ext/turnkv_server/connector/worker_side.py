@@ -10,6 +10,9 @@ queue put (the layer-by-layer writes).
 Layer-by-layer writes run on CPU caches only. On a GPU the model's kernels run ahead of the
 host, so a layer's blocks are final only once a CUDA event recorded after the layer has
 completed; that is not built, and a GPU cache is sent in one write when its request ends.
+
+Once the transfer agent has bound its side channel (port 0: a free port, bound at once), the
+address it got is written to `report_path` (the launcher reads it there).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from turnkv_server.connector.blocktable import BlockTable
+from turnkv_server.connector.identity import Fingerprint
 from turnkv_server.connector.scheduler_side import StepOrders, StreamOrder
 from turnkv_server.connector.transport import TransferAgent
+from turnkv_server.ports import parse_address, write_report
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +33,15 @@ log = logging.getLogger(__name__)
 class WorkerSide:
     def __init__(self, engine_id: str, listen: tuple[str, int] | None,
                  receive_timeout_s: float, send_timeout_s: float,
-                 layer_writes: bool = True) -> None:
+                 layer_writes: bool = True, *, secret: bytes, fingerprint: Fingerprint,
+                 report_path: str | None = None) -> None:
         self.engine_id = engine_id
         self.listen = listen
         self.receive_timeout_s = receive_timeout_s
         self.send_timeout_s = send_timeout_s
+        self.secret = secret
+        self.fingerprint = fingerprint
+        self.report_path = report_path
         self.agent: TransferAgent | None = None
         self._failed_blocks: set[int] = set()
         self._stats: dict[str, Any] = {}
@@ -54,27 +63,41 @@ class WorkerSide:
             storage = t.untyped_storage()
             buffers[storage.data_ptr()] = storage.nbytes()
         self.agent = TransferAgent(self.engine_id, table, self.listen,
-                                   self.receive_timeout_s, self.send_timeout_s)
+                                   self.receive_timeout_s, self.send_timeout_s,
+                                   secret=self.secret, fingerprint=self.fingerprint)
         self.agent.register_memory(sorted(buffers.items()))
         self.agent.start()
+        self.report_address()
         log.info("turnkv: %d KV blocks of %d bytes registered (%s), agent %s, side channel %s",
                  num_blocks, table.block_bytes, mem_type, self.agent.name, self.agent.address)
 
+    def report_address(self) -> None:
+        """Write the side channel's bound address to `report_path`, if one was asked for."""
+        address = self._agent().address
+        if self.report_path and address:
+            write_report(self.report_path, *parse_address(address))
+
     def apply(self, orders: StepOrders) -> None:
-        """The step's orders, before its forward pass."""
+        """The step's orders, before its forward pass. Expectations first: a request that
+        arrives and ends in one step is expected before it is sent or refused."""
         agent = self._agent()
         self._streams = orders.streams if self.layer_writes else []
+        for expect in orders.expects:
+            agent.expect(expect.transfer_id, expect.token_ids)
         for receive in orders.receives:
             agent.receive(receive.request_id, receive.transfer_id, receive.peer,
-                          receive.blocks, receive.first_block, receive.timeout_s)
+                          receive.blocks, receive.first_block, receive.timeout_s,
+                          tokens=receive.tokens, digest=receive.digest)
         for send in orders.sends:
-            agent.send(send.request_id, send.transfer_id, send.blocks)
+            agent.send(send.request_id, send.transfer_id, send.blocks, send.token_ids)
         for transfer_id, peer in orders.declines:
             agent.decline(transfer_id, peer)
         for transfer_id in orders.refusals:
             agent.refuse(transfer_id)
         for transfer_id in orders.abandons:
             agent.abandon(transfer_id)
+        for transfer_id in orders.cancels:
+            agent.cancel_receive(transfer_id)
 
     def layer_computed(self, layer_name: str) -> None:
         if not self._streams:

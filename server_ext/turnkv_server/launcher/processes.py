@@ -111,9 +111,11 @@ def _thread_ids(pid: int) -> list[int]:
         return []
 
 
-# Listening ports are picked below the kernel's ephemeral range: a port from that range can be
-# taken by any outgoing connection (the engines open many) between the pick and the server's
-# bind, which failed a NIXL side channel with "Address already in use" (measured in CI).
+# The launcher chooses no ports: its servers bind port 0 and report theirs
+# (`turnkv_server.ports`). `free_ports` remains for tests that need a port number before the
+# process that binds it exists (a peer that is meant to be dead, say), where a port taken in
+# between makes a test fail, not a cluster. They are picked below the kernel's ephemeral range,
+# where outgoing connections (the engines open many) would take them at random.
 PORT_FLOOR = 20_000
 
 
@@ -128,7 +130,11 @@ def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tup
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct ports that are free right now (held open together while picking),
-    outside the ephemeral range where it leaves room; else any free ones."""
+    outside the ephemeral range where it leaves room; else any free ones.
+
+    Free now, not when the caller binds them: anything on the machine can take one between.
+    A server should bind port 0 itself (`turnkv_server.ports`).
+    """
     low, _ = ephemeral_range()
     candidates = list(range(PORT_FLOOR, low)) if low - PORT_FLOOR >= 1000 else []
     random.shuffle(candidates)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import uvicorn
 
+from turnkv_server.ports import bind_listener, write_report
 from turnkv_server.router import ROUTER_MODES, RouterConfig, create_app
 from turnkv_server.router.config import SHORT_DELTA_TOKENS
 from turnkv_server.router.sessions import LeasePolicy
@@ -18,7 +20,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode", action="append", required=True, help="decode engine URL")
     parser.add_argument("--mode", default="turnkv", choices=ROUTER_MODES)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000,
+                        help="0: a free port, the kernel's pick (see --port-file)")
+    parser.add_argument("--port-file", help="write the address the router listens on, "
+                        "HOST:PORT, to this file once it is bound")
     parser.add_argument("--default-ttl", type=float, default=300.0)
     parser.add_argument("--max-ttl", type=float, default=900.0)
     parser.add_argument("--max-sessions", type=int, default=10_000)
@@ -36,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--health-interval", type=float, default=2.0,
                         help="seconds between engine health probes")
     parser.add_argument("--redis", help="share sessions with other routers through this "
-                        "Redis server, redis://HOST:PORT/DB (or TURNKV_REDIS_URL)")
+                        "Redis server, redis://HOST:PORT/DB or unix:///PATH?db=DB "
+                        "(or TURNKV_REDIS_URL)")
     parser.add_argument("--engine-read-timeout", type=float, default=600.0,
                         help="seconds an engine may send nothing before its turn fails "
                              "(longer than the longest prefill)")
@@ -73,11 +79,20 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     app = create_app(config_from_args(args))
+    # Bound here rather than by uvicorn, so that with --port 0 the port it got is known and
+    # reported: whoever starts a router never has to choose a port for it.
+    sock = bind_listener(args.host, args.port)
+    port = sock.getsockname()[1]
+    if args.port_file:
+        write_report(args.port_file, args.host, port)
     # Idle client connections stay open longer than clients keep them (httpx and the openai
     # client: 5 s), so a client never reuses a connection the router is closing at that
     # moment; uvicorn's own 5 s made that race (a read error on a fresh request) under load.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_keep_alive=30)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+                                           access_log=False, timeout_keep_alive=30))
+    server.run(sockets=[sock])
+    if not server.started:
+        sys.exit(3)  # uvicorn's STARTUP_FAILURE, as uvicorn.run exits
 
 
 if __name__ == "__main__":

@@ -1,0 +1,161 @@
+"""NIXL writes from this engine's KV cache into peers' caches, and nothing else.
+
+`Writer` owns the NIXL agent's view of memory: this engine's registered cache, and each peer
+agent's cache described from its block table. It posts WRITEs and reports their states; every
+NIXL call it makes is failure-safe (a peer that died mid-write makes NIXL raise, and that must
+fail the one transfer, never the thread that serves every transfer).
+
+`InFlight` tracks one transfer's posted writes. NIXL completes writes to one peer roughly in the
+order they were posted, so it checks them oldest first and stops at the first still running:
+each handle is looked at about once after it completes, which keeps a prefill that writes every
+layer of every step linear in layers rather than quadratic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnkv_server.connector.blocktable import BlockTable
+
+log = logging.getLogger(__name__)
+
+
+class WriteError(RuntimeError):
+    """A write could not be posted (stale metadata, a dead peer, a refused descriptor)."""
+
+
+@dataclass
+class Peer:
+    """A remote agent this engine may write into."""
+
+    name: str
+    engine_id: str
+    table: BlockTable
+    dlist: Any
+    # Writes posted to it and not yet settled: it is removed only when none are left.
+    in_flight: int = 0
+
+
+class Writer:
+    def __init__(self, nixl: Any, table: BlockTable) -> None:
+        self.nixl = nixl
+        self.table = table
+        self._registered: Any = None
+        self._local: Any = None
+        self.peers: dict[str, Peer] = {}
+
+    def register_memory(self, buffers: list[tuple[int, int]]) -> None:
+        """Register the cache's buffers (address, length) and prepare the local descriptors."""
+        reg = self.nixl.get_reg_descs(
+            [(address, length, self.table.device, "") for address, length in buffers],
+            self.table.mem_type)
+        self.nixl.register_memory(reg)
+        self._registered = reg
+        descs = self.nixl.get_xfer_descs(self.table.descriptors(), self.table.mem_type)
+        self._local = self.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", descs)
+
+    def add_peer(self, name: str, engine_id: str, meta: bytes, table: BlockTable) -> Peer:
+        """Load a peer agent's metadata (`name` is the agent name inside `meta`)."""
+        self.nixl.add_remote_agent(meta)
+        try:
+            descs = self.nixl.get_xfer_descs(table.descriptors(), table.mem_type)
+            dlist = self.nixl.prep_xfer_dlist(name, descs)
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.nixl.remove_remote_agent(name)
+            raise
+        peer = self.peers[name] = Peer(name, engine_id, table, dlist)
+        return peer
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer agent (it left, or restarted under a new name)."""
+        peer = self.peers.pop(name, None)
+        if peer is None:
+            return
+        for call in (lambda: self.nixl.release_dlist_handle(peer.dlist),
+                     lambda: self.nixl.remove_remote_agent(name)):
+            try:
+                call()
+            except Exception as exc:  # a peer that is gone may make NIXL complain; it is gone
+                log.debug("turnkv: removing agent %s: %s", name, exc)
+
+    def post(self, peer: Peer, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+             ranges: Sequence[int] | None = None, notif: bytes = b"") -> Any:
+        """WRITE `local_blocks` into the peer's `remote_blocks` (only `ranges` of each block,
+        if given); returns the handle, already posted. Raises `WriteError`."""
+        return self.post_indices(peer, self.table.indices(local_blocks, ranges),
+                                 peer.table.indices(remote_blocks, ranges), notif)
+
+    def post_indices(self, peer: Peer, local: list[int], remote: list[int],
+                     notif: bytes = b"") -> Any:
+        try:
+            handle = self.nixl.make_prepped_xfer("WRITE", self._local, local, peer.dlist,
+                                                 remote, notif)
+        except Exception as exc:
+            raise WriteError(f"NIXL refused the write: {exc}") from exc
+        try:
+            state = self.nixl.transfer(handle)
+        except Exception as exc:
+            self.release(handle)
+            raise WriteError(f"NIXL write failed: {exc}") from exc
+        if state == "ERR":
+            self.release(handle)
+            raise WriteError("NIXL write failed")
+        return handle
+
+    def state(self, handle: Any) -> str:
+        """"PROC", "DONE" or "ERR"; a NIXL error (a peer gone mid-write) reads as "ERR"."""
+        try:
+            return str(self.nixl.check_xfer_state(handle))
+        except Exception as exc:
+            log.warning("turnkv: a write's state could not be read (%s); taken as failed", exc)
+            return "ERR"
+
+    def release(self, handle: Any) -> None:
+        try:
+            self.nixl.release_xfer_handle(handle)
+        except Exception as exc:  # NIXL keeps what it cannot free and frees it at exit
+            log.debug("turnkv: releasing a write handle: %s", exc)
+
+    def close(self) -> None:
+        for name in list(self.peers):
+            self.remove_peer(name)
+        with contextlib.suppress(Exception):
+            if self._local is not None:
+                self.nixl.release_dlist_handle(self._local)
+            if self._registered is not None:
+                self.nixl.deregister_memory(self._registered)
+        self._local = self._registered = None
+
+
+@dataclass
+class InFlight:
+    """One transfer's posted writes, oldest first, until NIXL is done with them."""
+
+    handles: deque[tuple[Any, Peer]] = field(default_factory=deque)
+    failed: bool = False
+
+    def add(self, handle: Any, peer: Peer) -> None:
+        self.handles.append((handle, peer))
+        peer.in_flight += 1
+
+    def settle(self, writer: Writer) -> bool:
+        """Release what has completed; True when nothing is left in flight."""
+        while self.handles:
+            handle, peer = self.handles[0]
+            state = writer.state(handle)
+            if state == "PROC":
+                return False
+            self.handles.popleft()
+            peer.in_flight -= 1
+            writer.release(handle)
+            self.failed |= state != "DONE"
+        return True
+
+    def __bool__(self) -> bool:
+        return bool(self.handles)

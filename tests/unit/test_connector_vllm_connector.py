@@ -1,0 +1,133 @@
+"""`TurnkvConnector`'s own decisions: lease keys, cache resets, settings, the engine's identity."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm import SamplingParams
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.engine import EngineCoreRequestType
+from vllm.v1.engine.core import EngineCoreProc
+from vllm.v1.request import Request, RequestStatus
+
+from turnkv_server.connector import identity
+from turnkv_server.connector.leases import LeasePolicy
+from turnkv_server.connector.scheduler_side import SchedulerSide
+from turnkv_server.connector.vllm_connector import (
+    TurnkvConnector,
+    engine_fingerprint,
+    find_engine_core_wakeup,
+    side_channel_listen,
+    side_channel_secret,
+)
+
+BLOCKS = 32
+
+
+def scheduler_connector() -> tuple[TurnkvConnector, BlockPool]:
+    """The scheduler's connector on a real block pool (vLLM's config is not needed here)."""
+    pool = BlockPool(num_gpu_blocks=BLOCKS, enable_caching=True, hash_block_size=16)
+    connector = TurnkvConnector.__new__(TurnkvConnector)
+    connector._scheduler = SchedulerSide(16, LeasePolicy())
+    connector._worker = None
+    connector.bind_gpu_block_pool(pool)
+    return connector, pool
+
+
+def finished(rid: str, params: dict[str, Any] | None, session_id: str | None) -> Request:
+    extra = {"kv_transfer_params": {"turnkv": params}} if params is not None else None
+    req = Request(rid, list(range(40)), SamplingParams(max_tokens=4, extra_args=extra), None,
+                  session_id=session_id)
+    req.status = RequestStatus.FINISHED_STOPPED
+    return req
+
+
+def test_vllms_own_session_id_is_never_a_lease_key() -> None:
+    connector, pool = scheduler_connector()
+    # A turn the router did not tag: its params carry no session, but the client set vLLM's
+    # session_id (raw, not scoped to a tenant: another tenant may use the same one).
+    untagged = finished("r1", {}, session_id="client-chosen")
+    connector.on_new_request(untagged)
+    ids = [b.block_id for b in pool.get_new_blocks(3)]
+    assert connector.request_finished(untagged, ids)[1] == {"turnkv": {
+        "held_blocks": 0, "local_tokens": 0, "received_tokens": 0, "receive_failed": False}}
+    sched = connector._scheduler
+    assert sched is not None and sched.holder is not None and len(sched.holder.leases) == 0
+    # The router's tenant-scoped key is the only one.
+    tagged = finished("r2", {"session": "tenant-hash"}, session_id="client-chosen")
+    connector.on_new_request(tagged)
+    connector.request_finished(tagged, ids)
+    assert list(sched.holder.leases) == ["tenant-hash"]
+
+
+def test_reset_cache_releases_every_lease() -> None:
+    connector, pool = scheduler_connector()
+    req = finished("r1", {"session": "s"}, None)
+    connector.on_new_request(req)
+    ids = [b.block_id for b in pool.get_new_blocks(3)]
+    connector.request_finished(req, ids)
+    pool.free_blocks([pool.blocks[i] for i in ids])
+    assert pool.get_num_free_blocks() == BLOCKS - 4
+    assert connector.reset_cache() is True
+    assert pool.get_num_free_blocks() == BLOCKS - 1
+    assert connector.has_pending_push_work() is False
+
+
+def test_the_secret_comes_from_the_environment_or_the_extra_config() -> None:
+    assert side_channel_secret({"side_channel_secret": "x" * 32}, {}) == b"x" * 32
+    env = {"TURNKV_SIDE_CHANNEL_SECRET": "e" * 32}
+    assert side_channel_secret({"side_channel_secret": "x" * 32}, env) == b"e" * 32
+    with pytest.raises(ValueError) as err:
+        side_channel_secret({}, {})
+    message = str(err.value)
+    assert "TURNKV_SIDE_CHANNEL_SECRET" in message and "side_channel_secret" in message
+
+
+def test_port_0_binds_a_free_port_and_no_port_no_side_channel() -> None:
+    assert side_channel_listen({"side_channel_port": 0}, {}) == ("127.0.0.1", 0)
+    assert side_channel_listen({"side_channel_port": "0"}, {}) == ("127.0.0.1", 0)
+    assert side_channel_listen({}, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "0"}) == ("127.0.0.1", 0)
+    assert side_channel_listen({"side_channel_host": "10.0.0.2", "side_channel_port": 5600},
+                               {"VLLM_NIXL_SIDE_CHANNEL_PORT": "7"}) == ("10.0.0.2", 5600)
+    assert side_channel_listen({}, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "h",
+                                    "VLLM_NIXL_SIDE_CHANNEL_PORT": "7"}) == ("h", 7)
+    assert side_channel_listen({}, {}) is None
+
+
+def test_the_fingerprint_names_the_weights_dtypes_and_block_size(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(model=str(tmp_path), dtype="torch.float32",
+                                     tokenizer=str(tmp_path)),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=32))
+    fields = dict(engine_fingerprint(config).fields)
+    assert fields == {"model": identity.checkpoint_digest(tmp_path), "dtype": "torch.float32",
+                      "kv_cache_dtype": "auto", "block_size": "32"}
+    other = SimpleNamespace(model_config=SimpleNamespace(**{**vars(config.model_config),
+                                                            "dtype": "torch.bfloat16"}),
+                            cache_config=config.cache_config)
+    assert engine_fingerprint(other).differences(engine_fingerprint(config)) == [
+        "dtype: torch.bfloat16 != torch.float32"]
+
+
+def test_the_engine_cores_input_queue_is_found_from_the_scheduler() -> None:
+    core = EngineCoreProc.__new__(EngineCoreProc)
+    core.input_queue = queue.Queue()
+
+    def construct(self: Any) -> Any:  # as EngineCore.__init__ builds the scheduler
+        return find_engine_core_wakeup()
+
+    wake = construct(core)
+    assert wake is not None
+    # The timer thread calls it; the engine core's loop takes it off its queue and steps.
+    thread = threading.Thread(target=wake)
+    thread.start()
+    thread.join()
+    assert core.input_queue.get_nowait() == (EngineCoreRequestType.WAKEUP, None)
+    # An in-process engine core has no queue to wake: lazy expiry only.
+    assert find_engine_core_wakeup() is None
