@@ -9,7 +9,11 @@ real NIXL agents (tests/unit/test_connector_transport.py).
 Each fault must end the affected turn with a clear error (an SSE error event, or a 503 with
 `Retry-After`), never a hang or a silently truncated answer, and after the engine is back
 every later turn of the session must equal a single engine's greedy output. The turns that
-failed are replayed by the client, as an agent would, and must then be exact too.
+failed are replayed by the client, as an agent would, and must then be exact too. After each
+fault the router holds no engine request open (every engine's `in_flight` back at 0: a leaked
+count keeps an engine out of placement for good), and a decode engine whose reply will not be
+pushed back (the prefill engine is down, or refuses a history at the model's max length) is
+told to give its send up at once rather than hold the blocks for the send timeout.
 """
 
 from __future__ import annotations
@@ -87,6 +91,15 @@ def engine(launched: Cluster, role: str) -> Any:
     return next(e for e in launched.engines if e.spec.role == role)
 
 
+def nothing_in_flight(state: ClusterState, client: httpx.Client) -> None:
+    """Every engine request the router made has ended. (Push backs and lease releases run on
+    after their turns: give them a moment.)"""
+    def idle() -> bool:
+        engines = client.get(f"{state.router}/v1/turnkv/stats").json()["engines"]
+        return all(e["in_flight"] == 0 for e in engines)
+    wait_for(idle, "no engine request left in flight", timeout=30)
+
+
 def kill_9(victim: Any) -> None:
     """SIGKILL the engine's whole process group, as a crash or the OOM killer would."""
     assert victim.ref is not None
@@ -152,6 +165,7 @@ def test_a_decode_engine_killed_mid_stream(
     # must recompute, exactly.
     for turn in (2, 3, 4):
         play(state, client, reference, "mid-stream", turn, stream=turn == 3)
+    nothing_in_flight(state, client)
 
 
 def test_a_prefill_engine_killed_between_turns(
@@ -170,10 +184,17 @@ def test_a_prefill_engine_killed_between_turns(
     assert response.headers["retry-after"]
     assert response.json()["error"]["message"]
     # A short delta needs no prefill engine: the session's decode engine serves it alone.
+    decode = engine(launched, "decode")
+    before = fetch_connector_counters(decode.spec.url)
     assert play(state, client, reference, "no-prefill", 2, stream=True)["prefill_node"] is None
+    # Its reply cannot be pushed back to the dead prefill engine: the decode engine gives the
+    # send up now instead of holding its blocks until the send times out.
+    wait_for(lambda: fetch_connector_counters(decode.spec.url)["sends_abandoned"]
+             == before["sends_abandoned"] + 1, "the push back's send given up", timeout=30)
     restart(prefill, state, client)
     for turn in (3, 4):
         play(state, client, reference, "no-prefill", turn)
+    nothing_in_flight(state, client)
 
 
 def test_a_hung_decode_engine_fails_the_turn_instead_of_hanging(
@@ -195,6 +216,7 @@ def test_a_hung_decode_engine_fails_the_turn_instead_of_hanging(
         f"{state.router}/v1/turnkv/stats").json()["engines"]), "the router sees it healthy")
     for turn in (2, 3, 4):
         play(state, client, reference, "hung", turn)
+    nothing_in_flight(state, client)
 
 
 def test_a_transfer_that_times_out(
@@ -206,10 +228,12 @@ def test_a_transfer_that_times_out(
     assert prefill.ref is not None
     before = fetch_connector_counters(decode.spec.url)
     # The prefill engine hangs before a new conversation's turn: the decode engine registers
-    # for its KV and waits; the router waits for the prefill's answer.
+    # for its KV and waits; the router waits for the prefill's answer. The turn is streamed:
+    # the decode engine's headers are in long before the prefill fails, and the router must
+    # still close that request.
     os.killpg(prefill.ref.pid, signal.SIGSTOP)
     try:
-        fresh = {"model": state.served_model_name, "max_tokens": 4,
+        fresh = {"model": state.served_model_name, "max_tokens": 4, "stream": True,
                  "messages": [{"role": "user", "content": "Is anyone there?"}]}
         response = client.post(f"{state.router}/v1/chat/completions", json=fresh)
         assert response.status_code == 503, response.text
@@ -226,6 +250,7 @@ def test_a_transfer_that_times_out(
         f"{state.router}/v1/turnkv/stats").json()["engines"]), "the router sees it healthy")
     for turn in (1, 2):
         play(state, client, reference, "after-timeout", turn)
+    nothing_in_flight(state, client)
 
 
 def test_an_engine_whose_core_died(
@@ -272,3 +297,33 @@ def test_an_engine_whose_core_died(
     restart(decode, state, client)
     for turn in (2, 3):
         play(state, client, reference, "dead-core", turn)
+    nothing_in_flight(state, client)
+
+
+def test_a_history_at_the_models_max_length_is_not_pushed_back(
+    cluster: tuple[Cluster, ClusterState], client: httpx.Client,
+) -> None:
+    """A turn whose prompt and output fill the model's context exactly: the prefill engine
+    refuses the push back (no room for its one token), and the decode engine, which kept the
+    turn's blocks to send them, is told to give the send up."""
+    launched, state = cluster
+    prefill, decode = engine(launched, "prefill"), engine(launched, "decode")
+    max_len = int(httpx.get(f"{decode.spec.url}/v1/models").json()["data"][0]["max_model_len"])
+    before = fetch_connector_counters(decode.spec.url)
+    usage_before = [fetch_connector_counters(e.spec.url)["kv_cache_usage"]
+                    for e in (prefill, decode)]
+    output = 4
+    body = {"model": state.served_model_name, "prompt": [100] * (max_len - output),
+            "max_tokens": output, "ignore_eos": True, "temperature": 0, "return_token_ids": True,
+            "turnkv": {"session_id": "too-long"}}
+    response = client.post(f"{state.router}/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"][0]["token_ids"]) == output
+    wait_for(lambda: fetch_connector_counters(decode.spec.url)["sends_abandoned"]
+             == before["sends_abandoned"] + 1, "the decode engine gave its send up", timeout=30)
+    # The session's leases end with it, and then nothing holds the turn's blocks.
+    assert client.delete(f"{state.router}/v1/turnkv/sessions/too-long").status_code == 200
+    wait_for(lambda: all(fetch_connector_counters(e.spec.url)["kv_cache_usage"] <= usage
+                         for e, usage in zip((prefill, decode), usage_before, strict=True)),
+             "the turn's blocks free on both engines", timeout=30)
+    nothing_in_flight(state, client)

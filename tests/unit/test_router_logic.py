@@ -237,3 +237,22 @@ def test_unreachable_engines_give_503_with_retry_after() -> None:
         assert response.headers["retry-after"] == "2"
         assert "no engine could serve the turn" in response.json()["error"]["message"]
         assert client.get("/health").status_code in (200, 503)
+
+
+# -- what the router refuses to pass on ------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]], [1, "x"], [True, 2]])
+def test_a_batch_of_prompts_is_refused(prompt: object) -> None:
+    from turnkv_server.router.app import _check_supported
+
+    # vLLM would serve each prompt as its own request with the same kv_transfer_params: two
+    # receivers of one transfer.
+    with pytest.raises(BadRequest, match="batch of prompts"):
+        _check_supported({"prompt": prompt})
+
+
+@pytest.mark.parametrize("prompt", ["text", [1, 2, 3], ["one"], [[1, 2]], []])
+def test_one_prompt_passes(prompt: object) -> None:
+    from turnkv_server.router.app import _check_supported
+
+    _check_supported({"prompt": prompt})

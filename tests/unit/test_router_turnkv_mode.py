@@ -56,6 +56,9 @@ def test_prefill_sends_and_decode_receives_under_one_transfer_id() -> None:
     assert decode.receive.peer == "127.0.0.1:5601"
     # The decode engine keeps the turn for the push back to the prefill engine.
     assert decode.send is not None and decode.send.transfer_id != prefill.send.transfer_id
+    # Layer by layer to a decode engine registered before the prefill ends; nobody registers
+    # for the push back before the decode request ends, so that send is not streamed.
+    assert prefill.send.stream and not decode.send.stream
     assert t.session is not None
     assert prefill.session == decode.session == lease_key(t.session)
     assert (decode.ttl_s, decode.priority, decode.release) == (60, 2, False)
@@ -145,7 +148,8 @@ def test_a_short_delta_that_found_its_history_gone_backs_the_decode_engine_off()
     decode = placement.decode.name
 
     def served_alone(delta: int, computed: int) -> None:
-        t = turn(mode)
+        # (Final: no push back or abandoned send to arrange, only the verdict on the delta.)
+        t = turn(mode, CacheHints(final=True))
         assert t.session is not None
         t.decode_alone = True
         t.session.mode_state[SHORT_DELTA] = delta

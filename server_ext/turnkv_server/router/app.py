@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
 
 from turnkv import protocol as p
 from turnkv_server.router.config import RouterConfig
@@ -24,14 +25,15 @@ from turnkv_server.router.session_store import StoreUnavailable, apply_record, m
 from turnkv_server.router.sessions import Session, SessionKey, SessionTable
 from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.turn import (
+    Decode,
     EngineRejected,
     EngineUnavailable,
     ReuseFailed,
     Turn,
     begin_stats,
-    cancel_quietly,
     decode_alone,
     decode_request,
+    drop_decode,
     finish_stats,
     has_output,
     prefill_params,
@@ -42,10 +44,31 @@ from turnkv_server.router.turn import (
     stats_chunk,
     strip_token_ids,
 )
-from turnkv_server.router.upstream import EngineConnectionError, Stream, Upstream
+from turnkv_server.router.upstream import EngineConnectionError, Upstream
 from turnkv_server.router.wire import BadRequest, error_response, extract_tag
 
 RETRY_AFTER_S = "2"
+
+
+class RelayResponse(StreamingResponse):
+    """A streamed turn's response.
+
+    The relay generator ends its decode request in its `finally`, but a generator that never
+    started (the client left before the first byte) has no `finally` to run, and one left at a
+    `yield` runs it only when it is collected: `on_end` runs as soon as the response is over,
+    however it ended.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_end: Callable[[], None],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
 
 
 class Router:
@@ -163,53 +186,54 @@ class Router:
             turn.prompt_token_ids = prompt_ids
             turn.stats = begin_stats(turn, placement, PrefillResult.skipped(prompt_ids),
                                      fallback, detail)
-            upstream = await self._open_decode(
+            decode = await self._open_decode(
                 turn, placement, self.mode.decode_transfer_params(turn, placement, None))
         else:
-            upstream = await self._prefill_then_decode(turn, placement, fallback, detail)
-        assert turn.stats is not None
+            decode = await self._prefill_then_decode(turn, placement, fallback, detail)
         if turn.stream:
-            return StreamingResponse(self._relay(turn, placement, upstream),
+            try:
+                assert turn.stats is not None
+                return RelayResponse(self._relay(turn, decode),
+                                     on_end=lambda: self._end_relay(decode),
                                      media_type="text/event-stream",
                                      headers=_early_headers(turn.stats))
-        return await self._complete(turn, placement, upstream)
+            except BaseException:
+                self._end_relay(decode)
+                raise
+        return await self._complete(turn, decode)
 
     async def _prefill_then_decode(self, turn: Turn, placement: Placement,
                                    fallback: p.FallbackReason | None, detail: str | None
-                                   ) -> Stream:
+                                   ) -> Decode:
         params = await prefill_params(turn, placement)
-        decode: asyncio.Task[Stream] | None = None
+        decode: asyncio.Task[Decode] | None = None
         if self.mode.concurrent:
             decode = asyncio.create_task(self._open_decode(
                 turn, placement, self.mode.decode_transfer_params(turn, placement, None)))
         try:
             prefill = await run_prefill(self.upstream, placement.prefill, turn, params)
+            turn.prompt_token_ids = prefill.prompt_token_ids
+            turn.stats = begin_stats(turn, placement, prefill, fallback, detail)
+            if decode is None:
+                decode = asyncio.create_task(self._open_decode(
+                    turn, placement, self.mode.decode_transfer_params(turn, placement, prefill)))
+            return await decode
         except BaseException:
             if decode is not None:
-                await cancel_quietly(decode)
+                await drop_decode(decode)
             raise
-        turn.prompt_token_ids = prefill.prompt_token_ids
-        turn.stats = begin_stats(turn, placement, prefill, fallback, detail)
-        if decode is None:
-            decode = asyncio.create_task(self._open_decode(
-                turn, placement, self.mode.decode_transfer_params(turn, placement, prefill)))
-        return await decode
 
     async def _open_decode(self, turn: Turn, placement: Placement,
-                           params: dict[str, Any] | None) -> Stream:
+                           params: dict[str, Any] | None) -> Decode:
         """Send the decode request; returns once its headers are in. The caller owns the
-        response and the engine's in-flight count until it closes the response."""
+        returned `Decode` and must end it."""
         engine = placement.decode
-        engine.in_flight += 1
         try:
-            upstream = await self.upstream.open(
-                f"{engine.url}{turn.path}", decode_request(turn, params),
-                headers={"X-Request-Id": turn.request_id})
-        except BaseException as exc:
-            engine.in_flight -= 1
-            if isinstance(exc, EngineConnectionError):
-                raise EngineUnavailable(engine, str(exc)) from exc
-            raise
+            upstream = await self.upstream.open(engine, turn.path, decode_request(turn, params),
+                                                headers={"X-Request-Id": turn.request_id})
+        except EngineConnectionError as exc:
+            self.mode.decode_refused(turn, placement, params)
+            raise EngineUnavailable(engine, str(exc)) from exc
         if upstream.status != 200:
             try:
                 content = await upstream.read()
@@ -217,25 +241,28 @@ class Router:
                 content = b""
             finally:
                 upstream.close()
-                engine.in_flight -= 1
+            self.mode.decode_refused(turn, placement, params)
             if upstream.status >= 500:
                 raise EngineUnavailable(engine, f"HTTP {upstream.status}")
             raise EngineRejected(upstream.status, content)
-        return upstream
+        return Decode(turn, placement, upstream, params)
 
-    async def _complete(self, turn: Turn, placement: Placement, upstream: Stream) -> Response:
+    async def _complete(self, turn: Turn, decode: Decode) -> Response:
+        placement = decode.placement
         try:
-            data = orjson.loads(await upstream.read())
-        except EngineConnectionError as exc:
-            raise EngineUnavailable(placement.decode, str(exc)) from exc
+            data = orjson.loads(await decode.stream.read())
+        except BaseException as exc:
+            decode.cut()
+            if isinstance(exc, EngineConnectionError):
+                raise EngineUnavailable(placement.decode, str(exc)) from exc
+            raise
         finally:
-            placement.decode.in_flight -= 1
-            upstream.close()
+            decode.close()
         choices = data.get("choices") or [{}]
         turn.output_token_ids = list(choices[0].get("token_ids") or [])
         usage = data.get("usage") or {}
         stats = finish_stats(turn, int(usage.get("completion_tokens") or 0), None, usage)
-        self.mode.after_turn(turn, placement, data.pop("kv_transfer_params", None))
+        decode.complete(data.pop("kv_transfer_params", None))
         await self._remember(turn, placement)
         if not turn.want_token_ids:
             strip_token_ids(data)
@@ -243,21 +270,19 @@ class Router:
         return Response(orjson.dumps(data), media_type="application/json",
                         headers=_early_headers(stats))
 
-    async def _relay(self, turn: Turn, placement: Placement, upstream: Stream
-                     ) -> AsyncIterator[bytes]:
+    async def _relay(self, turn: Turn, decode: Decode) -> AsyncIterator[bytes]:
+        placement = decode.placement
         first_token_ms: float | None = None
         completion_tokens = 0
         template: dict[str, Any] | None = None
         usage: dict[str, Any] | None = None
-        finished = False
         try:
-            async for payload in sse_events(upstream):
+            async for payload in sse_events(decode.stream):
                 if payload == b"[DONE]":
                     stats = finish_stats(turn, completion_tokens or len(turn.output_token_ids),
                                          first_token_ms, usage)
-                    self.mode.after_turn(turn, placement, None)
+                    decode.complete(None)
                     await self._remember(turn, placement)
-                    finished = True
                     yield stats_chunk(turn, stats, template)
                     yield b"data: [DONE]\n\n"
                     continue
@@ -288,12 +313,18 @@ class Router:
                                "type": "service_unavailable", "code": 503}}
             yield sse(error)
         finally:
-            placement.decode.in_flight -= 1
-            upstream.close()
-            if turn.session is not None:
-                turn.session.in_flight = False
-            if not finished:
-                self.metrics.errors.labels("incomplete_stream").inc()
+            self._end_relay(decode)
+
+    def _end_relay(self, decode: Decode) -> None:
+        """The end of a streamed turn, however it came: idempotent (the relay's `finally` and
+        the response's `on_end` both call it)."""
+        if decode.stream.closed:
+            return
+        if decode.state != "complete":
+            self.metrics.errors.labels("incomplete_stream").inc()
+        decode.cut()  # closes the response; gives up the mode's plans unless complete
+        if decode.turn.session is not None:
+            decode.turn.session.in_flight = False
 
     async def _remember(self, turn: Turn, placement: Placement) -> None:
         stats = turn.stats
@@ -422,6 +453,13 @@ def _check_supported(body: dict[str, Any]) -> None:
     if n not in (1, None):
         raise BadRequest("n > 1 is not supported: each choice would need its own KV transfer",
                          param="n")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # vLLM serves a list of prompts as one request per prompt, all with the same
+        # kv_transfer_params: they would share one KV transfer.
+        raise BadRequest("a batch of prompts is not supported: send one request per prompt",
+                         param="prompt")
     if "kv_transfer_params" in body:
         raise BadRequest("kv_transfer_params is set by the router, not by clients",
                          param="kv_transfer_params")

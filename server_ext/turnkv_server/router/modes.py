@@ -133,6 +133,18 @@ class Mode:
                    decode_params: dict[str, Any] | None) -> None:
         """Called when the decode engine has finished the turn."""
 
+    def decode_cut(self, turn: Turn, placement: Placement,
+                   decode_params: dict[str, Any] | None) -> None:
+        """The decode request that carried `decode_params` ended without `after_turn` (its
+        stream broke or was closed early, or the turn failed elsewhere): give up whatever
+        the mode arranged for after the turn."""
+
+    def decode_refused(self, turn: Turn, placement: Placement,
+                       decode_params: dict[str, Any] | None) -> None:
+        """The decode request that would have carried `decode_params` never started (the
+        engine refused it, failed it or could not be reached): give up what the prefill
+        engine keeps for it."""
+
     def drop_session(self, session: Session) -> None:
         """The session ended; release whatever the mode holds for it."""
 
@@ -244,7 +256,7 @@ class Bidirectional(Mode):
         if "cache_salt" in turn.body:
             body["cache_salt"] = turn.body["cache_salt"]
         try:
-            response = await self.ctx.upstream.post(f"{decode.url}/v1/completions", body,
+            response = await self.ctx.upstream.post(decode, "/v1/completions", body,
                                                     timeout=60.0)
             params = response.json().get("kv_transfer_params") if response.ok else None
         except (EngineConnectionError, ValueError):
@@ -288,7 +300,7 @@ async def tokenize(upstream: Upstream, engine: Engine, turn: Turn) -> list[int]:
         body.setdefault("add_generation_prompt", True)
     else:
         body["prompt"] = turn.body.get("prompt")
-    response = await upstream.post(f"{engine.url}/tokenize", body, timeout=30.0)
+    response = await upstream.post(engine, "/tokenize", body, timeout=30.0)
     if not response.ok:
         raise EngineConnectionError(f"{engine.name} /tokenize answered {response.status}")
     return list(response.json()["tokens"])

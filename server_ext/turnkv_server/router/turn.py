@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -98,17 +98,13 @@ async def run_prefill(
     upstream: Upstream, engine: Engine, turn: Turn, transfer_params: dict[str, Any]
 ) -> PrefillResult:
     started = time.perf_counter()
-    engine.in_flight += 1
     try:
-        response = await upstream.post(f"{engine.url}{turn.path}",
-                                       prefill_request(turn, transfer_params),
+        response = await upstream.post(engine, turn.path, prefill_request(turn, transfer_params),
                                        headers={"X-Request-Id": turn.request_id})
     except EngineConnectionError as exc:
         # Connection refused or reset, a timeout, a truncated body: the engine cannot serve
         # now. The same test applies to the decode request.
         raise EngineUnavailable(engine, str(exc)) from exc
-    finally:
-        engine.in_flight -= 1
     if response.status >= 500 and turn.reuse_params:
         raise ReuseFailed(f"{engine.name} failed reading the session's KV back: "
                           f"HTTP {response.status}")
@@ -126,6 +122,62 @@ async def run_prefill(
         cached_tokens=int(details.get("cached_tokens") or 0),
         elapsed_ms=(time.perf_counter() - started) * 1000,
     )
+
+
+@dataclass
+class Decode:
+    """One attempt's decode request once its headers are in: the engine's response and the
+    transfer params the request carried.
+
+    It ends exactly once, one of two ways: `complete` (the reply was read whole: the mode's
+    `after_turn` runs) or `cut` (anything else: the stream broke or the client left, the turn
+    failed elsewhere, the request is no longer wanted: the mode gives up what it arranged for
+    after the turn). The response itself is closed by `close` (or `cut`), which also gives
+    back the engine's in-flight count; both are idempotent, so every path may call them.
+    """
+
+    turn: Turn
+    placement: Placement
+    stream: Stream
+    params: dict[str, Any] | None
+    state: Literal["open", "complete", "cut"] = "open"
+
+    def complete(self, reply_params: dict[str, Any] | None) -> None:
+        if self.state == "open":
+            self.state = "complete"
+            self.turn.mode.after_turn(self.turn, self.placement, reply_params)
+
+    def cut(self) -> None:
+        self.stream.close()
+        if self.state == "open":
+            self.state = "cut"
+            self.turn.mode.decode_cut(self.turn, self.placement, self.params)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+async def drop_decode(task: asyncio.Task[Decode]) -> None:
+    """Cancel a decode request the turn no longer wants (its prefill failed, or the turn was
+    cancelled).
+
+    A streamed response's headers come at once, so the task may have returned its `Decode`
+    already, and cancelling a finished task closes nothing: the engine would keep the request
+    (waiting for KV that never comes) and its in-flight count for good. Cut what it returned.
+    """
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    if task.done():
+        _cut_result(task)
+    else:
+        # This task was cancelled while awaiting: cut the request whenever it opens.
+        task.add_done_callback(_cut_result)
+
+
+def _cut_result(task: asyncio.Task[Decode]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().cut()
 
 
 def decode_request(turn: Turn, transfer_params: dict[str, Any] | None) -> dict[str, Any]:
@@ -248,9 +300,3 @@ def route(pool: EnginePool, mode: Mode, session: Session | None, prefix_id: str 
     if not mode.affinity or session is None:
         return pool.round_robin()
     return pool.place(prefill=session.prefill, decode=session.decode, prefix_id=prefix_id)
-
-
-async def cancel_quietly(task: asyncio.Task[Any]) -> None:
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task

@@ -12,6 +12,12 @@ Per turn (see docs/architecture.md for the picture):
 3. Both engines hold the session's blocks under a lease: the client's TTL and priority hints
    ride along, the engines cap them; `final` and DELETE release them.
 
+The decode engine keeps a finished turn's blocks for the push back until the prefill engine
+registers for them or its send times out. Whenever the router knows the push back will not
+come (the turn's stream was cut, its output was empty, the prefill engine refused or failed the
+push back, or it was cancelled), it tells the decode engine to give the send up at once
+(`TurnParams.abandon`), so that those blocks do not stay allocated for the whole timeout.
+
 A short delta skips step 1: when a turn adds at most `short_delta_tokens` tokens to the
 session's history (counted with the decode engine's /tokenize), the decode engine, which holds
 that history, computes them itself and no prefill request is sent. Step 2 brings the prefill
@@ -30,7 +36,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from turnkv.protocol import CacheHints, PromptTokens
-from turnkv_server.connector.params import KEY, Receive, Send, TurnParams
+from turnkv_server.connector.params import KEY, Receive, Send, TurnParams, parse
 from turnkv_server.router.history import common_prefix_len
 from turnkv_server.router.modes import Mode, ModeContext, PrefillResult, tokenize
 from turnkv_server.router.placement import Engine, Placement
@@ -43,7 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PUSH_BACK = "turnkv_push_back"
-PUSH_BACK_FROM = "turnkv_push_back_from"  # (transfer ID, decode engine name)
 MODEL = "turnkv_model"
 # The next turn waits this long for the previous push back to land on the prefill engine.
 PUSH_BACK_WAIT_S = 5.0
@@ -113,7 +118,9 @@ class Turnkv(Mode):
 
     async def prefill_transfer_params(self, turn: Turn, placement: Placement) -> dict[str, Any]:
         await self._settle_push_back(turn.session)
-        params = self._turn_params(turn, send=Send(_transfer_id(turn, "p2d")))
+        # Streamed: the decode engine registers within milliseconds, so the prefill's KV can be
+        # written layer by layer while it computes.
+        params = self._turn_params(turn, send=Send(_transfer_id(turn, "p2d"), stream=True))
         return {KEY: params.to_wire()}
 
     def decode_transfer_params(self, turn: Turn, placement: Placement,
@@ -139,8 +146,11 @@ class Turnkv(Mode):
         if turn.decode_alone:
             self._judge_short_delta(turn, placement.decode.name)
         session = turn.session
-        if session is None or _hints(turn).final or turn.prompt_token_ids is None \
-                or not turn.output_token_ids:
+        if session is None or _hints(turn).final:
+            return  # the decode request had nothing to send
+        if turn.prompt_token_ids is None or not turn.output_token_ids:
+            # No history to push back: the decode engine's send would wait for nothing.
+            self._abandon(placement.decode, turn.body.get("model"), _transfer_id(turn, "d2p"))
             return
         history = [*turn.prompt_token_ids, *turn.output_token_ids]
         body: dict[str, Any] = {
@@ -156,35 +166,46 @@ class Turnkv(Mode):
         if "cache_salt" in turn.body:
             # Block hashes include the salt: without it the history lands in another cache.
             body["cache_salt"] = turn.body["cache_salt"]
-        session.mode_state[PUSH_BACK] = self._spawn(self._push_back(placement.prefill, body))
-        session.mode_state[PUSH_BACK_FROM] = (_transfer_id(turn, "d2p"), placement.decode.name)
+        session.mode_state[PUSH_BACK] = self._spawn(self._push_back(
+            placement.prefill, placement.decode, body, _transfer_id(turn, "d2p")))
+
+    def decode_cut(self, turn: Turn, placement: Placement,
+                   decode_params: dict[str, Any] | None) -> None:
+        # The push back comes only after a whole reply. (A request the engine aborted sends
+        # nothing anyway; one that finished just before the cut would wait for the timeout.)
+        sent = parse(decode_params)
+        if sent is None:
+            return
+        model = turn.body.get("model")
+        if sent.send is not None:
+            self._abandon(placement.decode, model, sent.send.transfer_id)
+        if sent.receive is not None and not turn.output_token_ids:
+            # Cut before any token: the decode engine may never have registered for the
+            # prefill engine's send (a request dropped before it reached the engine).
+            self._abandon(placement.prefill, model, sent.receive.transfer_id)
+
+    def decode_refused(self, turn: Turn, placement: Placement,
+                       decode_params: dict[str, Any] | None) -> None:
+        # The decode engine will never register for the prefill engine's send (it refused a
+        # body the prefill engine accepted, say a `max_tokens` over the model's length): give
+        # the send up there, rather than keep the prompt's blocks for the send timeout.
+        sent = parse(decode_params)
+        if sent is not None and sent.receive is not None:
+            self._abandon(placement.prefill, turn.body.get("model"), sent.receive.transfer_id)
 
     def drop_session(self, session: Session) -> None:
         task = session.mode_state.pop(PUSH_BACK, None)
-        pending = session.mode_state.pop(PUSH_BACK_FROM, None)
         if isinstance(task, asyncio.Task) and not task.done():
+            # Its own ending gives the decode engine's send up (`_push_back`).
             task.cancel()
-        else:
-            pending = None
         model = session.mode_state.get(MODEL)
         pool = self.ctx.pool
         if pool is None or model is None:
             return
         release = TurnParams(session=lease_key(session), release=True)
-        orders = []
-        for engine in pool.engines():
-            if engine.name not in (session.prefill, session.decode) or not engine.healthy:
-                continue
-            params = release
-            if pending is not None and engine.name == session.prefill:
-                # The push back was cancelled, perhaps before the prefill engine registered
-                # for it: decline it (nothing wanted), or the decode engine keeps the reply's
-                # blocks until its send times out.
-                transfer_id, decode = pending
-                params = TurnParams(session=release.session, release=True, receive=Receive(
-                    transfer_id, self.ctx.side_channels[decode], peer_tokens=0))
-            orders.append((engine, params))
-        self._spawn(self._release(model, orders))
+        orders = [(engine, release) for engine in pool.engines()
+                  if engine.name in (session.prefill, session.decode) and engine.healthy]
+        self._spawn(self._tell(model, orders))
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -225,15 +246,25 @@ class Turnkv(Mode):
         task.add_done_callback(self._background.discard)
         return task
 
-    async def _push_back(self, prefill: Engine, body: dict[str, Any]) -> None:
+    async def _push_back(self, prefill: Engine, decode: Engine, body: dict[str, Any],
+                         transfer_id: str) -> None:
+        """Send the history to the prefill engine, which registers for the decode engine's
+        blocks; if it does not (refused, e.g. a history at the model's max length, failed,
+        unreachable, or cancelled), the decode engine's send is given up. The next turn
+        recomputes what is missing."""
+        landed = False
         try:
-            reply = await self.ctx.upstream.post(f"{prefill.url}/v1/completions", body,
+            reply = await self.ctx.upstream.post(prefill, "/v1/completions", body,
                                                  timeout=PUSH_BACK_TIMEOUT_S)
+            landed = reply.ok
             if not reply.ok:
-                log.warning("push back to %s answered %s", prefill.name, reply.status)
+                log.warning("push back to %s answered %s: %s", prefill.name, reply.status,
+                            reply.content[:200])
         except EngineConnectionError as exc:
-            # The decode engine gives up on its own; the next turn recomputes what is missing.
             log.warning("push back to %s failed: %s", prefill.name, exc)
+        finally:
+            if not landed:
+                self._abandon(decode, body.get("model"), transfer_id)
 
     async def _settle_push_back(self, session: Session | None) -> None:
         task = session.mode_state.pop(PUSH_BACK, None) if session is not None else None
@@ -242,14 +273,23 @@ class Turnkv(Mode):
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(task), PUSH_BACK_WAIT_S)
 
-    async def _release(self, model: str, orders: list[tuple[Engine, TurnParams]]) -> None:
-        """End the session's leases now rather than at their TTL: a one-token request whose
-        params say so (the engines take instructions only through their HTTP API)."""
+    def _abandon(self, engine: Engine, model: str | None, transfer_id: str) -> None:
+        """Tell `engine` to give up its send under `transfer_id` now: nobody will register for
+        it, and until it times out its blocks stay allocated."""
+        if engine.healthy:  # (a lost engine's request was aborted: it sends nothing)
+            self._spawn(self._tell(model, [(engine, TurnParams(abandon=(transfer_id,)))]))
+
+    async def _tell(self, model: str | None, orders: list[tuple[Engine, TurnParams]]) -> None:
+        """Instructions that are not part of a turn (end the session's leases now rather than
+        at their TTL, give a send up): a one-token request whose params say so (the engines
+        take instructions only through their HTTP API)."""
         for engine, params in orders:
-            body = {"model": model, "prompt": [0], "max_tokens": 1,
-                    "kv_transfer_params": {KEY: params.to_wire()}}
+            body: dict[str, Any] = {"prompt": [0], "max_tokens": 1,
+                                    "kv_transfer_params": {KEY: params.to_wire()}}
+            if model is not None:
+                body["model"] = model
             with contextlib.suppress(EngineConnectionError):
-                await self.ctx.upstream.post(f"{engine.url}/v1/completions", body, timeout=30.0)
+                await self.ctx.upstream.post(engine, "/v1/completions", body, timeout=30.0)
 
 
 def _read_decode_figures(turn: Turn, decode_params: dict[str, Any] | None) -> None:

@@ -8,6 +8,13 @@ turn on cores the engines also need. JSON goes through orjson for the same reaso
 Everything that means "the engine could not be reached or broke the connection" (refused,
 reset, a timeout, a truncated body) is raised as one exception, `EngineConnectionError`, so
 that the turn pipeline has one test for an unavailable engine.
+
+Every request to an engine (`open`, `post`) is owned by its `Stream` from the moment it is sent
+until the Stream is closed: meanwhile it counts in the engine's `in_flight`, which placement
+reads to steer turns away from busy engines. `close()` ends the request and that count exactly
+once, whoever calls it and however often, so every path (a whole reply, a cut stream, an
+error, a cancelled task) only has to make sure the Stream is closed. GETs (health probes,
+/metrics, /v1/models) are not engine work and are not counted.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from typing import Any
 
 import aiohttp
 import orjson
+
+from turnkv_server.router.placement import Engine
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -43,11 +52,17 @@ class Reply:
 
 
 class Stream:
-    """A response whose headers are in and whose body is read by the caller, who closes it."""
+    """A response whose headers are in and whose body is read by the caller, who closes it.
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    It owns the engine request: the engine's in-flight count taken when the request was sent
+    is given back by the first `close()`.
+    """
+
+    def __init__(self, response: aiohttp.ClientResponse, engine: Engine) -> None:
         self._response = response
+        self._engine = engine
         self.status = response.status
+        self.closed = False
 
     async def read(self) -> bytes:
         try:
@@ -71,9 +86,13 @@ class Stream:
             yield pending
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         # Closing before the end drops the connection, which makes vLLM abort the request
         # and free its KV.
         self._response.close()
+        self._engine.in_flight -= 1
 
 
 class Upstream:
@@ -100,9 +119,10 @@ class Upstream:
             )
         return self._session
 
-    async def post(self, url: str, body: dict[str, Any], *, headers: dict[str, str] | None = None,
-                   timeout: float | None = None) -> Reply:
-        stream = await self.open(url, body, headers=headers, timeout=timeout)
+    async def post(self, engine: Engine, path: str, body: dict[str, Any], *,
+                   headers: dict[str, str] | None = None, timeout: float | None = None) -> Reply:
+        """POST a JSON body to `engine` and read the whole reply."""
+        stream = await self.open(engine, path, body, headers=headers, timeout=timeout)
         try:
             return Reply(stream.status, await stream.read())
         finally:
@@ -115,17 +135,24 @@ class Upstream:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise EngineConnectionError(_describe(exc)) from exc
 
-    async def open(self, url: str, body: dict[str, Any], *,
+    async def open(self, engine: Engine, path: str, body: dict[str, Any], *,
                    headers: dict[str, str] | None = None,
                    timeout: float | None = None) -> Stream:
-        """POST a JSON body; returns once the response headers are in."""
+        """POST a JSON body to `engine`; returns once the response headers are in. The caller
+        owns the returned Stream and must close it; a request that fails (or is cancelled)
+        before its headers are in is over when this raises."""
+        engine.in_flight += 1
         try:
             response = await self._http().post(
-                url, data=orjson.dumps(body), headers={**JSON_HEADERS, **(headers or {})},
-                timeout=_timeout(timeout))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise EngineConnectionError(_describe(exc)) from exc
-        return Stream(response)
+                f"{engine.url}{path}", data=orjson.dumps(body),
+                headers={**JSON_HEADERS, **(headers or {})}, timeout=_timeout(timeout))
+        except BaseException as exc:
+            # aiohttp closes the connection of a request it did not finish.
+            engine.in_flight -= 1
+            if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
+                raise EngineConnectionError(_describe(exc)) from exc
+            raise
+        return Stream(response, engine)
 
     async def close(self) -> None:
         if self._session is not None:

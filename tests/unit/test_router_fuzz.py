@@ -1,0 +1,83 @@
+"""The router fuzzer's shared cases (tests/support/router_fuzz.py) against the security
+test's own fuzz tests, without a cluster: for the same draws, each kind builds exactly the
+requests its test sends (the tests keep their bodies, which seed their derandomized examples;
+`scripts/reliability.py fuzz` sends the builders'), and answers are judged alike."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.integration import test_router_security as security
+from tests.support.router_fuzz import KINDS, Answer, Request, auth, check, problem
+
+TESTS = {
+    "chat": security.test_fuzzed_chat_requests,
+    "tagged_turn": security.test_fuzzed_tags_on_valid_turns,
+    "completion": security.test_fuzzed_completion_requests,
+    "raw_body_and_session_routes": security.test_fuzzed_bodies_and_session_routes,
+}
+ROUTER = "http://router"
+
+
+class Recorder:
+    """Stands in for the test's httpx client: records each request, answers as a router
+    would for the request's kind of route."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, dict[str, Any]]] = []
+
+    @contextlib.contextmanager
+    def stream(self, method: str, url: str, **kwargs: Any) -> Iterator[Any]:
+        self.sent.append((method, url, kwargs))
+        status = 404 if "/v1/turnkv/sessions/" in url else 400
+        yield SimpleNamespace(status_code=status, text='{"error": {"message": "no"}}',
+                              read=lambda: None)
+
+
+def as_sent(request: Request) -> tuple[str, str, dict[str, Any]]:
+    return request.method, f"{ROUTER}{request.path}", request.send_kwargs()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_kind_builds_the_requests_its_test_sends(kind: str) -> None:
+    inner = TESTS[kind].hypothesis.inner_test  # type: ignore[attr-defined]
+    cluster = SimpleNamespace(router=ROUTER, served_model_name="tiny")
+
+    @settings(max_examples=30, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.fixed_dictionaries(KINDS[kind].strategies))
+    def same(drawn: dict[str, Any]) -> None:
+        client = Recorder()
+        inner(cluster=cluster, client=client, **copy.deepcopy(drawn))
+        built = KINDS[kind].build("tiny", **copy.deepcopy(drawn))
+        assert client.sent == [as_sent(r) for r in built]
+
+    same()
+
+
+def test_answers_are_judged_as_the_test_judges_them() -> None:
+    request = Request("POST", "/v1/chat/completions", "k", expect=(400,))
+    assert check(200, "{}") is None
+    assert check(404, '{"detail": "Not Found"}') is None
+    assert check(400, '{"error": {"message": "bad"}}') is None
+    assert "answered 500" in (check(500, "Internal Server Error") or "")
+    assert "without saying" in (check(400, '{"error": {"message": ""}}') or "")
+    assert "without a JSON error body" in (check(413, "too big") or "")
+    assert "expected one of (400,)" in (problem(request, Answer(404, '{"detail": "x"}')) or "")
+    assert problem(request, Answer(400, '{"detail": "x"}')) is None
+
+
+def test_a_recorded_request_names_the_tenant_not_the_key() -> None:
+    key = next(iter(security.KEYS))
+    request = Request("POST", "/v1/completions", key, json={"prompt": "x"})
+    assert request.send_kwargs()["headers"] == auth(key)
+    described = request.describe()
+    assert key not in repr(described) and described["tenant"] == security.KEYS[key]
