@@ -635,3 +635,25 @@ def test_a_send_abandoned_before_it_is_known_ends_at_once(pair: tuple[Engine, En
     wait_until(sender.sent("tx"), timeout=1.0)  # not after the send timeout
     assert receiver.results.failed_blocks == {1}
     assert untouched(receiver)
+
+
+def test_a_sender_that_died_is_not_waited_for(pair: tuple[Engine, Engine, str]) -> None:
+    """Its process gone (its side channel closed, nothing listening there): receives
+    registered with it come back at once, and new ones do not register with a dead agent."""
+    sender, receiver, address = pair
+    receiver.receive("rx1", "t1", address, [1], first_block=0)
+    sender.send("tx1", "t1", [0])
+    wait_until(receiver.received("rx1"))
+    sender.agent.expect("t2", PROMPT)
+    receiver.receive("rx2", "t2", address, [2], first_block=0, timeout_s=30.0)
+    wait_until(registered(sender, "t2"))
+    sender.agent.close()  # the prefill engine is killed
+    wait_until(receiver.received("rx2"), timeout=3.0)  # not after the fence and the grace
+    # A turn that comes meanwhile: its receive waits for a sender to answer, and gives its
+    # blocks back at once when its request is aborted.
+    receiver.receive("rx3", "t3", address, [3], first_block=0, timeout_s=30.0)
+    time.sleep(0.3)
+    receiver.agent.cancel_receive("t3")
+    wait_until(receiver.received("rx3"), timeout=2.0)
+    assert receiver.results.failed_blocks == {2, 3}
+    assert untouched(receiver, but=(1,))

@@ -7,8 +7,9 @@ still land in them (two-phase cancel):
 - the sender's notification arrived: every write is in, the KV is complete;
 - the sender answered `Cancelled` or `Failed`: it settles every write of the transfer first;
 - the registration never left this engine (its hello was not answered): nobody can write;
-- the sender is known gone: its side-channel connection dropped (the kernel closes it when a
-  process dies), or another agent now answers at its address, or it says it does not know us;
+- the sender is known gone: its side-channel connection dropped and nothing listens at its
+  address any more (the kernel closes a dead process's sockets, and a reconnect is refused),
+  or another agent now answers there, or it says it does not know us;
 - the sender is silent (stopped, partitioned, wedged): it starts no write later than
   `FENCE_S` after we last said we wanted the transfer, and a started write lands within
   `WRITE_GRACE_S`; the blocks come back after both have passed.
@@ -80,6 +81,9 @@ class Link:
     hello_wait_s: float = HELLO_RETRY_S
     waiting: list[str] = field(default_factory=list)
     last_ping: float = -math.inf
+    # The agent whose connection dropped, until we know whether it is gone (a reconnect is
+    # refused, or another agent answers) or back (it answers our hello again).
+    suspect: str | None = None
 
 
 class Receiving:
@@ -146,14 +150,22 @@ class Receiving:
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED and link.agent is not None:
-                # The kernel closed the sender's socket: its process (or agent) is gone, and
-                # a gone process writes nothing more.
-                self._sender_gone(link, link.agent, "the sender's side channel closed")
+                # The connection to the sender dropped: its process died, or a network broke.
+                # Until we know which, nothing new registers with that agent.
+                link.suspect, link.agent, link.hello = link.agent, None, "none"
+                self._hello_waiting(link)
+            elif event["event"] == zmq.EVENT_CONNECT_RETRIED and link.suspect is not None:
+                # Nothing listens at its address: its side channel is closed, so its agent
+                # (which lived in that process) writes nothing more.
+                suspect, link.suspect = link.suspect, None
+                self._sender_gone(link, suspect, "the sender's side channel closed")
 
     def _on_message(self, link: Link, msg: sc.AnyMessage) -> None:
         if isinstance(msg, sc.HelloOk):
-            if link.agent is not None and msg.agent != link.agent:
-                self._sender_gone(link, link.agent, "the sender restarted")
+            for known in (link.agent, link.suspect):
+                if known is not None and msg.agent != known:
+                    self._sender_gone(link, known, "the sender restarted")
+            link.suspect = None
             link.agent, link.hello, link.hello_wait_s = msg.agent, "ok", HELLO_RETRY_S
             waiting, link.waiting = link.waiting, []
             for transfer_id in waiting:
@@ -268,6 +280,13 @@ class Receiving:
             timeout_s=rx.timeout_s))
         rx.registered_with, rx.last_wanted = link.agent, self._clock()
 
+    def _hello_waiting(self, link: Link) -> None:
+        """Say hello again if receives wait on this link (nothing is sent for none)."""
+        if any(rx.peer == link.address and rx.giving_up is None
+               for rx in self.receives.values()):
+            link.hello_wait_s = HELLO_RETRY_S
+            self._send_hello(link)
+
     def _give_up(self, rx: Receive, reason: str) -> None:
         if rx.giving_up is not None:
             return
@@ -296,7 +315,8 @@ class Receiving:
         if link is None:
             socket = self._zmq.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
-            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = socket.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
             socket.connect(f"tcp://{address}")
             link = self.links[address] = Link(address, socket, monitor)
         return link
