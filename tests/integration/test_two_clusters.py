@@ -6,29 +6,24 @@ have reported theirs. Two clusters starting at once, each while the other takes 
 come up, and a turn through each router moves KV between its engines over the side channels
 they reported, signed with the cluster's own secret.
 
-The launcher used to choose ports (`free_ports`) that its engines bound minutes later; here
-whatever it would choose is taken at once by a squatter, as another cluster's router once
-took a side channel's port: that launcher could not start, this one never asks.
+The launcher used to choose ports that its engines bound minutes later, and another cluster's
+router once took a side channel's port meanwhile; now it chooses none.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
-import pytest
 
 from tests.support.oracle import routed_chat
 from turnkv_server.engine_metrics import fetch_connector_counters
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState, processes
-from turnkv_server.launcher import cluster as cluster_module
+from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
 from turnkv_server.launcher.engine import SECRET_ENV
 from turnkv_server.launcher.processes import group_members
-from turnkv_server.ports import bind_listener
 
 BLOCKS = 32  # per engine: small caches, four engines share two cores and the memory
 MAX_TOKENS = 8
@@ -42,19 +37,7 @@ def _listening_ports(pid: int) -> set[int]:
             if c.pid in pids and c.status == psutil.CONN_LISTEN and c.laddr}
 
 
-def test_two_clusters_started_at_once(tiny_model: Path, tmp_path: Path,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    squatters: list[socket.socket] = []
-    choose = processes.free_ports
-
-    def chosen_then_taken(count: int, host: str = "127.0.0.1") -> list[int]:
-        ports = choose(count, host)
-        squatters.extend(bind_listener(host, port) for port in ports)
-        return ports
-
-    monkeypatch.setattr(processes, "free_ports", chosen_then_taken)
-    monkeypatch.setattr(cluster_module, "free_ports", chosen_then_taken, raising=False)
-
+def test_two_clusters_started_at_once(tiny_model: Path, tmp_path: Path) -> None:
     names = ("east", "west")
     together = threading.Barrier(len(names), timeout=STARTUP_S + 120)
     done = threading.Barrier(len(names), timeout=300)
@@ -89,18 +72,13 @@ def test_two_clusters_started_at_once(tiny_model: Path, tmp_path: Path,
             done.abort()
 
     threads = [threading.Thread(target=run, args=(name,), name=name) for name in names]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        for sock in squatters:
-            sock.close()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
     if real or errors:
         raise (real or errors)[0]
-    assert squatters == [], "the launcher chose ports"
 
     ports: dict[int, str] = {}
     for name, (launched, _) in started.items():

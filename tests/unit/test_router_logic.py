@@ -256,3 +256,18 @@ def test_one_prompt_passes(prompt: object) -> None:
     from turnkv_server.router.app import _check_supported
 
     _check_supported({"prompt": prompt})
+
+
+def test_a_session_id_ending_in_a_slash_is_not_redirected_to_another_session() -> None:
+    from fastapi.testclient import TestClient
+
+    from turnkv_server.router import RouterConfig, create_app
+
+    app = create_app(RouterConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
+                                  mode="standard", health_interval=60.0))
+    with TestClient(app, follow_redirects=False) as client:
+        for method in ("GET", "DELETE"):
+            reply = client.request(method, "/v1/turnkv/sessions/abc%2F")
+            # Found by no route: never a 307 to /v1/turnkv/sessions/abc, which a client
+            # following redirects would then read or end.
+            assert reply.status_code == 404, (method, reply.status_code)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -109,52 +107,3 @@ def _thread_ids(pid: int) -> list[int]:
         return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return []
-
-
-# The launcher chooses no ports: its servers bind port 0 and report theirs
-# (`turnkv_server.ports`). `free_ports` remains for tests that need a port number before the
-# process that binds it exists (a peer that is meant to be dead, say), where a port taken in
-# between makes a test fail, not a cluster. They are picked below the kernel's ephemeral range,
-# where outgoing connections (the engines open many) would take them at random.
-PORT_FLOOR = 20_000
-
-
-def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
-    try:
-        with open(path) as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that are free right now (held open together while picking),
-    outside the ephemeral range where it leaves room; else any free ones.
-
-    Free now, not when the caller binds them: anything on the machine can take one between.
-    A server should bind port 0 itself (`turnkv_server.ports`).
-    """
-    low, _ = ephemeral_range()
-    candidates = list(range(PORT_FLOOR, low)) if low - PORT_FLOOR >= 1000 else []
-    random.shuffle(candidates)
-    sockets: list[socket.socket] = []
-    try:
-        for port in candidates:
-            if len(sockets) == count:
-                break
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.bind((host, port))
-            except OSError:
-                sock.close()
-                continue
-            sockets.append(sock)
-        while len(sockets) < count:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()

@@ -506,7 +506,9 @@ def create_app(config: RouterConfig) -> FastAPI:
             await router.upstream.close()
             await router.store.close()
 
-    app = FastAPI(title="turnkv router", lifespan=lifespan)
+    # No redirects for a trailing slash: a session ID ending in an encoded "/" would be
+    # redirected to, and acted on as, another session's route.
+    app = FastAPI(title="turnkv router", lifespan=lifespan, redirect_slashes=False)
     app.state.router = router
 
     @app.get("/health")
