@@ -21,17 +21,28 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from turnkv.protocol import MAX_PRIORITY, MIN_PRIORITY
+from tests.support.router_fuzz import (
+    ADMIN_KEY,
+    CHAT,
+    COMPLETION,
+    HEADERS,
+    HINTS,
+    JSON,
+    KEY_A,
+    KEY_B,
+    KEYS,
+    MARKER,
+    ODD,
+    TAG,
+    VALID_TAG,
+    auth,
+    check,
+)
 from turnkv_server.engine_metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
 
-KEYS = {"sk-tenant-a-5f1e9c": "tenant-a", "sk-tenant-b-07d2aa": "tenant-b"}
-KEY_A, KEY_B = list(KEYS)
-ADMIN_KEY = "sk-admin-93be41"
 # Engine leases end this soon after a turn, so that a fuzzed session's KV comes back quickly.
 ENGINE_LEASE_S = 3.0
-# Put in every prompt this module sends: it must not reach any log.
-MARKER = "zebra-quartz-7731"
 # Long enough for a full 128-token block with the tiny model's byte-level tokenizer.
 SHARED_PROMPT = f"{MARKER} " + " ".join(f"fact {i}: the sky is blue." for i in range(40))
 
@@ -54,10 +65,6 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 def client() -> Iterator[httpx.Client]:
     with httpx.Client(timeout=120) as c:
         yield c
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 def chat(state: ClusterState, client: httpx.Client, key: str, content: str,
@@ -148,66 +155,12 @@ def test_tenants_never_hit_each_others_cached_prefixes(
 
 
 # -- bad input -------------------------------------------------------------------------------
+# The strategies, and how an answer is checked, are shared with `scripts/reliability.py fuzz`
+# (10,000 cases and more, outside the suite): tests/support/router_fuzz.py, whose `KINDS`
+# build the same requests as the four tests below. The tests' bodies stay as they are:
+# hypothesis seeds a derandomized run from the test's source (decorators and comments aside),
+# so editing a body would change the examples this suite has always run.
 
-# JSON has no NaN or infinity (a client library would not send them either).
-FLOAT = st.floats(allow_nan=False, allow_infinity=False)
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | FLOAT
-    | st.text(max_size=30),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=3),
-    max_leaves=6)
-# Any unicode a JSON string can carry: controls, combining marks, astral planes, RTL marks.
-ODD = st.text(st.characters(codec="utf-8"), max_size=40)
-HINTS = st.dictionaries(
-    st.sampled_from(["ttl", "next_turn_in", "final", "priority", "unknown"]),
-    st.integers(-10**9, 10**9) | FLOAT | st.booleans() | ODD | JSON, max_size=4)
-TAG = st.fixed_dictionaries({}, optional={
-    "session_id": ODD | JSON | st.text("abc-_.:", min_size=1, max_size=300),
-    "turn": st.integers(-5, 2**64) | JSON,
-    "prefix_id": ODD | JSON,
-    "hints": HINTS | JSON,
-    "unknown": JSON,
-})
-SESSION_ID = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,20}", fullmatch=True)
-VALID_TAG = st.fixed_dictionaries({"session_id": SESSION_ID}, optional={
-    "turn": st.integers(0, 10),
-    "prefix_id": SESSION_ID,
-    "hints": st.fixed_dictionaries({}, optional={
-        "ttl": st.floats(0.5, 600), "next_turn_in": st.floats(0, 60), "final": st.booleans(),
-        "priority": st.integers(MIN_PRIORITY, MAX_PRIORITY)}),
-})
-MESSAGE = st.fixed_dictionaries({
-    "role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]) | JSON,
-    "content": ODD.map(lambda s: f"{MARKER} {s}") | JSON,
-})
-# max_tokens is always there and small (or not a number): a valid request stays short.
-MAX_TOKENS = st.integers(-2, 3) | st.text(max_size=4) | st.lists(st.integers(), max_size=2)
-CHAT = st.fixed_dictionaries({
-    "messages": st.lists(MESSAGE, max_size=3) | JSON,
-    "max_tokens": MAX_TOKENS,
-}, optional={
-    "model": JSON,
-    "stream": st.booleans() | JSON,
-    "turnkv": TAG | JSON,
-    "n": st.integers(-1, 3),
-    "temperature": st.floats(-1, 3) | JSON,
-    "return_token_ids": JSON,
-    "cache_salt": ODD | JSON,
-    "kv_transfer_params": JSON,
-    "stream_options": JSON,
-    "unknown_field": JSON,
-})
-COMPLETION = st.fixed_dictionaries({
-    "prompt": ODD.map(lambda s: f"{MARKER} {s}") | JSON,
-    "max_tokens": MAX_TOKENS,
-}, optional={"turnkv": TAG | JSON, "stream": st.booleans(), "echo": JSON})
-HEADERS = st.dictionaries(
-    st.sampled_from(["x-turnkv-session", "x-turnkv-turn", "x-turnkv-ttl", "x-turnkv-final",
-                     "x-turnkv-priority", "x-turnkv-next-turn-in", "x-turnkv-prefix"]),
-    # (What HTTP lets a client send: visible ASCII, no whitespace at either end.)
-    st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20).map(str.strip),
-    max_size=3)
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
@@ -215,14 +168,11 @@ tried: dict[str, int] = {}
 
 
 def answered(response: httpx.Response) -> int:
-    """Read all of the answer (streamed or not); its status, which must be below 500."""
+    """Read all of the answer (streamed or not); its status, which must be below 500 (and an
+    error must say what was wrong: `router_fuzz.check`)."""
     response.read()
-    assert response.status_code < 500, (response.status_code, response.text[:300])
-    if response.status_code >= 400:
-        body = response.json()
-        # The router's and the engines' errors, or the web framework's for unknown routes.
-        message = body["error"]["message"] if "error" in body else body["detail"]
-        assert message, body
+    wrong = check(response.status_code, response.text)
+    assert wrong is None, wrong
     return response.status_code
 
 
@@ -289,9 +239,13 @@ def test_after_the_fuzzing_everything_is_healthy_and_no_kv_is_left(
     print(f"fuzzed requests by answer: {dict(sorted(tried.items()))}")
     # The examples are fixed (derandomized): some were served, most refused.
     assert tried.get("2xx", 0) > 0 and tried.get("4xx", 0) > tried.get("2xx", 0)
-    stats = client.get(f"{cluster.router}/v1/turnkv/stats", headers=auth(ADMIN_KEY)).json()
-    assert all(engine["healthy"] for engine in stats["engines"])
-    assert all(engine["in_flight"] == 0 for engine in stats["engines"])
+    def stats() -> dict[str, Any]:
+        return dict(client.get(f"{cluster.router}/v1/turnkv/stats",
+                               headers=auth(ADMIN_KEY)).json())
+    assert all(engine["healthy"] for engine in stats()["engines"])
+    # What the fuzzed turns left for after them (give-ups of sends, releases) ends too.
+    wait_for(lambda: all(engine["in_flight"] == 0 for engine in stats()["engines"]),
+             "no engine request in flight", timeout=30.0)
     assert chat(cluster, client, KEY_A, f"{MARKER} still there?").status_code == 200
     # The fuzzed sessions' leases run out on the engines (they expire lazily, on the next
     # request); then every block is free again.
