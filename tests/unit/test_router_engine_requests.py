@@ -172,8 +172,8 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def cluster(prefill: dict[str, Handler] | None, decode: dict[str, Handler]
-                  ) -> AsyncIterator[Cluster]:
+async def cluster(prefill: dict[str, Handler] | None, decode: dict[str, Handler],
+                  short_delta_tokens: int = 0) -> AsyncIterator[Cluster]:
     """Stand-in engines (`prefill` None: nothing listens there) behind a `turnkv` router."""
     p, d = StandIn(prefill or {}), StandIn(decode)
     p.partner, d.partner = d, p
@@ -181,7 +181,7 @@ async def cluster(prefill: dict[str, Handler] | None, decode: dict[str, Handler]
     p_url = await p.start() if prefill is not None else f"http://127.0.0.1:{free_port()}"
     config = RouterConfig(prefill=[p_url], decode=[d_url], mode="turnkv",
                           prefill_nixl=["p@127.0.0.1:5601"], decode_nixl=["d@127.0.0.1:5602"],
-                          short_delta_tokens=0, health_interval=60.0)
+                          short_delta_tokens=short_delta_tokens, health_interval=60.0)
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.create_task(server.serve())
@@ -484,6 +484,35 @@ def test_a_stream_cut_before_its_first_token_gives_the_prefill_engines_send_up()
             sent = [s.body["kv_transfer_params"]["turnkv"]["send"]["transfer_id"]
                     for s in c.prefill.requests("/v1/chat/completions")]
             await settle(c, lambda: abandoned(c.prefill) == sent != [])
+            await settle(c, lambda: all(e.in_flight == 0 for e in c.router.pool.engines()))
+
+    asyncio.run(main())
+
+
+def test_a_prompt_the_engine_cannot_tokenize_is_the_clients_error() -> None:
+    """Deciding whether a turn is a short delta asks the decode engine's /tokenize; a prompt it
+    refuses (an empty one, say) gets that 4xx, and the engine stays in service."""
+
+    async def tokenize(engine: StandIn, request: web.Request, body: dict[str, Any]
+                       ) -> web.StreamResponse:
+        if not body.get("messages", [{}])[-1].get("content"):
+            return _ok({"error": {"message": "empty prompt"}}, status=400)
+        return _ok({"tokens": [7, 8, 9, 10]})
+
+    async def main() -> None:
+        prefill = {"/v1/chat/completions": prefill_ok}
+        decode = {"/v1/chat/completions": slow_decode, "/tokenize": tokenize}
+        async with cluster(prefill, decode, short_delta_tokens=512) as c, \
+                httpx.AsyncClient(timeout=30) as client:
+            first = await client.post(f"{c.url}/v1/chat/completions",
+                                      json=chat(stream=False, session="s"))
+            assert first.status_code == 200, first.text
+            body = chat(stream=False, session="s")
+            body["messages"] = [{"role": "user", "content": ""}]
+            reply = await client.post(f"{c.url}/v1/chat/completions", json=body)
+            assert reply.status_code == 400, reply.text
+            assert "empty prompt" in reply.text
+            assert all(e.healthy for e in c.router.pool.engines())
             await settle(c, lambda: all(e.in_flight == 0 for e in c.router.pool.engines()))
 
     asyncio.run(main())

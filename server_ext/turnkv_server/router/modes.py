@@ -27,7 +27,7 @@ from turnkv.protocol import PromptTokens
 from turnkv_server.router.history import common_prefix_len
 from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import Session
-from turnkv_server.router.upstream import EngineConnectionError, Upstream
+from turnkv_server.router.upstream import EngineConnectionError, EngineRejected, Upstream
 
 if TYPE_CHECKING:
     from turnkv_server.router.turn import Turn
@@ -301,6 +301,10 @@ async def tokenize(upstream: Upstream, engine: Engine, turn: Turn) -> list[int]:
     else:
         body["prompt"] = turn.body.get("prompt")
     response = await upstream.post(engine, "/tokenize", body, timeout=30.0)
+    if 400 <= response.status < 500:
+        # A prompt the engine cannot render (an empty one, say) is the client's to fix: the
+        # same 4xx a whole turn would get, never an engine taken for unavailable.
+        raise EngineRejected(response.status, response.content)
     if not response.ok:
         raise EngineConnectionError(f"{engine.name} /tokenize answered {response.status}")
     return list(response.json()["tokens"])

@@ -23,7 +23,12 @@ from turnkv_server.router.history import prefix_break
 from turnkv_server.router.modes import PREFILL_FOR_REMOTE_DECODE, Mode, PrefillResult
 from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import Session
-from turnkv_server.router.upstream import EngineConnectionError, Stream, Upstream
+from turnkv_server.router.upstream import (
+    EngineConnectionError,
+    EngineRejected,
+    Stream,
+    Upstream,
+)
 
 
 class EngineUnavailable(Exception):
@@ -35,15 +40,6 @@ class EngineUnavailable(Exception):
 
 class ReuseFailed(Exception):
     """The prefill engine failed while reading a session's KV back: replay without reuse."""
-
-
-class EngineRejected(Exception):
-    """The engine answered with a client error: pass it through unchanged."""
-
-    def __init__(self, status: int, content: bytes) -> None:
-        super().__init__(f"engine answered {status}")
-        self.status = status
-        self.content = content
 
 
 @dataclass

@@ -36,6 +36,16 @@ class EngineConnectionError(Exception):
     """The engine could not be reached, or the connection broke mid-response."""
 
 
+class EngineRejected(Exception):
+    """The engine answered with a client error: the request was bad, not the engine. The
+    turn passes the answer through unchanged."""
+
+    def __init__(self, status: int, content: bytes) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status = status
+        self.content = content
+
+
 @dataclass
 class Reply:
     """A whole response."""
