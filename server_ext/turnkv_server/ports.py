@@ -50,6 +50,26 @@ def bind_listener(host: str, port: int, backlog: int = 128) -> socket.socket:
     return sock
 
 
+def bind_unserved(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), 0 for a free port, not listening yet: the server
+    listens once it serves. Until then a connection is refused at once, which callers read as
+    "not up" (a listening socket would queue it, unanswered, until the server is ready: a
+    restarting engine would hold every request sent to it for its whole start).
+
+    Bound as vLLM binds its own socket (SO_REUSEADDR). The kernel never gives a bound port to
+    another port-0 bind; only a server binding this very port with SO_REUSEADDR could share
+    it before it listens.
+    """
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

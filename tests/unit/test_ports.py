@@ -142,7 +142,11 @@ def test_the_wrapper_hands_vllm_the_socket_it_bound(tmp_path: Path,
         assert (host, port) == sock.getsockname() and port != 0
         # vLLM sees the port it serves on, never 0, and none of the wrapper's arguments.
         assert served["args"] == ["--model", "m", "--host", "127.0.0.1", "--port", str(port)]
-        assert not _can_bind(port, reuse=True)  # bound and listening before vLLM ran
+        assert not _can_bind(port, reuse=False)  # bound before vLLM ran
+        # Not listening until vLLM serves: a request sent while the engine starts is refused
+        # at once, not held in a backlog until the engine is up.
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
     with pytest.raises(RuntimeError, match="holds"):
         serve_engine.adopter(sock, "127.0.0.1", port)(("127.0.0.1", port + 1), reuse_port=False)
 

@@ -4,7 +4,8 @@ vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on a port 
 itself: with ``--port 0`` the kernel picks a free port, and the port it got is written to FILE
 ("host:port") for the launcher, so no port is chosen in one process and bound in another.
 
-The socket is bound and listening before vLLM is even imported, and vLLM serves on it: in
+The socket is bound before vLLM is even imported (vLLM listens on it once it serves, so a
+request sent while the engine starts is refused at once, not held), and vLLM serves on it: in
 vLLM 0.32, ``setup_server`` (vllm/entrypoints/launchers/launcher.py) binds the API socket by
 calling that module's ``create_server_socket((host, port), reuse_port=...)`` before it
 starts the engine, and the server then serves on the socket it returned. This wrapper puts
@@ -12,8 +13,9 @@ its own function in that module's place, which hands over the socket already bou
 runs what ``python -m vllm.entrypoints.openai.api_server`` runs
 (``vllm.entrypoints.launchers.api_server.entry.main``) with ``--port`` rewritten to the bound
 port, so vLLM's own logs and checks see the real one. If vLLM ever binds without that
-function, its bind of the same port fails loudly (the port is taken, by this wrapper's
-listening socket): never a silent second socket.
+function, it binds the same port beside this socket (both SO_REUSEADDR, neither listening) and
+serves on its own: the reported port is still the one it serves (a unit test checks the calls
+this relies on in vLLM's source).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from turnkv_server.ports import bind_listener, write_report
+from turnkv_server.ports import bind_unserved, write_report
 
 PORT_FILE = "--port-file"
 # vLLM's own defaults (FrontendArgs): every interface, port 8000.
@@ -103,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         host, port = listen_address(args)
     except UsageError as exc:
         raise SystemExit(str(exc)) from None
-    sock = bind_listener(host, port)
+    sock = bind_unserved(host, port)
     bound = sock.getsockname()[1]
     args = with_option(args, "--port", str(bound))
     write_report(port_file, host or "127.0.0.1", bound)
