@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(_answers(config.questions, agent.answers))
                 console.print(turnkv.stats_table(session.turns,
                                                  title=f"session {session.id}: per turn"))
-                console.print(session.stats)
+                console.print(turnkv.session_stats_table(session.stats))
     except KeyboardInterrupt:
         console.print("interrupted")
         return 130

@@ -18,7 +18,7 @@ from openai import OpenAI
 from rich.console import Console
 from rich.table import Table
 
-from turnkv_server.engine_metrics import PromptTokenSources, fetch_prompt_token_sources
+from turnkv_server.engine.metrics import PromptTokenSources, fetch_prompt_token_sources
 from turnkv_server.launcher import Cluster, ClusterConfig
 
 SYSTEM = "You are a concise travel assistant. Answer in two or three sentences."

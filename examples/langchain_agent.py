@@ -93,7 +93,7 @@ def main() -> None:
             history += [HumanMessage(user), AIMessage(content=reply.content)]
             _print_turn(console, reply)
         console.print(turnkv.stats_table(model.session.turns, title="per turn"))
-        console.print(model.session.stats)
+        console.print(turnkv.session_stats_table(model.session.stats))
     finally:
         model.close()
 

@@ -54,7 +54,7 @@ def main() -> None:
             messages.append(last.message)
             _print_turn(console, last)
         console.print(turnkv.stats_table(session.turns, title="per turn"))
-        console.print(session.stats)
+        console.print(turnkv.session_stats_table(session.stats))
 
 
 def _print_turn(console: Console, last: ChatResponse) -> None:

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from turnkv_server.bench.cputime import group_deltas, snapshot_groups
-from turnkv_server.engine_metrics import fetch_connector_counters
+from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig
 
 QUESTION = ("Explain in two sentences why a write-ahead log needs fsync, and what group commit "

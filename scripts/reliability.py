@@ -84,7 +84,7 @@ from tests.support.router_fuzz import (  # noqa: E402
     fetch,
     problem,
 )
-from turnkv_server.engine_metrics import fetch_connector_counters  # noqa: E402
+from turnkv_server.engine.metrics import fetch_connector_counters  # noqa: E402
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState  # noqa: E402
 from turnkv_server.launcher.engine import EngineProcess  # noqa: E402
 from turnkv_server.launcher.processes import group_members  # noqa: E402

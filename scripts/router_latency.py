@@ -28,8 +28,8 @@ import httpx
 import psutil
 from rich.console import Console
 
+from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE
 from turnkv_server.launcher import Cluster, ClusterConfig
-from turnkv_server.router.modes import PREFILL_FOR_REMOTE_DECODE
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from turnkv.async_sessions import AsyncSession, AsyncTurnStream
+    from turnkv.async_sessions import AsyncSession
     from turnkv.client import AsyncOpenAI, OpenAI
     from turnkv.context import current_session
     from turnkv.errors import (
@@ -23,10 +23,11 @@ if TYPE_CHECKING:
     from turnkv.http import async_http_client, http_client
     from turnkv.ids import new_session_id, prefix_id
     from turnkv.protocol import CacheHints, TurnTag
-    from turnkv.render import stats_table
+    from turnkv.render import session_stats_table, stats_table, turn_stats_table
     from turnkv.retry import RetryPolicy
-    from turnkv.sessions import Session, TurnStream, session
+    from turnkv.sessions import Session, session
     from turnkv.stats import SessionStats, TurnStats
+    from turnkv.streams import AsyncTurnStream, TurnStream
     from turnkv.turn import Turn
 
 __version__ = "0.1.0"
@@ -34,7 +35,7 @@ __version__ = "0.1.0"
 _WHERE = {
     "AsyncOpenAI": "turnkv.client",
     "AsyncSession": "turnkv.async_sessions",
-    "AsyncTurnStream": "turnkv.async_sessions",
+    "AsyncTurnStream": "turnkv.streams",
     "CacheHints": "turnkv.protocol",
     "InvalidTagError": "turnkv.errors",
     "OpenAI": "turnkv.client",
@@ -46,7 +47,7 @@ _WHERE = {
     "Turn": "turnkv.turn",
     "TurnKVError": "turnkv.errors",
     "TurnStats": "turnkv.stats",
-    "TurnStream": "turnkv.sessions",
+    "TurnStream": "turnkv.streams",
     "TurnTag": "turnkv.protocol",
     "async_http_client": "turnkv.http",
     "current_session": "turnkv.context",
@@ -54,7 +55,9 @@ _WHERE = {
     "new_session_id": "turnkv.ids",
     "prefix_id": "turnkv.ids",
     "session": "turnkv.sessions",
+    "session_stats_table": "turnkv.render",
     "stats_table": "turnkv.render",
+    "turn_stats_table": "turnkv.render",
 }
 
 __all__ = [
@@ -81,7 +84,9 @@ __all__ = [
     "new_session_id",
     "prefix_id",
     "session",
+    "session_stats_table",
     "stats_table",
+    "turn_stats_table",
 ]
 
 

@@ -1,28 +1,37 @@
 """What every session keeps, whichever way its turns are sent: identity, turn counter, hints,
-recorded turns and stats, and where to release it."""
+recorded turns and stats; its turns on their way (`PendingTurn`); and its calls to the
+router's session API (release, hints), decided here and sent by the sync or async session.
+
+A session and its pending turns call each other (a session allocates a pending turn, which
+records its answer back into the session), so they live in one module.
+"""
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import json
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from contextvars import Token
 from typing import Any
 
+import httpx
 from pydantic import ValidationError
 
-from turnkv import context, session_api
-from turnkv import protocol as p
-from turnkv.errors import InvalidTagError, PlainServerWarning, SessionClosedError
+import turnkv.protocol as p
+import turnkv.session_api as session_api
+from turnkv.errors import InvalidTagError, PlainServerWarning, SessionClosedError, TurnKVError
 from turnkv.ids import check_id, new_session_id, prefix_id
 from turnkv.observe import Observed
-from turnkv.pending import PendingTurn
 from turnkv.retry import RetryPolicy
+from turnkv.session_api import SessionCall
 from turnkv.stats import SessionStats, TurnStats
+from turnkv.tagging import base_url_of, tag_headers
 from turnkv.turn import Turn
 
-log = logging.getLogger("turnkv")
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
 
 
 class WarnOnce:
@@ -47,8 +56,6 @@ class SessionCore:
         prefix_id: str | None = None, keep: bool = False, client: Any = None,
         retry: RetryPolicy | None = None, timeout: float | None = None,
     ) -> None:
-        from turnkv.openai_patch import install
-
         self._id = check_id(new_session_id() if id is None else id, "session_id")
         self._prefix_id = None if prefix_id is None else check_id(prefix_id, "prefix_id")
         self._lasting = make_hints(ttl=ttl, priority=priority)  # sent with every turn
@@ -57,6 +64,7 @@ class SessionCore:
         self.retry = retry or RetryPolicy()
         self.timeout = timeout
         self._client = client
+        self._no_retry_client: Any = None
         self._warn_once: WarnOnce = getattr(client, "_turnkv_warn_once", None) or WarnOnce()
         self._next = 1
         self._lock = threading.Lock()
@@ -66,9 +74,9 @@ class SessionCore:
         self._saw_turnkv = False
         self.closed = False
         self.released = False
-        self._tokens: list[Token[SessionCore | None]] = []
-        # Stock openai clients are tagged through a patch of openai's request building.
-        install()
+        # One context token per `with` block that made this the ambient session
+        # (turnkv.context), innermost last.
+        self._tokens: list[Token[Any]] = []
 
     # -- identity and hints ----------------------------------------------------------------
 
@@ -119,6 +127,17 @@ class SessionCore:
             raise InvalidTagError.from_validation(exc) from None
 
     # -- turns -----------------------------------------------------------------------------
+
+    def openai_client(self) -> Any:
+        """The session's openai client with openai's own retries off: `chat` / `stream` retry
+        under `self.retry`, and a second layer of retries would multiply attempts."""
+        if self._client is None:
+            raise TurnKVError(
+                "this session is bound to no client: use client.session() for chat()/stream(),"
+                " or send requests with any openai client inside `with turnkv.session()`")
+        if self._no_retry_client is None:
+            self._no_retry_client = self._client.with_options(max_retries=0)
+        return self._no_retry_client
 
     def begin_turn(self, managed: bool = True) -> PendingTurn:
         if self.closed:
@@ -183,14 +202,6 @@ class SessionCore:
             self.released = True  # the router ended the session with this turn
         return recorded
 
-    def record_observed(self, pending: PendingTurn, observed: Observed) -> Turn:
-        return self.record(
-            observed.wire, observed.ttft_ms if observed.streamed else None,
-            client_total_ms=observed.total_ms, retries=pending.retries, usage=observed.usage,
-            turn=pending.index, text=observed.text, message=observed.message(),
-            response=observed.response(), early_headers=observed.headers,
-            final=pending.hints.final)
-
     def _warn_plain(self) -> None:
         if self._warn_once.warned:
             return
@@ -208,18 +219,7 @@ class SessionCore:
     def stats(self) -> SessionStats:
         return SessionStats.from_turns((t.stats for t in self.turns), session_id=self._id)
 
-    # -- the ambient session ---------------------------------------------------------------
-
-    def _enter(self) -> None:
-        if self.closed:
-            raise SessionClosedError(f"session {self._id} is closed")
-        self._tokens.append(context.activate(self))
-
-    def _leave(self) -> None:
-        if self._tokens:
-            context.deactivate(self._tokens.pop())
-
-    # -- releasing ---------------------------------------------------------------------------
+    # -- the session API: each call decided here, sent with `.send()` or `.asend()` ----------
 
     def _endpoint(self) -> tuple[str, dict[str, str]] | None:
         """Base URL and auth headers for the session API; None where there is nothing to
@@ -236,69 +236,122 @@ class SessionCore:
             headers["Authorization"] = self._authorization
         return base, headers
 
-    def _should_release(self) -> bool:
-        return not self.released and self._saw_turnkv
-
-    def _release_sync(self) -> bool:
+    def _release_call(self) -> SessionCall:
+        """Release the session on the router: True if the router held it, False if not."""
         endpoint = self._endpoint()
         if endpoint is None:
-            return False
-        found = session_api.release(endpoint[0], self._id, endpoint[1])
+            return SessionCall(default=False)
+        return session_api.release(endpoint[0], self._id, endpoint[1], read=self._released)
+
+    def _released(self, response: httpx.Response) -> bool:
+        found = session_api.released(response)
         self.released = True
         return found
 
-    async def _release_async(self) -> bool:
-        endpoint = self._endpoint()
-        if endpoint is None:
-            return False
-        found = await session_api.arelease(endpoint[0], self._id, endpoint[1])
-        self.released = True
-        return found
+    def _closing(self, final: bool) -> SessionCall:
+        """Close the session now (no more turns); the release to send, if `final` and the
+        session is still held on a turnkv router. A failed release is logged, not raised."""
+        self.closed = True
+        if not final or self.released or not self._saw_turnkv:
+            return SessionCall()
+        return dataclasses.replace(self._release_call(), quiet=f"releasing session {self._id}")
 
-    def _hints_endpoint(self, hints: p.CacheHints) -> tuple[str, dict[str, str]] | None:
-        """Where to post hints now; None on a plain server (nothing to tell it)."""
+    def _hints_call(self, *, ttl: float | None = None, next_turn_in: float | None = None,
+                   final: bool | None = None, priority: int | None = None) -> SessionCall:
+        """Hints now (`POST /v1/turnkv/sessions/{id}/hints`), validated here; the answer is the
+        router's view of the session, `{}` on a plain server (nothing to tell it)."""
+        hints = make_hints(ttl=ttl, next_turn_in=next_turn_in, final=bool(final),
+                           priority=priority)
         if self.turns and not self._saw_turnkv:
-            return None
+            return SessionCall(default={})
         endpoint = self._endpoint()
         if endpoint is None:
             raise SessionClosedError(
                 f"session {self._id} has no server yet: send a turn before hint_now()")
         if hints.final:
             self.released = True
-        return endpoint
-
-    def _close_sync(self, final: bool) -> None:
-        self.closed = True
-        if final and self._should_release():
-            try:
-                self._release_sync()
-            except Exception as exc:  # noqa: BLE001 -- never raised over the caller's body
-                log.warning("turnkv: releasing session %s failed: %s", self._id, exc)
-
-    async def _close_async(self, final: bool) -> None:
-        self.closed = True
-        if final and self._should_release():
-            try:
-                await self._release_async()
-            except Exception as exc:  # noqa: BLE001 -- never raised over the caller's body
-                log.warning("turnkv: releasing session %s failed: %s", self._id, exc)
-
-    def __enter__(self) -> Any:
-        self._enter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._leave()
-        self._close_sync(final=not self.keep)
-
-    async def __aenter__(self) -> Any:
-        self._enter()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._leave()
-        await self._close_async(final=not self.keep)
+        return session_api.post_hints(endpoint[0], self._id, endpoint[1], hints)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self._id!r}, turn={self._next})"
 
+
+class PendingTurn:
+    """A turn on its way: its index, the hints it carries, its timing, and how it ends.
+
+    Allocated when a turn is first sent; every attempt carries the same turn index, so the
+    router counts a retried turn once. `managed` turns belong to `Session.chat` / `stream`
+    (or a stock openai call inside `turnkv.session()`), which decide when a failed turn is
+    given up; other turns give their index back on the first failure (openai's own retry then
+    allocates the same index again). It is the `turnkv.observe.Listener` of its responses."""
+
+    def __init__(self, session: SessionCore, index: int, hints: p.CacheHints,
+                 managed: bool) -> None:
+        self.session = session
+        self.index = index
+        self.hints = hints
+        self.managed = managed
+        self.started = time.perf_counter()
+        self.attempts = 0
+        self.retries_seen = 0
+        self.turn: Turn | None = None
+        self.early_headers: dict[str, str] = {}
+        self.settled = False
+
+    def tag(self) -> p.TurnTag:
+        return self.session.tag(turn=self.index, hints=self.hints)
+
+    def headers_for(self, url: str, body: bytes | None, request_headers: Any) -> dict[str, str]:
+        """Called once per attempt, right before it is sent."""
+        self.attempts += 1
+        retry_count = request_headers.get(RETRY_COUNT_HEADER)
+        if retry_count is not None and str(retry_count).isdigit():
+            self.retries_seen = max(self.retries_seen, int(retry_count))
+        self.session.note_endpoint(base_url_of(url), request_headers.get("authorization"))
+        if body:
+            self.session.note_first_body(_json_or_none(body))
+        return tag_headers(self.tag())
+
+    @property
+    def retries(self) -> int:
+        return max(self.attempts - 1, self.retries_seen)
+
+    def complete(self, observed: Observed) -> None:
+        """The response was watched to its end: record what it said."""
+        if self.settled:
+            return
+        self.settled = True
+        self.turn = self.session.record(
+            observed.wire, observed.ttft_ms if observed.streamed else None,
+            client_total_ms=observed.total_ms, retries=self.retries, usage=observed.usage,
+            turn=self.index, text=observed.text, message=observed.message(),
+            response=observed.response(), early_headers=observed.headers,
+            final=self.hints.final)
+
+    def settle(self, wire: Mapping[str, Any] | None, usage: Mapping[str, Any] | None,
+               text: str = "") -> Turn:
+        """Record the turn from what openai's parsed answer carried (its `turnkv` field and
+        usage): the response went by unwatched, through an http client turnkv does not know."""
+        self.settled = True
+        self.turn = self.session.record(
+            wire, None, retries=self.retries, usage=usage, turn=self.index, text=text,
+            early_headers=self.early_headers, final=self.hints.final)
+        return self.turn
+
+    def fail(self) -> None:
+        """This attempt got no usable answer."""
+        if not self.managed:
+            self.give_up()
+
+    def give_up(self) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        self.session.abandon(self)
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None

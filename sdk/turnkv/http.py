@@ -8,17 +8,15 @@ built with, else the ambient `turnkv.session(...)`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
-from turnkv import protocol as p
+import turnkv.protocol as p
+from turnkv.context import pending_for
+from turnkv.core import PendingTurn, SessionCore
 from turnkv.observe import observe_response
-from turnkv.tagging import is_turn_request, pending_for
-
-if TYPE_CHECKING:
-    from turnkv.core import SessionCore
-    from turnkv.pending import PendingTurn
+from turnkv.tagging import is_turn_request
 
 # openai's own defaults for its http client.
 DEFAULT_TIMEOUT = httpx.Timeout(timeout=600.0, connect=5.0)

@@ -4,6 +4,10 @@ byte of what the caller reads.
 Works on responses of both `httpx` and `httpx2` (openai 3 uses the latter for its own
 clients): the response's byte stream is replaced by a subclass of the same library's stream
 type that passes every chunk through.
+
+What is observed goes to a `Listener`: the pending turn (`turnkv.core.PendingTurn`), which
+records it into its session. The listener is a protocol so that this module knows nothing of
+sessions.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from turnkv.pending import PendingTurn
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionMessage
+
 from turnkv.sse import SSEReader
 
 
@@ -40,8 +46,6 @@ class Observed:
         `/completions`); rebuilt from the chunks for a streamed turn."""
         if not self.chat:
             return None
-        from openai.types.chat import ChatCompletionMessage
-
         raw: Any = {"role": "assistant", "content": self.text or None,
                     "tool_calls": self.tool_calls or None}
         if self.body is not None:
@@ -56,9 +60,6 @@ class Observed:
         """The openai `ChatCompletion` / `Completion` of a non-streamed turn."""
         if self.body is None:
             return None
-        from openai.types import Completion
-        from openai.types.chat import ChatCompletion
-
         model = ChatCompletion if self.chat else Completion
         try:
             return model.model_validate(self.body)
@@ -66,8 +67,19 @@ class Observed:
             return None
 
 
+class Listener(Protocol):
+    """Who hears how a response ended: `complete` with what it said, or `fail`."""
+
+    started: float  # perf_counter() at the turn's start: times are measured from it
+    early_headers: dict[str, str]  # set to the response's X-TurnKV-* headers on arrival
+
+    def complete(self, observed: Observed) -> None: ...
+
+    def fail(self) -> None: ...
+
+
 class Observer:
-    def __init__(self, pending: PendingTurn, headers: Mapping[str, str], url: str) -> None:
+    def __init__(self, pending: Listener, headers: Mapping[str, str], url: str) -> None:
         self.pending = pending
         self.result = Observed(
             headers={k.lower(): v for k, v in headers.items() if k.lower().startswith("x-turnkv")},
@@ -246,7 +258,7 @@ def _stream_classes(module_name: str) -> tuple[type, type]:
     return _CLASSES[module_name]
 
 
-def observe_response(response: Any, pending: PendingTurn, asynchronous: bool) -> None:
+def observe_response(response: Any, pending: Listener, asynchronous: bool) -> None:
     """Attach the pending turn to a response of httpx or httpx2."""
     if response.status_code != 200:
         pending.fail()

@@ -1,8 +1,8 @@
 """Tagging STOCK openai clients inside `with turnkv.session(...)`.
 
 A stock `openai.OpenAI` / `AsyncOpenAI` builds its requests itself, with its own http client,
-so turnkv wraps three methods of openai's base clients, once per process (idempotent), the
-first time a session is created:
+so turnkv wraps three methods of openai's base clients, once per process (idempotent), when
+the first turnkv client (`turnkv.OpenAI` / `AsyncOpenAI`) or `turnkv.session()` is created:
 
 - `request` (sync and async): a turn request made while a session is active gets a pending
   turn for the whole call, so openai's own retries of it reuse the same turn index; a call
@@ -21,11 +21,13 @@ import functools
 import threading
 from typing import Any
 
-from turnkv import context
-from turnkv import protocol as p
+from openai import _base_client as base
+
+import turnkv.context as context
+import turnkv.protocol as p
+from turnkv.core import PendingTurn
 from turnkv.http import is_tagging_client
 from turnkv.observe import observe_response
-from turnkv.pending import PendingTurn
 from turnkv.tagging import TURN_PATHS
 
 _lock = threading.Lock()
@@ -44,8 +46,6 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        from openai import _base_client as base
-
         for cls, asynchronous in ((base.SyncAPIClient, False), (base.AsyncAPIClient, True)):
             _wrap(cls, "request", _async_request if asynchronous else _sync_request)
             _wrap(cls, "_process_response",

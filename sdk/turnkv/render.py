@@ -1,15 +1,19 @@
-"""Rich tables for turn and session stats."""
+"""Rich tables for turn and session stats: `rich.print(turnkv.stats_table(session.turns))`,
+`turnkv.turn_stats_table(turn.stats)`, `turnkv.session_stats_table(session.stats)`.
+
+The stats models are data only: drawing them is this module's job, so it imports `stats` and
+`stats` never imports it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from turnkv.stats import SessionStats, TurnStats
-    from turnkv.turn import Turn
+from turnkv.stats import SessionStats, TurnStats
+from turnkv.turn import Turn
 
 
 def _num(value: float | int | None, digits: int = 0) -> str:
@@ -22,8 +26,6 @@ def _num(value: float | int | None, digits: int = 0) -> str:
 
 def stats_table(turns: Iterable[Turn | TurnStats], title: str | None = "turnkv turns") -> Table:
     """One row per turn: prompt tokens by source, TTFT at the client and the router."""
-    from turnkv.stats import TurnStats
-
     table = Table(title=title)
     for name in ("turn", "prompt", "reused", "computed", "hit", "out", "client TTFT ms",
                  "router TTFT ms", "prefill ms", "total ms", "nodes", "notes"):
@@ -57,10 +59,12 @@ def _turn_row(stats: TurnStats) -> list[str]:
 
 
 def turn_stats_table(stats: TurnStats) -> Table:
+    """One turn's stats, a row per field (nested fields dotted: `prompt_tokens.total`)."""
     return _pairs(f"turn {stats.turn}", stats.model_dump())
 
 
 def session_stats_table(stats: SessionStats) -> Table:
+    """A session's totals, a row per field."""
     return _pairs(f"session {stats.session_id or ''}".strip(), stats.model_dump())
 
 

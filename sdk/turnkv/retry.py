@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import email.utils
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import openai
 from tenacity import (
@@ -20,6 +21,8 @@ from tenacity import (
     retry_if_exception,
     stop_after_attempt,
 )
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,20 @@ class RetryPolicy:
     def async_retrying(self) -> AsyncRetrying:
         return AsyncRetrying(stop=stop_after_attempt(self.attempts), wait=self.wait,
                              retry=retry_if_exception(self.should_retry), reraise=True)
+
+    def call(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)`, retried under this policy; the last error is raised."""
+        return self.retrying()(fn, *args, **kwargs)
+
+    async def acall(self, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any) -> T:
+        """`await fn(*args, **kwargs)`, retried under this policy."""
+
+        # tenacity awaits only what it recognises as a coroutine function, and openai wraps
+        # its async methods in plain functions that return a coroutine.
+        async def attempt() -> T:
+            return await fn(*args, **kwargs)
+
+        return await self.async_retrying()(attempt)
 
 
 def retry_after_s(exc: BaseException | None) -> float | None:

@@ -1,58 +1,101 @@
-"""The router's session API (`/v1/turnkv/sessions/{id}`): release and hints."""
+"""The router's session API (`/v1/turnkv/sessions/{id}`): release and hints.
+
+A call is decided once, as a frozen `SessionCall` (what to send and how to read the answer),
+and carried out by its one-line sync or async form, as `RetryPolicy` does for retries: the
+sync and async sessions share every decision and differ only in how they wait.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from turnkv import protocol as p
+import turnkv.protocol as p
 from turnkv.errors import TurnKVError
 
 TIMEOUT_S = 10.0
+
+log = logging.getLogger("turnkv")
 
 
 def session_url(base_url: str, session_id: str) -> str:
     return f"{base_url.rstrip('/')}/turnkv/sessions/{session_id}"
 
 
-def _released(response: httpx.Response) -> bool:
+def released(response: httpx.Response) -> bool:
+    """True if the router held the session and released it, False if it held none."""
     if response.status_code == 404:
         return False  # already gone: ended by a final turn, expired, or never reached it
-    _check(response)
+    checked(response)
     return True
 
 
-def _check(response: httpx.Response) -> Any:
+def checked(response: httpx.Response) -> Any:
     if response.status_code >= 400:
         raise TurnKVError(f"{response.request.method} {response.request.url} answered "
                           f"{response.status_code}: {response.text[:300]}")
     return response.json()
 
 
-def release(base_url: str, session_id: str, headers: dict[str, str]) -> bool:
-    """True if the router held the session and released it, False if it held none."""
-    with httpx.Client(timeout=TIMEOUT_S) as client:
-        return _released(client.delete(session_url(base_url, session_id), headers=headers))
+def _view(response: httpx.Response) -> dict[str, Any]:
+    return dict(checked(response))
 
 
-async def arelease(base_url: str, session_id: str, headers: dict[str, str]) -> bool:
-    async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
-        return _released(await client.delete(session_url(base_url, session_id),
-                                             headers=headers))
+@dataclass(frozen=True)
+class SessionCall:
+    """One request to the session API, or none: with `url` None nothing is sent and `default`
+    is the answer. `quiet` names what failed, for calls whose failure is logged rather than
+    raised (the release on leaving a `with` block must never raise over the caller's body)."""
+
+    url: str | None = None
+    method: str = "DELETE"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: dict[str, Any] | None = None
+    read: Callable[[httpx.Response], Any] = checked
+    default: Any = None
+    quiet: str | None = None
+
+    def send(self) -> Any:
+        if self.url is None:
+            return self.default
+        with self._guard(), httpx.Client(timeout=TIMEOUT_S) as client:
+            return self.read(client.request(self.method, self.url, headers=dict(self.headers),
+                                            json=self.body))
+        return self.default  # a quiet call failed (logged)
+
+    async def asend(self) -> Any:
+        if self.url is None:
+            return self.default
+        with self._guard():
+            async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+                return self.read(await client.request(
+                    self.method, self.url, headers=dict(self.headers), json=self.body))
+        return self.default  # a quiet call failed (logged)
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        if self.quiet is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 -- never raised over the caller's body
+            log.warning("turnkv: %s failed: %s", self.quiet, exc)
 
 
-def post_hints(base_url: str, session_id: str, headers: dict[str, str],
-               hints: p.CacheHints) -> dict[str, Any]:
-    with httpx.Client(timeout=TIMEOUT_S) as client:
-        return dict(_check(client.post(f"{session_url(base_url, session_id)}/hints",
-                                       json=hints.model_dump(exclude_none=True),
-                                       headers=headers)))
+def release(base_url: str, session_id: str, headers: Mapping[str, str],
+            read: Callable[[httpx.Response], bool] = released) -> SessionCall:
+    """`DELETE` the session: True if the router held it, False if it held none."""
+    return SessionCall(session_url(base_url, session_id), "DELETE", headers, read=read)
 
 
-async def apost_hints(base_url: str, session_id: str, headers: dict[str, str],
-                      hints: p.CacheHints) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
-        return dict(_check(await client.post(f"{session_url(base_url, session_id)}/hints",
-                                             json=hints.model_dump(exclude_none=True),
-                                             headers=headers)))
+def post_hints(base_url: str, session_id: str, headers: Mapping[str, str],
+               hints: p.CacheHints) -> SessionCall:
+    """Hints now; the answer is the router's view of the session."""
+    return SessionCall(f"{session_url(base_url, session_id)}/hints", "POST", headers,
+                       body=hints.model_dump(exclude_none=True), read=_view)

@@ -2,7 +2,8 @@
 
 `TurnStats` is the router's per-turn record (`turnkv.protocol.TurnStats`) plus what only the
 client can measure. Against a server without turnkv it is built from the response's `usage`
-alone (`served_by_turnkv=False`, `mode="plain"`).
+alone (`served_by_turnkv=False`, `mode="plain"`). The models are data only: `turnkv.render`
+draws them as tables.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any, cast, get_args
 
 from pydantic import BaseModel
-from rich.table import Table
 
 from turnkv import protocol as p
 
@@ -103,11 +103,6 @@ class TurnStats(p.TurnStats):
             return self.prompt_tokens.prefill_computed
         return None if reused is None else self.prompt_tokens.total - reused
 
-    def __rich__(self) -> Table:
-        from turnkv.render import turn_stats_table
-
-        return turn_stats_table(self)
-
 
 class SessionStats(BaseModel):
     """Totals over a session's recorded turns (a retried turn is one turn).
@@ -165,8 +160,3 @@ class SessionStats(BaseModel):
             out.estimated_prefill_s_saved = (
                 out.prefill_ms_per_token * out.prefill_tokens_saved / 1000.0)
         return out
-
-    def __rich__(self) -> Table:
-        from turnkv.render import session_stats_table
-
-        return session_stats_table(self)

@@ -1,15 +1,9 @@
-"""Which requests are turns, which session they belong to, and the headers that tag them."""
+"""Which requests are turns, and the headers that tag them. (Which session a request
+belongs to is `turnkv.context.pending_for`.)"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from turnkv import context
-from turnkv import protocol as p
-
-if TYPE_CHECKING:
-    from turnkv.core import SessionCore
-    from turnkv.pending import PendingTurn
+import turnkv.protocol as p
 
 TURN_PATHS = ("/chat/completions", "/completions")
 
@@ -44,14 +38,3 @@ def tag_headers(tag: p.TurnTag) -> dict[str, str]:
         headers[p.HEADER_PRIORITY] = str(hints.priority)
     return headers
 
-
-def pending_for(bound: SessionCore | None) -> PendingTurn | None:
-    """The turn a request should carry: the one `Session.chat` pinned, else a new turn of the
-    bound or ambient session, else None (the request goes out untagged)."""
-    pinned = context.pinned_turn()
-    if pinned is not None and (bound is None or pinned.session is bound):
-        return pinned
-    session = bound or context.current_session()
-    if session is None:
-        return None
-    return session.begin_turn(managed=False)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rich.table import Table
-
 from turnkv.stats import TurnStats
 
 
@@ -24,6 +22,3 @@ class Turn:
 
     def model_dump(self) -> dict[str, Any]:
         return {"index": self.index, "text": self.text, "stats": self.stats.model_dump()}
-
-    def __rich__(self) -> Table:
-        return self.stats.__rich__()

@@ -1,4 +1,5 @@
-"""The `turnkv` command: models, a local cluster, and (later) the router and the benchmark."""
+"""The `turnkv` command: models, a local cluster, the router alone, the benchmark and the
+estimate."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from turnkv_server.mode_names import BENCH_MODES, CLUSTER_MODES, DEFAULT_MODE
+from turnkv_server.router.config import SHORT_DELTA_TOKENS, help_for
+
+# `turnkv up` and `turnkv bench` pass it to the router only when given.
+SHORT_DELTA_HELP = (help_for("short_delta_tokens")
+                    + f" (default: the router's, {SHORT_DELTA_TOKENS})")
 
 app = typer.Typer(help="turnkv: session KV reuse for multi-turn agents on disaggregated vLLM.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -53,8 +61,7 @@ def model_tiny() -> None:
 @app.command()
 def up(
     mode: Annotated[str, typer.Option(
-        help="turnkv | single | standard | bidirectional | push (see docs/protocol.md)")] = (
-        "turnkv"),
+        help=f"{' | '.join(CLUSTER_MODES)} (see docs/protocol.md)")] = DEFAULT_MODE,
     model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
         "smollm2"
     ),
@@ -68,16 +75,13 @@ def up(
     ),
     kv_cache_bytes: Annotated[int | None, typer.Option(help="KV cache size per engine")] = None,
     cores_per_engine: Annotated[int, typer.Option(help="cores pinned to each engine")] = 1,
-    decoder_kv_ttl: Annotated[float, typer.Option(
-        help="bidirectional: seconds a decode engine holds a finished turn")] = 120.0,
+    decoder_kv_ttl: Annotated[float, typer.Option(help=help_for("decoder_kv_ttl"))] = 120.0,
     short_delta_tokens: Annotated[int | None, typer.Option(
-        help="turnkv: turns adding at most this many tokens run on the decode engine alone "
-             "(default: the router's)")] = None,
+        help=SHORT_DELTA_HELP)] = None,
     port: Annotated[int | None, typer.Option(
         help="router port (default: a free one, which the router binds itself)")] = None,
     redis: Annotated[str | None, typer.Option(
-        help="share the router's sessions through this Redis, redis://HOST:PORT/DB "
-             "(more routers: `turnkv router --redis ...`)")] = None,
+        help=help_for("redis_url") + "; more routers: `turnkv router --redis ...`")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="run folder for logs and state")] = None,
     foreground: Annotated[bool, typer.Option(help="stay attached; Ctrl-C stops it")] = False,
 ) -> None:
@@ -174,9 +178,9 @@ def bench(
         help="agent | chat | conversation | smoke | memory-pressure | trace")] = "agent",
     trace: Annotated[Path | None, typer.Option(help="JSONL trace for --workload trace")] = None,
     modes: Annotated[str, typer.Option(
-        help="comma-separated, run in this order: single, standard, standard-nocache, "
-             "bidirectional, push, turnkv, turnkv-end-write (turnkv without layer-by-layer "
-             "writes)")] = "single,standard,bidirectional,push,turnkv",
+        help=f"comma-separated, run in this order: {', '.join(BENCH_MODES)} (turnkv-end-write: "
+             "turnkv without layer-by-layer writes)")] = (
+        "single,standard,bidirectional,push,turnkv"),
     model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
         "smollm2"
     ),
@@ -193,8 +197,7 @@ def bench(
     kv_recompute_threshold: Annotated[int | None, typer.Option(
         help="bidirectional: read back only if this many tokens are missing (vLLM: 64)")] = None,
     short_delta_tokens: Annotated[int | None, typer.Option(
-        help="turnkv: turns adding at most this many tokens run on the decode engine alone "
-             "(default: the router's)")] = None,
+        help=SHORT_DELTA_HELP)] = None,
     out_dir: Annotated[Path | None, typer.Option(
         "--out", help="output folder (default: turnkv-bench/<workload>-<time>)")] = None,
     baseline: Annotated[str | None, typer.Option(

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 # The file a KV connector writes its side channel's bound "host:port" to (the turnkv
-# connector and `turnkv_server.nixl_tuning`'s NIXL connectors), when this variable names one.
+# connector and `turnkv_server.engine.nixl_tuning`'s NIXL connectors), when this variable names one.
 SIDE_CHANNEL_REPORT_ENV = "TURNKV_SIDE_CHANNEL_REPORT"
 
 

@@ -5,22 +5,91 @@ from pathlib import Path
 
 import pytest
 
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
+from tests.support.clusters import ROUTER_CLUSTER, SINGLE_TINY, ClusterPool, ClusterSpec
+from tests.support.reference import TINY_SCRIPTS, References
+from turnkv_server.launcher import ClusterState
 from turnkv_server.models import build_tiny
 
-ROUTER_CLUSTER = "router_cluster"
+# The order in which the pool's clusters come up (`tests.support.clusters`): each engine set
+# once, its users one after the other. Within a set, the tests that need its engines as they
+# started come first, those that leave them otherwise later:
+# - tiny turnkv engines: the shared-session routers (every block must be free at the end),
+#   then the faults (engines killed and restarted; sessions left open), then test_router.py,
+#   whose last test leaves a decode engine dead;
+# - tiny bidirectional engines: the SDK, adapter and example tests (`router_cluster`), then
+#   test_router.py.
+SCHEDULE = ("single-tiny", "shared-sessions", "faults", "router-turnkv", "router-standard",
+            "router-cluster", "router-bidirectional", "router-push", "connector")
+# Clusters that tests reach through a fixture of this file rather than a `cluster` mark.
+FIXTURE_CLUSTERS = {"router_cluster": ROUTER_CLUSTER, "plain_engine": SINGLE_TINY}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "cluster(spec): the test runs on the pool's cluster `spec` "
+                   "(tests.support.clusters.ClusterSpec); the suite orders tests by it")
+
+
+def cluster_of(item: pytest.Item) -> ClusterSpec | None:
+    mark = item.get_closest_marker("cluster")
+    if mark is not None:
+        spec = mark.args[0]
+        assert isinstance(spec, ClusterSpec), mark
+        return spec
+    for fixture, spec in FIXTURE_CLUSTERS.items():
+        if fixture in getattr(item, "fixturenames", ()):
+            return spec
+    return None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
-    # The session-scoped router cluster lives until the end of the run: run its users last,
-    # so that it never shares the 2-core machine with another module's cluster.
-    users = [i for i in items if ROUTER_CLUSTER in getattr(i, "fixturenames", ())]
-    if users:
-        others = [i for i in items if ROUTER_CLUSTER not in getattr(i, "fixturenames", ())]
-        items[:] = others + users
+
+    # Tests that start clusters of their own (or none) first, while the pool holds none; then
+    # the pool's users, cluster by cluster. (The sort is stable: each group keeps its order.)
+    def rank(item: pytest.Item) -> tuple[int, int, str]:
+        spec = cluster_of(item)
+        if spec is None:
+            return (0, 0, "")
+        known = spec.name in SCHEDULE
+        return (1, SCHEDULE.index(spec.name) if known else len(SCHEDULE), spec.name)
+
+    items.sort(key=rank)
+
+
+_pools: list[ClusterPool] = []
+
+
+@pytest.fixture(scope="session")
+def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterPool]:
+    """At most one cluster alive at a time: the 2-core machine thrashes with two."""
+    pool = ClusterPool(tmp_path_factory)
+    _pools.append(pool)
+    try:
+        yield pool
+    finally:
+        pool.release()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that starts a cluster of its own finds none of the pool's running (this runs
+    before any fixture of the test, module-scoped ones included)."""
+    if cluster_of(item) is None:
+        for pool in _pools:
+            pool.release()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    starts = [start for pool in _pools for start in pool.starts]
+    if starts:
+        terminalreporter.section("clusters started (tests.support.clusters)")
+        for what, seconds in starts:
+            terminalreporter.write_line(f"{seconds:6.1f}s  {what}")
+        total = sum(seconds for _, seconds in starts)
+        terminalreporter.write_line(f"{total:6.1f}s  in all, {len(starts)} starts")
 
 
 @pytest.fixture(scope="session")
@@ -29,15 +98,24 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def router_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[ClusterState]:
+def tiny_references(clusters: ClusterPool) -> References:
+    """The single tiny engine's answers to the suite's conversations, all played on the first
+    request, before the first cluster that needs them starts."""
+    references = References(clusters, SINGLE_TINY)
+    references.prefetch(TINY_SCRIPTS)
+    return references
+
+
+@pytest.fixture
+def router_cluster(clusters: ClusterPool) -> ClusterState:
     """One prefill and one decode engine (tiny model, float32) behind the router in
-    `bidirectional` mode, where a session's turns reuse its KV: shared by the SDK and the
-    adapter tests. `state.router` is the router's URL; clients use `state.router + "/v1"`."""
-    # Read back however few tokens are missing, so that reuse shows from turn 2 even with
-    # the short prompts tests use.
-    config = ClusterConfig(mode="bidirectional", model=str(tiny_model), dtype="float32",
-                           run_dir=tmp_path_factory.mktemp("router-cluster"),
-                           kv_recompute_threshold=0)
-    with Cluster(config) as state:
-        yield state
+    `bidirectional` mode, where a session's turns reuse its KV: shared by the SDK, adapter and
+    example tests. `state.router` is the router's URL; clients use `state.router + "/v1"`."""
+    return clusters.get(ROUTER_CLUSTER)[1]
+
+
+@pytest.fixture
+def plain_engine(clusters: ClusterPool) -> ClusterState:
+    """One tiny engine, plain vLLM (`state.router` is the engine itself): the reference
+    engine."""
+    return clusters.get(SINGLE_TINY)[1]

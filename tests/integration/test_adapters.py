@@ -1,5 +1,5 @@
 """The LangChain and LlamaIndex adapters, with the real packages, against a real router
-(bidirectional mode, tiny model: the session-scoped `router_cluster`).
+(bidirectional mode, tiny model: the shared `router_cluster`).
 
 Each adapter plays three turns of one conversation through its framework's own calls. The
 stats it puts into the framework's response must equal the router's record of that turn

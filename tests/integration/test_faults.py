@@ -23,54 +23,42 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.conversation import conversation
-from tests.support.oracle import Completion, compare, greedy_chat, routed_chat
-from turnkv_server.engine_metrics import fetch_connector_counters
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
+from tests.support.clusters import TINY_ENGINES, ClusterPool, ClusterSpec, RouterView
+from tests.support.oracle import Completion, compare, routed_chat
+from tests.support.reference import SHORT_SCRIPT, References
+from turnkv_server.engine.metrics import fetch_connector_counters
+from turnkv_server.launcher import Cluster, ClusterState
 from turnkv_server.launcher.processes import group_members
 
 TURNS = 4
-MAX_TOKENS = 16
+MAX_TOKENS = SHORT_SCRIPT.max_tokens
 # A hung engine fails its turn after this long without a byte (the router's default is 600 s,
 # above the longest CPU prefill).
 READ_TIMEOUT_S = 8.0
-# A registered receive that gets no KV in this long is recomputed (the engines' default: 120 s).
-RECEIVE_TIMEOUT_S = 4.0
+# The tiny turnkv engines (one prefill, two decode), whose first two this module's router
+# serves; a registered receive that gets no KV in RECEIVE_TIMEOUT_S is recomputed.
+CLUSTER = ClusterSpec("faults", TINY_ENGINES["turnkv"], RouterView(
+    prefill=1, decode=1, args=("--engine-read-timeout", str(READ_TIMEOUT_S),
+                               "--health-interval", "1")))
+pytestmark = pytest.mark.cluster(CLUSTER)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+def reference(tiny_references: References
               ) -> tuple[list[list[dict[str, Any]]], list[Completion]]:
-    config = ClusterConfig(mode="single", model=str(tiny_model), dtype="float32",
-                           run_dir=tmp_path_factory.mktemp("single"))
-    with Cluster(config) as state, httpx.Client(timeout=300) as client:
-        replies: list[str] = []
-        outputs = []
-        for turn in range(TURNS):
-            out = greedy_chat(state.router, state.served_model_name,
-                              conversation(replies, TURNS)[turn], MAX_TOKENS, client=client)
-            outputs.append(out)
-            replies.append(out.text)
-    return conversation(replies, TURNS), outputs
+    # The shared-session tests' conversation: its first TURNS turns.
+    played = tiny_references[SHORT_SCRIPT]
+    return played.messages[:TURNS], played.turns[:TURNS]
 
 
-@pytest.fixture(scope="module")
-def cluster(reference: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[Cluster, ClusterState]]:
-    config = ClusterConfig(mode="turnkv", model=str(tiny_model), dtype="float32",
-                           run_dir=tmp_path_factory.mktemp("faults"),
-                           router_args=("--engine-read-timeout", str(READ_TIMEOUT_S),
-                                        "--health-interval", "1"),
-                           connector_settings={"receive_timeout_s": RECEIVE_TIMEOUT_S})
-    launched = Cluster(config)
-    with launched as state:
-        yield launched, state
+@pytest.fixture
+def cluster(clusters: ClusterPool) -> tuple[Cluster, ClusterState]:
+    return clusters.get(CLUSTER)
 
 
 @pytest.fixture

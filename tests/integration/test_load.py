@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from turnkv_server.engine_metrics import fetch_connector_counters
+from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
 from turnkv_server.launcher.processes import group_members
 

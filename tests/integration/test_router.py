@@ -7,67 +7,35 @@ Every turn is checked against a single engine's greedy output for the same conve
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.conversation import conversation
-from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_chat, routed_chat
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
+from tests.support.clusters import MODES, TINY_ENGINES, ClusterPool, ClusterSpec, RouterView
+from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
+from tests.support.reference import ROUTER_SCRIPT, Reference, References
+from turnkv_server.launcher import Cluster, ClusterState
 
-TURNS = 5
-EDITED_AT = 3  # the turn whose history rewrites turn 1's assistant message
-EDIT = "Let me restate my first answer more briefly: crashes can lose buffered writes."
-MAX_TOKENS = 24
-
-
-@dataclass
-class Reference:
-    turns: list[Completion]
-    edited_turn: Completion
-    messages: list[list[dict[str, Any]]]  # the exact messages of each turn
-    edited_messages: list[dict[str, Any]]
-
+TURNS = ROUTER_SCRIPT.turns
+EDITED_AT = ROUTER_SCRIPT.edited_at  # the turn whose history rewrites turn 1's assistant message
+MAX_TOKENS = ROUTER_SCRIPT.max_tokens
+# One prefill and two decode engines per mode, behind a router of their own. Health probes
+# off: the failover test then meets the dead engine itself. (The turnkv and bidirectional
+# engines serve other modules' routers before this one's: `tests.support.clusters`.)
+CLUSTERS = {mode: ClusterSpec(f"router-{mode}", TINY_ENGINES[mode], RouterView(
+    prefill=1, decode=2, args=("--health-interval", "3600"))) for mode in MODES}
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    config = ClusterConfig(mode="single", model=str(tiny_model), dtype="float32",
-                           run_dir=tmp_path_factory.mktemp("single"))
-    with Cluster(config) as state, httpx.Client(timeout=300) as client:
-        replies: list[str] = []
-        outputs: list[Completion] = []
-        for turn in range(TURNS):
-            messages = conversation(replies, TURNS)[turn]
-            out = greedy_chat(state.router, state.served_model_name, messages, MAX_TOKENS,
-                              client=client)
-            outputs.append(out)
-            replies.append(out.text)
-        edited = conversation(replies, TURNS)[EDITED_AT - 1]
-        edited[2] = {"role": "assistant", "content": EDIT}
-        edited_out = greedy_chat(state.router, state.served_model_name, edited, MAX_TOKENS,
-                                 client=client)
-    return Reference(outputs, edited_out, conversation(replies, TURNS), edited)
+def reference(tiny_references: References) -> Reference:
+    return tiny_references[ROUTER_SCRIPT]
 
 
-@pytest.fixture(scope="module", params=["turnkv", "standard", "bidirectional", "push"])
-def cluster(
-    request: pytest.FixtureRequest, reference: Reference, tiny_model: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[Cluster, ClusterState]]:
-    # Health probes off after start: the failover test then meets the dead engine itself.
-    config = ClusterConfig(mode=request.param, model=str(tiny_model), dtype="float32",
-                           num_prefill=1, num_decode=2,
-                           run_dir=tmp_path_factory.mktemp(request.param),
-                           router_args=("--health-interval", "3600"),
-                           # Read back however few tokens are missing: exact stats to assert.
-                           kv_recompute_threshold=0)
-    cluster = Cluster(config)
-    with cluster as state:
-        yield cluster, state
+@pytest.fixture(params=[pytest.param(mode, marks=pytest.mark.cluster(CLUSTERS[mode]))
+                        for mode in MODES])
+def cluster(request: pytest.FixtureRequest, clusters: ClusterPool
+            ) -> tuple[Cluster, ClusterState]:
+    return clusters.get(CLUSTERS[request.param])
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from tests.support.router_fuzz import (
     auth,
     check,
 )
-from turnkv_server.engine_metrics import fetch_connector_counters
+from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
 
 # Engine leases end this soon after a turn, so that a fuzzed session's KV comes back quickly.

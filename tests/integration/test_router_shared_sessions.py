@@ -12,87 +12,46 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.conversation import conversation
-from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_chat, routed_chat
-from tests.support.redis_server import redis_server
-from turnkv_server.engine_metrics import fetch_connector_counters
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
-from turnkv_server.ports import read_report
+from tests.support.clusters import (
+    TINY_ENGINES,
+    ClusterPool,
+    ClusterSpec,
+    RouterProcess,
+    RouterView,
+    redis_store,
+)
+from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
+from tests.support.reference import SHORT_SCRIPT, References
+from turnkv_server.engine.metrics import fetch_connector_counters
+from turnkv_server.launcher import Cluster, ClusterState
 
-TURNS = 5
-MAX_TOKENS = 16
+TURNS = SHORT_SCRIPT.turns
+MAX_TOKENS = SHORT_SCRIPT.max_tokens
+# The tiny turnkv engines (one prefill, two decode): the routers here serve their first two.
+# Their first users: every block must be free once these sessions end.
+CLUSTER = ClusterSpec("shared-sessions", TINY_ENGINES["turnkv"],
+                      RouterView(prefill=1, decode=1, service=redis_store))
+pytestmark = pytest.mark.cluster(CLUSTER)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+def reference(tiny_references: References
               ) -> tuple[list[list[dict[str, Any]]], list[Completion]]:
-    config = ClusterConfig(mode="single", model=str(tiny_model), dtype="float32",
-                           run_dir=tmp_path_factory.mktemp("single"))
-    with Cluster(config) as state, httpx.Client(timeout=300) as client:
-        replies: list[str] = []
-        outputs = []
-        for turn in range(TURNS):
-            out = greedy_chat(state.router, state.served_model_name,
-                              conversation(replies, TURNS)[turn], MAX_TOKENS, client=client)
-            outputs.append(out)
-            replies.append(out.text)
-    return conversation(replies, TURNS), outputs
+    played = tiny_references[SHORT_SCRIPT]
+    return played.messages, played.turns
 
 
-@pytest.fixture(scope="module")
-def cluster(reference: Any, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[Cluster, ClusterState]]:
-    run_dir = tmp_path_factory.mktemp("shared")
-    with redis_server(run_dir) as url:
-        config = ClusterConfig(mode="turnkv", model=str(tiny_model), dtype="float32",
-                               run_dir=run_dir, router_args=("--redis", url))
-        launched = Cluster(config)
-        with launched as state:
-            yield launched, state
-
-
-class Router:
-    """Another router process on the cluster's engines and Redis; stopped by its PID."""
-
-    def __init__(self, launched: Cluster, log: Path) -> None:
-        port_file = log.with_suffix(".addr")
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen(
-                [*launched.router_command(0, port_file)], stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True)
-        self.url = ""
-        deadline = time.monotonic() + 60
-        while True:
-            bound = read_report(port_file)
-            if bound is not None:
-                self.url = f"http://{bound[0]}:{bound[1]}"
-            try:
-                if bound and httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.process.poll() is None, f"router exited; see {log}"
-            assert time.monotonic() < deadline, f"router not healthy; see {log}"
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+@pytest.fixture
+def cluster(clusters: ClusterPool) -> tuple[Cluster, ClusterState]:
+    return clusters.get(CLUSTER)
 
 
 def test_turns_move_between_routers_and_survive_a_killed_router(
@@ -102,8 +61,8 @@ def test_turns_move_between_routers_and_survive_a_killed_router(
     launched, state = cluster
     messages, expected = reference
     logs = Path(state.run_dir) / "logs"
-    second = Router(launched, logs / "router-2.log")
-    replacement: Router | None = None
+    second = RouterProcess(launched, logs / "router-2.log")
+    replacement: RouterProcess | None = None
     try:
         with httpx.Client(timeout=300) as client:
             def turn(router: str, n: int) -> RoutedCompletion:
@@ -134,7 +93,7 @@ def test_turns_move_between_routers_and_survive_a_killed_router(
             assert (out.stats["decode_node"], out.stats["prefill_node"]) == (decode, None)
 
             # A new router process starts from Redis alone and continues the session.
-            replacement = Router(launched, logs / "router-3.log")
+            replacement = RouterProcess(launched, logs / "router-3.log")
             assert record(replacement.url)["turns"] == 3
             assert record(replacement.url)["totals"]["turns"] == 3
             out = turn(replacement.url, 4)
@@ -155,8 +114,8 @@ def test_a_router_killed_mid_stream(
     launched, state = cluster
     messages, expected = reference
     logs = Path(state.run_dir) / "logs"
-    doomed = Router(launched, logs / "router-4.log")
-    heir: Router | None = None
+    doomed = RouterProcess(launched, logs / "router-4.log")
+    heir: RouterProcess | None = None
     try:
         with httpx.Client(timeout=300) as client:
             body = {"model": state.served_model_name, "messages": messages[0],
@@ -175,7 +134,7 @@ def test_a_router_killed_mid_stream(
                 pass  # the connection dropped under the client: what a dead router does
             assert received >= 1 and not done
             # The agent replays the turn on another router: exact, and the session goes on.
-            heir = Router(launched, logs / "router-5.log")
+            heir = RouterProcess(launched, logs / "router-5.log")
             for n in (1, 2):
                 out = routed_chat(heir.url, state.served_model_name, messages[n - 1],
                                   MAX_TOKENS, session={"session_id": "orphan", "turn": n,

@@ -10,7 +10,6 @@ import asyncio
 import json
 import uuid
 import warnings
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +18,7 @@ import pytest
 
 import turnkv
 from tests.support.conversation import SYSTEM, USER_TURNS
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
+from turnkv_server.launcher import ClusterState
 
 MAX_TOKENS = 6
 
@@ -196,46 +195,42 @@ def test_context_tagging(router_cluster: ClusterState, kind: str) -> None:
     assert router_record(state, session.id).status_code == 404
 
 
-def test_plain_vllm_server_one_warning_and_usage_stats(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    config = ClusterConfig(mode="single", model=str(tiny_model), dtype="float32",
-                           run_dir=tmp_path_factory.mktemp("plain"))
-    with Cluster(config) as state:
-        # mode="single": `router` is the engine itself, plain vLLM.
-        assert state.router_process is None
-        client = turnkv.OpenAI(base_url=f"{state.router}/v1", api_key="unused")
-        replies: list[str] = []
-        options = sampling()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with client.session() as session:
-                for index in (1, 2, 3):
-                    if index == 2:
-                        turn = session.stream(messages=conversation(replies),
-                                              model=state.served_model_name,
-                                              **options).finish()
-                    else:
-                        turn = session.chat(messages=conversation(replies),
-                                            model=state.served_model_name, **options)
-                    stats = turn.stats
-                    assert not stats.served_by_turnkv and stats.mode == "plain"
-                    assert stats.turn == index and stats.completion_tokens > 0
-                    if turn.response is not None:
-                        usage = turn.response.usage
-                        assert stats.prompt_tokens.total == usage.prompt_tokens
-                        details = usage.prompt_tokens_details
-                        assert stats.prompt_tokens.prefill_cached == details.cached_tokens
-                    else:
-                        assert stats.prompt_tokens.total > 0
-                    replies.append(turn.text)
-                # Nothing to tell a plain server: no request, no error.
-                assert session.hint_now(next_turn_in=5) == {}
-        plain = [w for w in caught if issubclass(w.category, turnkv.PlainServerWarning)]
-        assert len(plain) == 1, [str(w.message) for w in caught]
-        assert session.stats.turns == 3 and session.stats.turns_served_by_turnkv == 0
-        # Nothing to release on a plain server, and no error logged for it.
-        assert not session.released
+def test_plain_vllm_server_one_warning_and_usage_stats(plain_engine: ClusterState) -> None:
+    state = plain_engine
+    # mode="single": `router` is the engine itself, plain vLLM.
+    assert state.router_process is None
+    client = turnkv.OpenAI(base_url=f"{state.router}/v1", api_key="unused")
+    replies: list[str] = []
+    options = sampling()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with client.session() as session:
+            for index in (1, 2, 3):
+                if index == 2:
+                    turn = session.stream(messages=conversation(replies),
+                                          model=state.served_model_name,
+                                          **options).finish()
+                else:
+                    turn = session.chat(messages=conversation(replies),
+                                        model=state.served_model_name, **options)
+                stats = turn.stats
+                assert not stats.served_by_turnkv and stats.mode == "plain"
+                assert stats.turn == index and stats.completion_tokens > 0
+                if turn.response is not None:
+                    usage = turn.response.usage
+                    assert stats.prompt_tokens.total == usage.prompt_tokens
+                    details = usage.prompt_tokens_details
+                    assert stats.prompt_tokens.prefill_cached == details.cached_tokens
+                else:
+                    assert stats.prompt_tokens.total > 0
+                replies.append(turn.text)
+            # Nothing to tell a plain server: no request, no error.
+            assert session.hint_now(next_turn_in=5) == {}
+    plain = [w for w in caught if issubclass(w.category, turnkv.PlainServerWarning)]
+    assert len(plain) == 1, [str(w.message) for w in caught]
+    assert session.stats.turns == 3 and session.stats.turns_served_by_turnkv == 0
+    # Nothing to release on a plain server, and no error logged for it.
+    assert not session.released
 
 
 def test_router_rejects_what_the_sdk_would_have_caught(router_cluster: ClusterState) -> None:

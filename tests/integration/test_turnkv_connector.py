@@ -17,16 +17,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.conversation import conversation
-from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_chat, routed_chat
-from turnkv_server.engine_metrics import fetch_connector_counters, fetch_prompt_token_sources
+from tests.support.clusters import SINGLE_SMOLLM2, ClusterPool, ClusterSpec, EngineSet
+from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
+from tests.support.reference import Reference, References, Script
+from turnkv_server.engine.metrics import fetch_connector_counters, fetch_prompt_token_sources
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState, ProcessRef
 from turnkv_server.launcher.processes import group_members, unpinned_threads
 from turnkv_server.models import resolve_model
@@ -35,57 +34,28 @@ TURNS = 8
 MAX_TOKENS = 16
 EDITED_AT = 4  # this turn's history rewrites turn 1's reply
 EDIT = "In short: a crash can lose the writes that were not yet synced."
+SCRIPT = Script(turns=TURNS, max_tokens=MAX_TOKENS, edited_at=EDITED_AT, edit=EDIT)
 # Engine leases last this long unless a client asks for less; the router keeps sessions longer.
 ENGINE_LEASE_S = 10.0
 # Turns adding at most this many tokens are served by the decode engine alone: some of the
 # conversation's user messages are below it, some above.
 SHORT_DELTA_TOKENS = 60
 TURNKV = [sys.executable, "-m", "turnkv_server.cli"]
-
-
-@dataclass
-class Reference:
-    turns: list[Completion]
-    messages: list[list[dict[str, Any]]]
-    edited_messages: list[dict[str, Any]]
-    edited_turn: Completion
-
+# The module's own pair (its last test stops it), started after the reference engine stopped.
+CLUSTER = ClusterSpec("connector", EngineSet("smollm2-turnkv", lambda run_dir: ClusterConfig(
+    mode="turnkv", model=str(resolve_model("smollm2")), dtype="float32", run_dir=run_dir,
+    connector_settings={"lease_ttl_s": ENGINE_LEASE_S}, short_delta_tokens=SHORT_DELTA_TOKENS)))
+pytestmark = pytest.mark.cluster(CLUSTER)
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return resolve_model("smollm2")
+def reference(clusters: ClusterPool) -> Reference:
+    return References(clusters, SINGLE_SMOLLM2)[SCRIPT]
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    config = ClusterConfig(mode="single", model=str(smollm2), dtype="float32",
-                           run_dir=tmp_path_factory.mktemp("single"))
-    with Cluster(config) as state, httpx.Client(timeout=600) as client:
-        replies: list[str] = []
-        outputs = []
-        for turn in range(TURNS):
-            out = greedy_chat(state.router, state.served_model_name,
-                              conversation(replies, TURNS)[turn], MAX_TOKENS, client=client)
-            outputs.append(out)
-            replies.append(out.text)
-        edited = conversation(replies, TURNS)[EDITED_AT - 1]
-        edited[2] = {"role": "assistant", "content": EDIT}
-        edited_out = greedy_chat(state.router, state.served_model_name, edited, MAX_TOKENS,
-                                 client=client)
-    return Reference(outputs, conversation(replies, TURNS), edited, edited_out)
-
-
-@pytest.fixture(scope="module")
-def cluster(reference: Reference, smollm2: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[Cluster, ClusterState]]:
-    config = ClusterConfig(mode="turnkv", model=str(smollm2), dtype="float32",
-                           run_dir=tmp_path_factory.mktemp("turnkv"),
-                           connector_settings={"lease_ttl_s": ENGINE_LEASE_S},
-                           short_delta_tokens=SHORT_DELTA_TOKENS)
-    launched = Cluster(config)
-    with launched as state:
-        yield launched, state
+@pytest.fixture
+def cluster(reference: Reference, clusters: ClusterPool) -> tuple[Cluster, ClusterState]:
+    return clusters.get(CLUSTER)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import httpx
 import psutil
 
 from tests.support.oracle import routed_chat
-from turnkv_server.engine_metrics import fetch_connector_counters
+from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
 from turnkv_server.launcher.engine import SECRET_ENV
 from turnkv_server.launcher.processes import group_members

@@ -47,7 +47,7 @@ class Verdict:
 
 def greedy_chat(
     base_url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
-    client: httpx.Client | None = None,
+    client: httpx.Client | None = None, extra: dict[str, Any] | None = None,
 ) -> Completion:
     """One non-streaming greedy chat completion with token IDs and top-2 log-probabilities."""
     body = {
@@ -58,6 +58,7 @@ def greedy_chat(
         "logprobs": True,
         "top_logprobs": 2,
         "return_token_ids": True,
+        **(extra or {}),
     }
     http = client or httpx.Client(timeout=300)
     response = http.post(f"{base_url}/v1/chat/completions", json=body)

@@ -13,14 +13,9 @@ from vllm.v1.request import Request, RequestStatus
 
 from turnkv_server.connector.identity import token_digest
 from turnkv_server.connector.leases import LeasePolicy
-from turnkv_server.connector.params import Receive, Send, TurnParams
-from turnkv_server.connector.scheduler_side import (
-    ExpectOrder,
-    ReceiveOrder,
-    SchedulerSide,
-    SendOrder,
-    StreamOrder,
-)
+from turnkv_server.connector.orders import ExpectOrder, ReceiveOrder, SendOrder, StreamOrder
+from turnkv_server.connector.scheduler_side import SchedulerSide
+from turnkv_server.engine.protocol import Receive, Send, TurnParams
 
 BLOCKS = 32
 BLOCK = 16

@@ -21,7 +21,7 @@ from turnkv_server.connector import side_channel as sc
 from turnkv_server.connector.blocktable import BlockTable
 from turnkv_server.connector.identity import Fingerprint, token_digest
 from turnkv_server.connector.transport import TransferAgent, TransferResults
-from turnkv_server.nixl_poll import apply_poll_delay
+from turnkv_server.engine.nixl_poll import apply_poll_delay
 
 BLOCKS, LAYERS = 8, 2
 SECRET = b"cluster-secret"

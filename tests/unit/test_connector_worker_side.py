@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from turnkv_server.connector.identity import Fingerprint
-from turnkv_server.connector.scheduler_side import (
+from turnkv_server.connector.orders import (
     ExpectOrder,
     ReceiveOrder,
     SendOrder,

@@ -11,7 +11,7 @@ from typing import Any
 import psutil
 import pytest
 
-from turnkv_server.engine_metrics import PromptTokenSources, parse_prompt_token_sources
+from turnkv_server.engine.metrics import PromptTokenSources, parse_prompt_token_sources
 from turnkv_server.launcher import (
     Cluster,
     ClusterConfig,
@@ -19,8 +19,9 @@ from turnkv_server.launcher import (
     EngineSpec,
     EngineStartError,
 )
-from turnkv_server.launcher.cluster import _core_sets, kv_transfer_config
+from turnkv_server.launcher.cluster import _core_sets
 from turnkv_server.launcher.engine import SECRET_ENV, EngineProcess, first_error, resolve_dtype
+from turnkv_server.launcher.kv_transfer import kv_transfer_config
 from turnkv_server.launcher.processes import (
     ProcessRef,
     group_members,

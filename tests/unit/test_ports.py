@@ -214,7 +214,7 @@ def test_upstreams_nixl_listener_binds_a_free_port_and_reports_it(
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
 
-    from turnkv_server import nixl_tuning
+    from turnkv_server.engine import nixl_tuning
 
     report = tmp_path / "side.addr"
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")

@@ -25,8 +25,8 @@ import pytest
 import uvicorn
 from aiohttp import web
 
-from turnkv_server.router import RouterConfig, create_app
-from turnkv_server.router.app import Router
+from turnkv_server.router.app import Router, create_app
+from turnkv_server.router.config import RouterConfig
 
 Handler = Callable[["StandIn", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 # A decode stand-in's slow stream: a chunk this often, this many times (longer than any test).

@@ -3,18 +3,19 @@ from __future__ import annotations
 import pytest
 
 from turnkv.protocol import CacheHints, TurnTag
-from turnkv_server.router.history import common_prefix_len, prefix_break
-from turnkv_server.router.modes import (
-    PREFILL_FOR_REMOTE_DECODE,
-    NixlPeer,
-    trim_offer,
+from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, prefill_request
+from turnkv_server.router.app import DEFAULT_TENANT, BadRequest, Tenants, extract_tag
+from turnkv_server.router.modes.base import NixlPeer
+from turnkv_server.router.modes.bidirectional import trim_offer
+from turnkv_server.router.sessions import (
+    LeasePolicy,
+    SessionKey,
+    SessionTable,
+    common_prefix_len,
+    prefix_break,
 )
-from turnkv_server.router.placement import EnginePool
-from turnkv_server.router.registry import make_mode
-from turnkv_server.router.sessions import LeasePolicy, SessionKey, SessionTable
-from turnkv_server.router.tenants import DEFAULT_TENANT, Tenants
-from turnkv_server.router.turn import Turn, prefill_request, strip_token_ids
-from turnkv_server.router.wire import BadRequest, extract_tag
+from turnkv_server.router.turn import strip_token_ids
+from turnkv_server.router.upstream import EnginePool
 
 
 class Clock:
@@ -155,9 +156,7 @@ def test_bad_tags_are_rejected_with_the_field_named(tag: dict[str, object], wher
 def test_prefill_request_is_one_token_with_transfer_params() -> None:
     body = {"model": "m", "messages": [], "stream": True, "min_tokens": 3,
             "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
-    turn = Turn(path="/v1/chat/completions", body=body, tag=None, session=None,
-                mode=make_mode("standard", None), want_token_ids=False)  # type: ignore[arg-type]
-    out = prefill_request(turn, dict(PREFILL_FOR_REMOTE_DECODE))
+    out = prefill_request(body, dict(PREFILL_FOR_REMOTE_DECODE))
     assert out["max_tokens"] == 1 and out["stream"] is False and out["return_token_ids"]
     assert out["kv_transfer_params"]["do_remote_decode"] is True
     assert not {"min_tokens", "stream_options", "max_completion_tokens"} & out.keys()
@@ -227,10 +226,12 @@ def test_a_read_back_offer_is_trimmed_to_the_shared_prefix() -> None:
 def test_unreachable_engines_give_503_with_retry_after() -> None:
     from fastapi.testclient import TestClient
 
-    from turnkv_server.router import RouterConfig, create_app
+    from turnkv_server.router.app import create_app
+    from turnkv_server.router.config import RouterConfig
 
     # Nothing listens on port 9: the router must answer, not hang or crash.
-    app = create_app(RouterConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"]))
+    app = create_app(RouterConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
+                                  mode="standard"))
     with TestClient(app) as client:
         response = client.post("/v1/chat/completions", json={"model": "m", "messages": []})
         assert response.status_code == 503
@@ -261,7 +262,8 @@ def test_one_prompt_passes(prompt: object) -> None:
 def test_a_session_id_ending_in_a_slash_is_not_redirected_to_another_session() -> None:
     from fastapi.testclient import TestClient
 
-    from turnkv_server.router import RouterConfig, create_app
+    from turnkv_server.router.app import create_app
+    from turnkv_server.router.config import RouterConfig
 
     app = create_app(RouterConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
                                   mode="standard", health_interval=60.0))
@@ -271,3 +273,31 @@ def test_a_session_id_ending_in_a_slash_is_not_redirected_to_another_session() -
             # Found by no route: never a 307 to /v1/turnkv/sessions/abc, which a client
             # following redirects would then read or end.
             assert reply.status_code == 404, (method, reply.status_code)
+
+
+# -- settings --------------------------------------------------------------------------------
+
+def test_the_routers_command_line_is_built_from_its_settings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from turnkv_server.router.__main__ import parse_args
+    from turnkv_server.router.config import RouterConfig, from_args, help_for
+
+    monkeypatch.setenv("TURNKV_ADMIN_KEY", "root")
+    monkeypatch.delenv("TURNKV_REDIS_URL", raising=False)
+    args = parse_args(["--prefill", "http://p0", "--prefill", "http://p1", "--decode",
+                       "http://d", "--mode", "standard", "--short-delta-tokens", "0",
+                       "--redis", "redis://r/0", "--max-ttl", "60", "--default-ttl", "30"])
+    assert from_args(args) == RouterConfig(
+        prefill=["http://p0", "http://p1"], decode=["http://d"], mode="standard",
+        short_delta_tokens=0, redis_url="redis://r/0", default_ttl=30, max_ttl=60,
+        admin_key="root")  # from the environment
+    # Not given: the settings' own defaults, the command line's as well.
+    defaults = from_args(parse_args(["--prefill", "p", "--decode", "d", "--prefill-nixl",
+                                     "a@h:1", "--decode-nixl", "b@h:2"]))
+    assert defaults.mode == "turnkv" and defaults.redis_url is None
+    assert defaults == RouterConfig(prefill=["p"], decode=["d"], prefill_nixl=["a@h:1"],
+                                    decode_nixl=["b@h:2"], admin_key="root")
+    assert help_for("redis_url").endswith("(or TURNKV_REDIS_URL)")
+    with pytest.raises(ValueError, match="default_ttl <= max_ttl"):
+        from_args(parse_args(["--prefill", "p", "--decode", "d", "--mode", "standard",
+                              "--default-ttl", "1000"]))

@@ -9,13 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.redis_server import redis_server
-from turnkv_server.router.session_store import (
-    RedisStore,
-    StoreUnavailable,
-    apply_record,
-    to_record,
-)
-from turnkv_server.router.sessions import Session, SessionKey
+from turnkv_server.router.session_store import RedisStore, StoreUnavailable
+from turnkv_server.router.sessions import Session, SessionKey, apply_record, to_record
 
 
 def session(key: SessionKey) -> Session:
@@ -61,14 +56,14 @@ def test_redis_store_round_trip_expiry_and_shared_secret(redis_url: str) -> None
             secret = await first.start()
             assert await second.start() == secret and len(secret) == 32
             key = SessionKey("tenant", "s1")
-            await first.save(session(key), ttl_s=0.3)
+            await first.save(key, to_record(session(key)), ttl_s=0.3)
             record = await second.load(key)
             assert record is not None and record["tokens"] == [1, 2, 3]
             # Another tenant's session of the same ID is another record.
             assert await second.load(SessionKey("other", "s1")) is None
             await asyncio.sleep(0.5)
             assert await second.load(key) is None  # Redis expired it with the lease
-            await first.save(session(key), ttl_s=30)
+            await first.save(key, to_record(session(key)), ttl_s=30)
             await second.delete(key)
             assert await first.load(key) is None
         finally:
@@ -85,7 +80,7 @@ def test_an_unreachable_redis_degrades_to_local_sessions(tmp_path: Path) -> None
     async def run() -> None:
         store = RedisStore(url)
         key = SessionKey("tenant", "s1")
-        await store.save(session(key), ttl_s=30)  # logged, not raised
+        await store.save(key, to_record(session(key)), ttl_s=30)  # logged, not raised
         with pytest.raises(StoreUnavailable):  # unknown, not "no such session"
             await store.load(key)
         await store.close()

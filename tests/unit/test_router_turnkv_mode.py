@@ -7,22 +7,25 @@ import asyncio
 import pytest
 
 from turnkv.protocol import CacheHints, PromptTokens, TurnStats, TurnTag
-from turnkv_server.connector.params import parse
+from turnkv_server.engine.protocol import parse
 from turnkv_server.launcher.cluster import kv_transfer_config
 from turnkv_server.router.config import RouterConfig
-from turnkv_server.router.modes import ModeContext
-from turnkv_server.router.placement import EnginePool
-from turnkv_server.router.registry import make_mode
-from turnkv_server.router.sessions import Session, SessionKey
-from turnkv_server.router.turn import Turn
-from turnkv_server.router.turnkv_mode import (
+from turnkv_server.router.modes import make_mode
+from turnkv_server.router.modes.base import (
+    DecodeAlone,
+    ModeContext,
+    Turn,
+    TurnEnd,
+    TurnPlan,
+)
+from turnkv_server.router.modes.turnkv import (
     PRESSURE_BACKOFF_S,
-    SHORT_DELTA,
     lease_key,
     lost_history,
     new_tokens,
 )
-from turnkv_server.router.upstream import Upstream
+from turnkv_server.router.sessions import Session, SessionKey
+from turnkv_server.router.upstream import Engine, EnginePool, Upstream
 
 PREFILL, DECODE = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
@@ -34,22 +37,33 @@ def context(short_delta_tokens: int = 0) -> ModeContext:
                        side_channels=channels, pool=pool, short_delta_tokens=short_delta_tokens)
 
 
-def turn(mode: object, hints: CacheHints | None = None, session: bool = True) -> Turn:
+def turn(hints: CacheHints | None = None, session: bool = True) -> Turn:
     key = SessionKey("tenant-a", "chat-1")
     return Turn(path="/v1/chat/completions", body={"model": "m", "messages": []},
                 tag=TurnTag(session_id="chat-1", hints=hints or CacheHints()) if session else None,
                 session=Session(key=key, created_at=0.0, last_used=0.0, expires_at=1e9)
                 if session else None,
-                mode=mode, want_token_ids=False)  # type: ignore[arg-type]
+                want_token_ids=False, stream=False)
+
+
+class Tokenizer(Upstream):
+    """An upstream whose engines render every prompt as `tokens`."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__()
+        self.tokens = tokens
+
+    async def tokenize(self, engine: Engine, body: dict[str, object]) -> list[int]:
+        return self.tokens
 
 
 def test_prefill_sends_and_decode_receives_under_one_transfer_id() -> None:
     ctx = context()
     mode = make_mode("turnkv", ctx)
     placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
-    t = turn(mode, CacheHints(ttl=60, priority=2))
-    prefill = parse(asyncio.run(mode.prefill_transfer_params(t, placement)))
-    decode = parse(mode.decode_transfer_params(t, placement, None))
+    t = turn(CacheHints(ttl=60, priority=2))
+    plan = asyncio.run(mode.plan(t, placement))
+    prefill, decode = parse(plan.prefill_params), parse(plan.decode_params)
     assert prefill is not None and decode is not None
     assert prefill.send is not None and decode.receive is not None
     assert prefill.send.transfer_id == decode.receive.transfer_id
@@ -68,10 +82,9 @@ def test_a_final_turn_releases_and_pushes_nothing_back() -> None:
     ctx = context()
     mode = make_mode("turnkv", ctx)
     placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
-    decode = parse(mode.decode_transfer_params(turn(mode, CacheHints(final=True)), placement,
-                                               None))
+    decode = parse(asyncio.run(mode.plan(turn(CacheHints(final=True)), placement)).decode_params)
     assert decode is not None and decode.release and decode.send is None
-    anonymous = parse(mode.decode_transfer_params(turn(mode, session=False), placement, None))
+    anonymous = parse(asyncio.run(mode.plan(turn(session=False), placement)).decode_params)
     assert anonymous is not None and anonymous.session is None and anonymous.send is None
 
 
@@ -117,24 +130,29 @@ def test_decode_alone_needs_a_limit_a_history_and_the_sessions_decode_engine() -
     ctx = context(short_delta_tokens=64)
     mode = make_mode("turnkv", ctx)
     placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
-    t = turn(mode)
+    t = turn()
     assert t.session is not None
     # A first turn: nothing held anywhere. (No engine is asked: these return before /tokenize.)
-    assert asyncio.run(mode.decode_alone(t, placement)) is None
+    assert asyncio.run(mode.plan(t, placement)).alone is None
     t.session.tokens = [1, 2, 3]
     t.session.decode = "elsewhere"
-    assert asyncio.run(mode.decode_alone(t, placement)) is None
-    assert asyncio.run(make_mode("turnkv", context()).decode_alone(t, placement)) is None
-    assert asyncio.run(mode.decode_alone(turn(mode, session=False), placement)) is None
+    assert asyncio.run(mode.plan(t, placement)).alone is None
+    assert asyncio.run(make_mode("turnkv", context()).plan(t, placement)).alone is None
+    assert asyncio.run(mode.plan(turn(session=False), placement)).alone is None
 
 
 def test_a_turn_served_by_decode_alone_receives_nothing_and_still_pushes_back() -> None:
     ctx = context(short_delta_tokens=64)
+    ctx.upstream = Tokenizer([1, 2, 3, 4, 5])  # the history and two new tokens
     mode = make_mode("turnkv", ctx)
     placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
-    t = turn(mode, CacheHints(ttl=60))
-    t.decode_alone = True
-    decode = parse(mode.decode_transfer_params(t, placement, None))
+    t = turn(CacheHints(ttl=60))
+    assert t.session is not None
+    t.session.tokens, t.session.decode = [1, 2, 3], placement.decode.name
+    plan = asyncio.run(mode.plan(t, placement))
+    assert plan.alone == DecodeAlone([1, 2, 3, 4, 5], new_tokens=2)
+    assert plan.prefill_params is None and plan.prefill_send is None
+    decode = parse(plan.decode_params)
     assert decode is not None and decode.receive is None
     assert decode.send is not None and decode.ttl_s == 60
 
@@ -149,13 +167,11 @@ def test_a_short_delta_that_found_its_history_gone_backs_the_decode_engine_off()
 
     def served_alone(delta: int, computed: int) -> None:
         # (Final: no push back or abandoned send to arrange, only the verdict on the delta.)
-        t = turn(mode, CacheHints(final=True))
-        assert t.session is not None
-        t.decode_alone = True
-        t.session.mode_state[SHORT_DELTA] = delta
-        t.stats = TurnStats(mode="turnkv",
-                            prompt_tokens=PromptTokens(total=1000, decode_computed=computed))
-        mode.after_turn(t, placement, None)
+        t = turn(CacheHints(final=True))
+        plan = TurnPlan(placement, prefill_params=None, alone=DecodeAlone([0] * 1000, delta))
+        stats = TurnStats(mode="turnkv",
+                          prompt_tokens=PromptTokens(total=1000, decode_computed=computed))
+        mode.finish(t, plan, TurnEnd("complete", None, stats))
 
     served_alone(delta=40, computed=40 + 127)  # the history was held: a block's tail at most
     assert not mode._under_pressure(decode)  # type: ignore[attr-defined]

@@ -63,6 +63,36 @@ def test_retries_stop_after_the_policy_and_give_the_index_back() -> None:
     assert len(server.requests) == 2 and session.turn == 1 and session.turns == []
 
 
+def test_async_sessions_retry_and_record_as_the_sync_ones_do() -> None:
+    server = FakeServer(fail_first=2)
+
+    def whole(request: httpx.Request) -> httpx.Response:
+        # The fake streams from a sync iterator; an async client needs the body whole.
+        answer = server(request)
+        headers = {k: v for k, v in answer.headers.items()
+                   if k.startswith(("x-turnkv", "content-type", "retry-after"))}
+        return httpx.Response(answer.status_code, headers=headers, content=answer.read())
+
+    async def main() -> turnkv.AsyncSession:
+        client = turnkv.AsyncOpenAI(
+            base_url=BASE, api_key="k",
+            http_client=turnkv.async_http_client(transport=httpx.MockTransport(whole)))
+        async with client.session("a-1", keep=True) as session:
+            first = await session.chat(messages=MESSAGES, model="m")
+            assert first.text == "Hello" and first.stats.retries == 2
+            with pytest.raises(TypeError):
+                await session.chat(messages=MESSAGES, model="m", stream=True)
+            stream = await session.stream(messages=MESSAGES, model="m")
+            assert [c.choices[0].delta.content async for c in stream] == ["Hel", "lo"]
+            assert (await stream.finish()).index == 2
+        return session
+
+    session = asyncio.run(main())
+    assert [t["x-turnkv-turn"] for t in server.tags()] == ["1", "1", "1", "2"]
+    assert [t.index for t in session.turns] == [1, 2] and session.stats.retries == 2
+    assert session.turns[1].stats.client_ttft_ms is not None
+
+
 def test_client_errors_are_not_retried() -> None:
     server = FakeServer(fail_first=1, fail_status=400)
     session = turnkv_client(server).session("s-4")

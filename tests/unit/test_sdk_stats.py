@@ -68,8 +68,9 @@ def test_tables_render() -> None:
     plain = turnkv.TurnStats.from_usage({"prompt_tokens": 10}, session_id="s", turn=3)
     console = Console(record=True, width=200)
     console.print(turnkv.stats_table([stats, turnkv.Turn(index=3, stats=plain)]))
-    console.print(stats)
-    console.print(turnkv.SessionStats.from_turns([stats, plain], session_id="s"))
+    console.print(turnkv.turn_stats_table(stats))
+    console.print(turnkv.session_stats_table(
+        turnkv.SessionStats.from_turns([stats, plain], session_id="s")))
     out = console.export_text()
     assert "prefill-0 -> decode-0" in out and "plain server" in out and "33.0" in out
     assert "prompt_tokens.prefill_computed" in out and "estimated_prefill_s_saved" in out

@@ -31,8 +31,8 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_openai import ChatOpenAI
 from pydantic import PrivateAttr
 
-import turnkv
 from turnkv.core import SessionCore
+from turnkv.http import async_http_client, http_client
 from turnkv.integrations.turns import (
     STATS_KEY,
     SessionOwner,
@@ -67,8 +67,8 @@ class ChatTurnKV(SessionOwner, ChatOpenAI):
         bound, owned = open_session(session, session_id=session_id, ttl=ttl,
                                     priority=priority, prefix_id=prefix_id, keep=keep)
         # ChatOpenAI sends everything through these: they tag the turns and record stats.
-        kwargs.setdefault("http_client", turnkv.http_client(bound))
-        kwargs.setdefault("http_async_client", turnkv.async_http_client(bound))
+        kwargs.setdefault("http_client", http_client(bound))
+        kwargs.setdefault("http_async_client", async_http_client(bound))
         super().__init__(**kwargs)
         self._turnkv_session = bound
         self._turnkv_owns_session = owned

@@ -34,8 +34,8 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.llms.openai_like import OpenAILike
 
-import turnkv
 from turnkv.core import SessionCore
+from turnkv.http import async_http_client, http_client
 from turnkv.integrations.turns import (
     STATS_KEY,
     SessionOwner,
@@ -76,8 +76,8 @@ class TurnKVLLM(SessionOwner, OpenAILike):
             raise ValueError("TurnKVLLM needs reuse_client=True")
         bound, owned = open_session(session, session_id=session_id, ttl=ttl,
                                     priority=priority, prefix_id=prefix_id, keep=keep)
-        kwargs.setdefault("http_client", turnkv.http_client(bound))
-        kwargs.setdefault("async_http_client", turnkv.async_http_client(bound))
+        kwargs.setdefault("http_client", http_client(bound))
+        kwargs.setdefault("async_http_client", async_http_client(bound))
         super().__init__(**kwargs)
         self._turnkv_session = bound
         self._turnkv_owns_session = owned

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import turnkv
 from turnkv.core import SessionCore
+from turnkv.sessions import session as ambient_session
 from turnkv.stats import TurnStats
 
 STATS_KEY = "turnkv"
@@ -29,8 +29,8 @@ def open_session(
         if any(v is not None for v in (session_id, ttl, priority, prefix_id)) or keep:
             raise TypeError("pass either session= or session_id/ttl/priority/prefix_id/keep")
         return session, False
-    return turnkv.session(session_id, ttl=ttl, priority=priority, prefix_id=prefix_id,
-                          keep=keep), True
+    return ambient_session(session_id, ttl=ttl, priority=priority, prefix_id=prefix_id,
+                           keep=keep), True
 
 
 class SessionOwner:

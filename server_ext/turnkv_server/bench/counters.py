@@ -2,7 +2,8 @@
 
 Per-turn numbers come from the router; these counters are each engine's own account of the
 whole run (prompt tokens by source, KV bytes moved over NIXL, preemptions), which also covers
-what the router cannot see, such as what a decode engine pulled.
+what the router cannot see, such as what a decode engine pulled. The text is read by the
+engines' one parser (`turnkv_server.engine.metrics`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-# Counter names as they appear in the result: (metric family, sample suffix, label filter).
-# A histogram's `_sum` is its running total (bytes), its `_count` the number of observations.
-COUNTERS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
+from turnkv_server.engine import metrics
+from turnkv_server.engine.metrics import Selection
+
+# Counter names as they appear in the result.
+COUNTERS: dict[str, Selection] = {
     "prompt_tokens_local_compute": (
         "vllm:prompt_tokens_by_source", "_total", ("source", "local_compute")),
     "prompt_tokens_local_cache_hit": (
@@ -47,19 +49,7 @@ def parse_counters(metrics_text: str) -> dict[str, float]:
 
     A counter the engine does not export (no NIXL in `single` mode) is absent, not 0.
     """
-    wanted: dict[str, list[tuple[str, str, tuple[str, str] | None]]] = {}
-    for name, (family_name, suffix, label) in COUNTERS.items():
-        wanted.setdefault(family_name, []).append((name, suffix, label))
-    found: dict[str, float] = {}
-    for metric in text_string_to_metric_families(metrics_text):
-        for name, suffix, label in wanted.get(metric.name, []):
-            for sample in metric.samples:
-                if sample.name != metric.name + suffix:
-                    continue
-                if label is not None and sample.labels.get(label[0]) != label[1]:
-                    continue
-                found[name] = found.get(name, 0.0) + sample.value
-    return found
+    return metrics.sum_samples(metrics_text, COUNTERS)
 
 
 def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
@@ -72,21 +62,12 @@ def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> d
 
 def parse_kv_cache_tokens(metrics_text: str) -> int | None:
     """KV cache capacity in tokens (blocks x block size) from `vllm:cache_config_info`."""
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != "vllm:cache_config_info":
-            continue
-        for sample in family.samples:
-            blocks = sample.labels.get("num_gpu_blocks")
-            size = sample.labels.get("block_size")
-            if blocks and size and blocks.isdigit() and size.isdigit():
-                return int(blocks) * int(size)
-    return None
+    return metrics.parse_cache_config(metrics_text).tokens
 
 
 def fetch_metrics(engine_url: str, timeout: float = 10.0) -> str | None:
     """An engine's `/metrics` text, or None if it does not answer (a stalled or dead engine)."""
     try:
-        response = httpx.get(f"{engine_url}/metrics", timeout=timeout)
+        return metrics.fetch(engine_url, timeout)
     except httpx.HTTPError:
         return None
-    return response.text if response.status_code == 200 else None

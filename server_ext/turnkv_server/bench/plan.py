@@ -17,14 +17,9 @@ from turnkv_server.bench.trace import load_trace
 from turnkv_server.bench.workloads import Workload
 from turnkv_server.launcher import ClusterConfig
 from turnkv_server.launcher.engine import resolve_dtype
+from turnkv_server.mode_names import BENCH_MODES
+from turnkv_server.mode_names import BENCH_VARIANTS as _LAUNCHER_MODES
 
-# `standard-nocache` is `standard` with the prefill engines' prefix cache off: vLLM's
-# multi-turn blog baseline. `turnkv-end-write` is `turnkv` without layer-by-layer writes (a
-# prefill's KV goes in one write when it ends): that design choice, measured.
-BENCH_MODES: tuple[str, ...] = (
-    "single", "standard", "standard-nocache", "bidirectional", "push", "turnkv",
-    "turnkv-end-write")
-_LAUNCHER_MODES = {"standard-nocache": "standard", "turnkv-end-write": "turnkv"}
 WORKLOADS: tuple[str, ...] = (*presets.PRESETS, "trace")
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}

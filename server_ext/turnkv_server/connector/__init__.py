@@ -1,6 +1,20 @@
 """The turnkv KV connector: session KV under renewable leases, pushed with NIXL both ways.
 
-Built in steps (issue 6). So far: `leases`, the engine-side lease table (pure logic);
-`holds`, which applies it to vLLM's block pool by reference counts from scheduler callbacks;
-and `layout`, the per-block memory regions NIXL registers, derived from any KV tensor layout.
+vLLM loads `vllm_connector.TurnkvConnector`, the same class on prefill and decode engines,
+which adapts vLLM's connector interface to two halves:
+
+- the scheduler half (`scheduler_side`, in the engine-core thread) decides per request what to
+  receive, send, decline, refuse or cancel, from the router's `kv_transfer_params["turnkv"]`
+  (the engine protocol, shared with the router), and hands the worker one `StepOrders` per
+  step (`orders`); it keeps the sends it owes (`pending_sends`) and holds session leases by
+  block references (`leases`, the lease table; `holds`, applied to vLLM's block pool;
+  `idle_expiry`, on time on an idle engine too);
+- the worker half (`worker_side`, in the model runner) describes the KV cache block by block
+  for NIXL (`layout`, `blocktable`) and runs a transfer thread (`transport`): the receiving
+  end (`receiving`) and the sending end (`sending`, with `outgoing` and `sending_peers`) of a
+  protocol whose messages are typed and signed (`side_channel`); every NIXL write goes through
+  `writes`, and `outcomes` carries what finished back to the step thread.
+
+`identity` is what must match before KV is copied (engine fingerprints, token digests);
+`stats`, the counters each engine exposes on `/metrics`.
 """

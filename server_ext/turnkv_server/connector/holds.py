@@ -7,12 +7,14 @@ request's blocks, so they outlive the request without delay-free, keep their has
 the session's next turn as prefix hits, and the engine can go idle. The lease table (`leases`)
 decides when the references go: on release, expiry, the pin cap, a prefix-cache reset, and
 `make_room` under pressure, which the admission callbacks call because vLLM's scheduler counts
-held blocks as used and cannot give them back itself.
+held blocks as used and cannot give them back itself. A prefix-cache reset fails while any
+block is in use, so `release_leases_before_reset` makes the pool's own reset release every
+lease first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from turnkv_server.connector.leases import LeaseTable, Released
@@ -92,3 +94,19 @@ class BlockHolder:
             self.pool.free_blocks([self.pool.blocks[i] for i in blocks])
             self.freed_total += len(blocks)
         return len(blocks)
+
+
+def release_leases_before_reset(pool: BlockPool, release: Callable[[], object]) -> None:
+    """Make `pool`'s `reset_prefix_cache` call `release` (which releases every lease) first:
+    a prefix-cache reset fails while any block is in use, held ones included."""
+    reset = getattr(pool, "reset_prefix_cache", None)
+    if reset is None:
+        return
+    original = getattr(reset, "turnkv_original", reset)  # bound again: wrap once
+
+    def reset_prefix_cache() -> bool:
+        release()
+        return bool(original())
+
+    reset_prefix_cache.turnkv_original = original  # type: ignore[attr-defined]
+    setattr(pool, "reset_prefix_cache", reset_prefix_cache)  # noqa: B010

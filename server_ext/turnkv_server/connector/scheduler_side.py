@@ -26,40 +26,41 @@ Held blocks are invisible to vLLM's admission, so room is made here: before a wa
 is matched (`make_room` for its missing blocks) and when a running request cannot grow
 (`has_pending_block_frees`, which says yes only if blocks really went back to the pool). A
 lease never makes a request wait. When leases are not enough, sends that no receiver has
-registered for yet are abandoned (their receivers recompute): otherwise two engines whose
-caches are full of blocks kept for each other wait on each other until the transfers time
-out. The router can also abandon a send it knows nobody will register for (`abandon`).
+registered for yet are abandoned; the router can also abandon a send it knows nobody will
+register for (`abandon`). The sends owed and their abandons are kept in `pending_sends`.
 
-Leases expire on time on an idle engine too. vLLM's engine core blocks on its input queue when
-it has no work, so no callback runs; `has_pending_push_work` (which vLLM asks before blocking)
-says yes only while a lease is past its deadline, and a timer thread (`WakeAlarm`) puts a
-wake-up message on that queue at the next deadline. The engine then steps once, the step's
-`build_orders` frees the lease's blocks, and the engine sleeps again: a lease outlives its TTL
-by the timer's latency plus one (empty) step. The timer thread only reads a time; it never
-touches the block pool. Without a queue to wake (an in-process engine core, which its caller
-steps), expiry runs at the next step.
+Leases expire on time on an idle engine too: a timer thread wakes the engine at the next
+deadline (`idle_expiry`).
 
 A prefix-cache reset (new weights, sleep) needs every block free: the bound pool's
 `reset_prefix_cache` releases every lease first, and so does `reset_cache`.
 
-The worker learns its orders through `StepOrders`, one per scheduler step.
+The worker learns its orders through `StepOrders` (`orders`), one per scheduler step.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol
 
-from turnkv_server.connector.holds import BlockHolder, BlockPool
+from turnkv_server.connector.holds import BlockHolder, BlockPool, release_leases_before_reset
 from turnkv_server.connector.identity import token_digest
+from turnkv_server.connector.idle_expiry import IdleExpiry
 from turnkv_server.connector.leases import LeasePolicy, LeaseTable
-from turnkv_server.connector.params import BadParams, TurnParams, parse
+from turnkv_server.connector.orders import (
+    ExpectOrder,
+    ReceiveOrder,
+    SendOrder,
+    StepOrders,
+    StreamOrder,
+)
+from turnkv_server.connector.pending_sends import PendingSends
+from turnkv_server.connector.stats import SchedulerCounters
+from turnkv_server.engine.protocol import KEY, BadParams, TurnParams, TurnReply, parse
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ log = logging.getLogger(__name__)
 # (upstream's push connector sends after the first two only; a repetition stop is an ordinary
 # stop). Anything else (aborted, error, ignored) may have stopped mid-prompt.
 NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"})
-# How long an abandon is remembered for a send whose request has not ended (or arrived) yet.
-ABANDON_MEMORY_S = 600.0
 
 
 class Request(Protocol):
@@ -88,72 +87,6 @@ class Request(Protocol):
     def status(self) -> Enum: ...
 
 
-@dataclass(frozen=True)
-class ReceiveOrder:
-    """Register `blocks` (the request's blocks from index `first_block` on) with `peer` under
-    `transfer_id`. Once written they hold the KV of the request's first `tokens` tokens, whose
-    `token_digest` is `digest`."""
-
-    request_id: str
-    transfer_id: str
-    peer: str
-    blocks: list[int]
-    first_block: int
-    timeout_s: float | None
-    tokens: int
-    digest: bytes
-
-
-@dataclass(frozen=True)
-class ExpectOrder:
-    """A request that will send under `transfer_id` has arrived (queued or computing): its
-    prompt's token IDs, to check registrations that come before it ends."""
-
-    transfer_id: str
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SendOrder:
-    """The request finished normally: write `blocks` to whoever registers `transfer_id`.
-    `token_ids`: all its tokens (prompt and output)."""
-
-    request_id: str
-    transfer_id: str
-    blocks: list[int]
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class StreamOrder:
-    """This step completes `blocks` ((index in the request, block ID) pairs) of a request whose
-    KV goes to `transfer_id`'s receiver. `restart`: the request was preempted and recomputes."""
-
-    transfer_id: str
-    blocks: list[tuple[int, int]]
-    restart: bool = False
-
-
-@dataclass
-class StepOrders:
-    expects: list[ExpectOrder] = field(default_factory=list)
-    receives: list[ReceiveOrder] = field(default_factory=list)
-    sends: list[SendOrder] = field(default_factory=list)
-    declines: list[tuple[str, str]] = field(default_factory=list)  # (transfer_id, peer)
-    # Transfers this engine was to send but has no (complete) KV for.
-    refusals: list[str] = field(default_factory=list)
-    # Sends to give up if nobody has registered for them yet: their blocks are needed here,
-    # or the router knows nobody will.
-    abandons: list[str] = field(default_factory=list)
-    # Receives whose request was aborted while its KV was arriving.
-    cancels: list[str] = field(default_factory=list)
-    streams: list[StreamOrder] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.expects or self.receives or self.sends or self.declines
-                    or self.refusals or self.abandons or self.cancels or self.streams)
-
-
 @dataclass
 class _Tracked:
     params: TurnParams
@@ -166,50 +99,6 @@ class _Tracked:
     receive_failed: bool = False
 
 
-class WakeAlarm:
-    """Calls `wake` from its own thread once the monotonic clock reaches the time last `set`
-    (one call per time set). It reads nothing else and touches nothing else: the engine-core
-    thread, once woken, does the work."""
-
-    def __init__(self, wake: Callable[[], None]) -> None:
-        self._wake = wake
-        self._at = math.inf
-        self._closed = False
-        self._failed = False
-        self._cond = threading.Condition()
-        # Started now, inside the engine's start-up, so that it runs where the engine's other
-        # threads run (the launcher pins every engine thread to the engine's cores).
-        self._thread = threading.Thread(target=self._run, name="turnkv-lease-alarm",
-                                        daemon=True)
-        self._thread.start()
-
-    def set(self, at: float) -> None:
-        with self._cond:
-            self._at = at
-            self._cond.notify()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (delay := self._at - time.monotonic()) > 0:
-                    self._cond.wait(None if delay == math.inf else delay)
-                if self._closed:
-                    return
-                self._at = math.inf  # the engine sets the next deadline once it has stepped
-            try:
-                self._wake()
-            except Exception:  # the engine then expires leases at its next step
-                if not self._failed:
-                    log.exception("turnkv: could not wake the engine for lease expiry")
-                    self._failed = True
-
-
 class SchedulerSide:
     def __init__(self, block_size: int, policy: LeasePolicy | None = None) -> None:
         self.block_size = block_size
@@ -220,16 +109,9 @@ class SchedulerSide:
         # vLLM frees them when the receive ends.
         self._receiving: dict[str, tuple[str, frozenset[int]]] = {}
         self._orders = StepOrders()
-        self._stats: dict[str, Any] = {}
-        self._released_seen: dict[str, int] = {}
-        # Delay-freed requests waiting for their send, oldest first: request ID ->
-        # (transfer ID, blocks, abandoned).
-        self._sending: dict[str, tuple[str, int, bool]] = {}
-        # Sends the router gave up before their request ended, or before it even arrived
-        # here (its abandon overtook it in the API server), with when: they refuse.
-        self._abandoned_early: dict[str, float] = {}
-        self._alarm: WakeAlarm | None = None
-        self._armed = math.inf
+        self._stats = SchedulerCounters()
+        self._sends = PendingSends()
+        self._expiry = IdleExpiry()
 
     def bind(self, pool: BlockPool, total_blocks: int,
              wake: Callable[[], None] | None = None) -> None:
@@ -237,16 +119,13 @@ class SchedulerSide:
         step; without it, leases expire at the engine's next step."""
         # vLLM keeps one block as its null block; the cap is a share of the usable ones.
         self.holder = BlockHolder(pool, LeaseTable(max(1, total_blocks - 1), self.policy))
-        self._release_leases_on_reset(pool)
-        if self._alarm is not None:
-            self._alarm.close()
-        self._alarm = WakeAlarm(wake) if wake is not None else None
-        self._armed = math.inf
+        # vLLM's `reset_prefix_cache` (the API's, and sleep's) fails while any block is in use,
+        # and calls `reset_cache` only after it: leases are released before it runs.
+        release_leases_before_reset(pool, self.reset_cache)
+        self._expiry.bind(wake)
 
     def close(self) -> None:
-        if self._alarm is not None:
-            self._alarm.close()
-            self._alarm = None
+        self._expiry.close()
 
     # -- callbacks ---------------------------------------------------------------------------
 
@@ -355,7 +234,7 @@ class SchedulerSide:
         send = params.send
         abandoned = False
         if send is not None:
-            abandoned = self._abandoned_early.pop(send.transfer_id, None) is not None
+            abandoned = self._sends.abandoned_early(send.transfer_id)
         receiving = self._receiving.pop(request.request_id, None)
         if receiving is not None:
             # Aborted while its KV was still arriving: vLLM keeps the request until the worker
@@ -375,7 +254,7 @@ class SchedulerSide:
             if block_ids and request.status.name in NORMAL_FINISH and not abandoned:
                 self._orders.sends.append(SendOrder(request.request_id, send.transfer_id,
                                                     list(block_ids), tuple(request.all_token_ids)))
-                self._sending[request.request_id] = (send.transfer_id, len(block_ids), False)
+                self._sends.add(request.request_id, send.transfer_id, len(block_ids))
                 delay_free = True
             else:
                 self._orders.refusals.append(send.transfer_id)
@@ -389,10 +268,10 @@ class SchedulerSide:
         self._gauges()
         self._arm()
         received = tracked.external_tokens if tracked.receive_done else 0
-        reply = {"held_blocks": held, "local_tokens": tracked.local_tokens,
-                 "received_tokens": 0 if tracked.receive_failed else received,
-                 "receive_failed": tracked.receive_failed}
-        return delay_free, {"turnkv": reply}
+        reply = TurnReply(held_blocks=held, local_tokens=tracked.local_tokens,
+                          received_tokens=0 if tracked.receive_failed else received,
+                          receive_failed=tracked.receive_failed)
+        return delay_free, {KEY: reply.to_wire()}
 
     def received(self, request_ids: set[str], failed_blocks: set[int] | None = None) -> None:
         """The worker reports these requests' KV arrived, or failed: `failed_blocks` are the
@@ -406,7 +285,7 @@ class SchedulerSide:
     def sent(self, request_ids: set[str]) -> None:
         """The worker reports these requests' sends ended (written, failed or abandoned)."""
         for request_id in request_ids:
-            self._sending.pop(request_id, None)
+            self._sends.done(request_id)
 
     def has_pending_block_frees(self) -> bool:
         """A running request cannot grow: give back the least valuable leases until a block
@@ -422,7 +301,7 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         """Whether the engine must step although it has no request: a lease is past its
-        deadline (see the module docstring)."""
+        deadline (see `idle_expiry`)."""
         return self.holder is not None and self.holder.leases.due()
 
     def build_orders(self) -> StepOrders:
@@ -441,19 +320,7 @@ class SchedulerSide:
         return True
 
     def take_stats(self) -> dict[str, Any]:
-        released = self._holder().leases.released_total if self.holder else {}
-        for reason, total in released.items():
-            key = {"release": "leases_released", "reset": "leases_released",
-                   "expired": "leases_expired", "over_cap": "leases_over_cap",
-                   "pressure": "leases_pressure"}.get(reason)
-            if key is None:
-                continue
-            delta = total - self._released_seen.get(reason, 0)
-            if delta:
-                self._count(key, delta)
-                self._released_seen[reason] = total
-        stats, self._stats = self._stats, {}
-        return stats
+        return self._stats.take(self._holder().leases.released_total if self.holder else {})
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -464,33 +331,13 @@ class SchedulerSide:
         if len(holder.leases) != leases:
             self._gauges()
             self._arm()
-        short = blocks_needed - holder.pool.get_num_free_blocks()
-        for transfer_id, blocks, abandoned in list(self._sending.values()):
-            if short <= 0:
-                break
-            # Blocks already abandoned are on their way back (the worker frees them next step).
-            short -= blocks
-            if not abandoned:
-                self._abandon(transfer_id)
+        # Leases were not enough: sends nobody has registered for yet give their blocks up.
+        for transfer_id in self._sends.for_room(blocks_needed - holder.pool.get_num_free_blocks()):
+            self._abandon(transfer_id)
 
     def _abandon(self, transfer_id: str) -> None:
-        for request_id, (tid, blocks, abandoned) in self._sending.items():
-            if tid == transfer_id:
-                # Finished and waiting for a receiver: the transport lets it go.
-                if not abandoned:
-                    self._sending[request_id] = (tid, blocks, True)
-                    self._orders.abandons.append(transfer_id)
-                return
-        # Its request is still running, or has not arrived yet: it refuses when it ends
-        # (and the transport, told now, answers a registration that comes meanwhile).
-        now = time.monotonic()
-        self._abandoned_early[transfer_id] = now
-        while self._abandoned_early:  # oldest first; a send's request comes within seconds
-            oldest, at = next(iter(self._abandoned_early.items()))
-            if now - at <= ABANDON_MEMORY_S:
-                break
-            del self._abandoned_early[oldest]
-        self._orders.abandons.append(transfer_id)
+        if self._sends.abandon(transfer_id):
+            self._orders.abandons.append(transfer_id)
 
     def _without_transfers(self, request: Request, params: TurnParams) -> TurnParams:
         # The token digests describe token IDs only: KV that also depends on images, prompt
@@ -503,22 +350,6 @@ class SchedulerSide:
             self._orders.refusals.append(params.send.transfer_id)
         return replace(params, receive=None, send=None)
 
-    def _release_leases_on_reset(self, pool: BlockPool) -> None:
-        """vLLM's `reset_prefix_cache` (the API's, and sleep's) fails while any block is in
-        use, and calls the connector's `reset_cache` only after it: wrap the bound pool's, so
-        that leases are released first."""
-        reset = getattr(pool, "reset_prefix_cache", None)
-        if reset is None:
-            return
-        original = getattr(reset, "turnkv_original", reset)  # bound again: wrap once
-
-        def reset_prefix_cache() -> bool:
-            self.reset_cache()
-            return bool(original())
-
-        reset_prefix_cache.turnkv_original = original  # type: ignore[attr-defined]
-        setattr(pool, "reset_prefix_cache", reset_prefix_cache)  # noqa: B010
-
     def _holder(self) -> BlockHolder:
         if self.holder is None:
             raise RuntimeError("the turnkv connector was not bound to a block pool")
@@ -529,21 +360,15 @@ class SchedulerSide:
             self._gauges()
 
     def _arm(self) -> None:
-        """Tell the alarm the next lease deadline, if it changed."""
-        if self._alarm is None or self.holder is None:
-            return
-        at = self.holder.leases.next_expiry()
-        if at != self._armed:
-            self._armed = at
-            self._alarm.set(at)
+        if self.holder is not None:
+            self._expiry.arm(self.holder.leases)
 
     def _gauges(self) -> None:
         leases = self._holder().leases
-        self._stats["pinned_blocks"] = leases.pinned_blocks
-        self._stats["leases"] = len(leases)
+        self._stats.gauges(pinned_blocks=leases.pinned_blocks, leases=len(leases))
 
     def _count(self, key: str, amount: float = 1) -> None:
-        self._stats[key] = self._stats.get(key, 0) + amount
+        self._stats.count(key, amount)
 
 
 def _kv_follows_tokens(request: Request) -> bool:

@@ -18,76 +18,34 @@ Deadlines follow pending work: a send waits `send_timeout_s` for its registratio
 registrations fail at once); a registration whose request has not arrived here waits at most
 its timeout; one whose request is queued or computing waits for it, as long as the receiver
 keeps pinging.
+
+`Sending` is the protocol: commands from the step thread, side-channel messages, the writes,
+the replies. Each transfer's state, the token check and what the last write still carries are
+in `outgoing`; which receiver agents may be written into, in `sending_peers`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from turnkv_server.connector import side_channel as sc
-from turnkv_server.connector.blocktable import BlockTable
-from turnkv_server.connector.identity import Fingerprint, token_digest
+from turnkv_server.connector.identity import Fingerprint
 from turnkv_server.connector.outcomes import Outcomes
+from turnkv_server.connector.outgoing import CANCELLED, Outgoing, Outgoings, Registration
 from turnkv_server.connector.receiving import NOTIF_PREFIX
-from turnkv_server.connector.writes import InFlight, Peer, WriteError, Writer
+from turnkv_server.connector.sending_peers import SendingPeers
+from turnkv_server.connector.writes import WriteError, Writer
 
 log = logging.getLogger(__name__)
 
-# What one receiver agent may hold here, and how many agents are known at once.
+# What one receiver agent may hold here.
 MAX_REGISTRATIONS_PER_AGENT = 4096
-MAX_PEERS = 256
 # A registration whose request has not arrived waits at most this long (or its own timeout).
 MAX_UNCLAIMED_S = 600.0
-CANCELLED = "cancelled by the receiver"
-
-
-@dataclass
-class Registration:
-    agent: str
-    identity: bytes
-    blocks: list[int]
-    first_block: int
-    tokens: int
-    digest: bytes
-    unclaimed_until: float
-    last_wanted: float
-    verified: bool = False
-
-
-@dataclass
-class Outgoing:
-    """One transfer ID on the sending side."""
-
-    transfer_id: str
-    # The request's token IDs, once known (its prompt while it runs, then all of them).
-    token_ids: tuple[int, ...] | None = None
-    request_id: str | None = None
-    blocks: list[int] | None = None  # set when the request finished normally
-    send_deadline: float = math.inf
-    reg: Registration | None = None
-    writes: InFlight = field(default_factory=InFlight)
-    # Layer -> indices (in the request) of blocks whose final content was written.
-    streamed: dict[int, set[int]] = field(default_factory=dict)
-    streamed_bytes: int = 0
-    stream_stopped: bool = False
-    final_posted: bool = False
-    final_started: float = 0.0
-    # Set when the transfer is over here: why, whether the send counts as failed, and the
-    # reply owed to the receiver (sent once every write has settled).
-    ended: str | None = None
-    failed: bool = False
-    reply: sc.Message | None = None
-
-    @property
-    def expected(self) -> bool:
-        """Its request is alive here (queued, computing, or finished and waiting)."""
-        return self.token_ids is not None
 
 
 class Sending:
@@ -96,32 +54,25 @@ class Sending:
                  send_timeout_s: float, clock: Callable[[], float]) -> None:
         self.name = agent_name
         self.writer = writer
-        self._fingerprint = fingerprint
         self._codec = codec
         self._router = router
         self._outcomes = outcomes
         self.send_timeout_s = send_timeout_s
         self._clock = clock
-        self.transfers: dict[str, Outgoing] = {}
-        # Transfers over here with no request left to hear of them: a late registration is
-        # answered at once. Transfer ID -> (until when, why).
-        self._over: dict[str, tuple[float, str]] = {}
-        self._peer_seen: dict[str, float] = {}
-        self._regs_by_agent: dict[str, int] = {}
-        # Peer agents a write failed to: forgotten once their writes have settled.
-        self._doomed: set[str] = set()
+        self.transfers = Outgoings(send_timeout_s, clock)
+        self.peers = SendingPeers(writer, fingerprint, clock)
 
     # -- commands from the step thread -------------------------------------------------------
 
     def expect(self, transfer_id: str, token_ids: tuple[int, ...]) -> None:
-        out = self._get(transfer_id)
+        out = self.transfers.open(transfer_id)
         if out.token_ids is None:
             out.token_ids = tuple(token_ids)
         self._check_and_write(out)
 
     def send(self, request_id: str, transfer_id: str, blocks: list[int],
              token_ids: tuple[int, ...]) -> None:
-        out = self._get(transfer_id)
+        out = self.transfers.open(transfer_id)
         if out.request_id is not None:
             # A second request under one transfer ID (one HTTP request that vLLM split into
             # several): the receiver registered for one request's blocks only.
@@ -139,7 +90,7 @@ class Sending:
         """Nothing will be sent under `transfer_id` (its request did not finish normally)."""
         out = self.transfers.get(transfer_id)
         if out is None:
-            self._over[transfer_id] = (self._clock() + self.send_timeout_s, reason)
+            self.transfers.over(transfer_id, reason)
             return
         out.token_ids = None  # the request is gone
         if out.ended is None:
@@ -153,8 +104,7 @@ class Sending:
         if out is None:
             # Its request has not shown up here yet (the router's abandon overtook it):
             # remember, so that its send and a registration end at once.
-            self._over.setdefault(transfer_id, (self._clock() + self.send_timeout_s,
-                                                "the sender gave the blocks up"))
+            self.transfers.over(transfer_id, "the sender gave the blocks up", replace=False)
             return
         if out.blocks is None or out.reg is not None or out.ended is not None:
             return  # still computing (it refuses when it ends), being written, or over
@@ -174,7 +124,8 @@ class Sending:
             out.streamed.clear()
         reg = out.reg
         if reg is None or not reg.verified or out.stream_stopped or out.writes.failed \
-                or not self._fenced(reg) or layer >= len(self.writer.table.layer_ranges):
+                or not reg.fenced(self._clock()) \
+                or layer >= len(self.writer.table.layer_ranges):
             return
         peer = self.writer.peers.get(reg.agent)
         if peer is None:
@@ -218,10 +169,11 @@ class Sending:
 
     def _on_message(self, identity: bytes, msg: sc.AnyMessage) -> None:
         now = self._clock()
-        if msg.agent in self.writer.peers:
-            self._peer_seen[msg.agent] = now
+        self.peers.heard(msg.agent, now)
         if isinstance(msg, sc.Hello):
-            self._on_hello(identity, msg)
+            refused = self.peers.admit(msg, drop=self._drop_peer, busy=self._busy_agents)
+            self._reply(identity, sc.HelloOk(agent=self.name) if refused is None
+                        else sc.HelloRefused(agent=self.name, reason=refused))
         elif isinstance(msg, sc.Register):
             self._on_register(identity, msg)
         elif isinstance(msg, sc.Ping):
@@ -241,44 +193,12 @@ class Sending:
                 # Nothing registered, so nothing written: answer now, and let the request's
                 # blocks go as soon as it has any.
                 if out is None:
-                    self._over[msg.transfer_id] = (now + self.send_timeout_s, CANCELLED)
+                    self.transfers.over(msg.transfer_id, CANCELLED)
                 else:
                     self._end(out, CANCELLED, failed=False)
                 self._reply(identity, cancelled)
             elif out.reg.agent == msg.agent:
                 self._end(out, CANCELLED, failed=False, reply=cancelled)
-
-    def _on_hello(self, identity: bytes, msg: sc.Hello) -> None:
-        theirs = Fingerprint.from_wire(msg.fingerprint)
-        differences = self._fingerprint.differences(theirs)
-        table = None
-        try:
-            table = BlockTable.from_wire(msg.table)
-        except (KeyError, TypeError, ValueError):
-            differences.append("block table unreadable")
-        if table is not None and not table.compatible(self.writer.table):
-            differences.append("KV block layouts differ")
-        if differences:
-            self._reply(identity, sc.HelloRefused(agent=self.name,
-                                                  reason="; ".join(differences)))
-            return
-        assert table is not None
-        if msg.agent not in self.writer.peers:
-            # A restarted engine says hello under a new agent name: the old one is gone.
-            for old in [p for p in self.writer.peers.values() if p.engine_id == msg.engine_id]:
-                self._drop_peer(old.name)
-            if len(self.writer.peers) >= MAX_PEERS and not self._evict_idle_peer():
-                self._reply(identity, sc.HelloRefused(agent=self.name,
-                                                      reason="too many peers"))
-                return
-            try:
-                self.writer.add_peer(msg.agent, msg.engine_id, msg.meta, table)
-            except Exception as exc:
-                self._reply(identity, sc.HelloRefused(agent=self.name,
-                                                      reason=f"NIXL refused: {exc}"))
-                return
-        self._peer_seen[msg.agent] = self._clock()
-        self._reply(identity, sc.HelloOk(agent=self.name))
 
     def _on_register(self, identity: bytes, msg: sc.Register) -> None:
         transfer_id, now = msg.transfer_id, self._clock()
@@ -290,28 +210,28 @@ class Sending:
         if msg.agent not in self.writer.peers:
             self._reply(identity, sc.UnknownAgent(agent=self.name, transfer_id=transfer_id))
             return
-        if transfer_id in self._over:
-            fail(self._over[transfer_id][1])
+        over = self.transfers.why_over(transfer_id)
+        if over is not None:
+            fail(over)
             return
         out = self.transfers.get(transfer_id)
         if out is not None and (out.reg is not None or out.ended is not None):
             fail("registered twice" if out.ended is None else out.ended)
             return
-        if self._regs_by_agent.get(msg.agent, 0) >= MAX_REGISTRATIONS_PER_AGENT:
+        if self.transfers.registrations(msg.agent) >= MAX_REGISTRATIONS_PER_AGENT:
             fail("too many registrations from one engine")
             return
-        out = self._get(transfer_id)
-        out.reg = Registration(
+        out = self.transfers.open(transfer_id)
+        self.transfers.register(out, Registration(
             msg.agent, identity, list(msg.blocks), msg.first_block, msg.tokens,
             bytes(msg.digest), unclaimed_until=now + min(msg.timeout_s, MAX_UNCLAIMED_S),
-            last_wanted=now)
-        self._regs_by_agent[msg.agent] = self._regs_by_agent.get(msg.agent, 0) + 1
+            last_wanted=now))
         self._check_and_write(out)
 
     # -- progress ----------------------------------------------------------------------------
 
     def progress(self, now: float) -> None:
-        for out in list(self.transfers.values()):
+        for out in self.transfers.values():
             if out.writes:
                 if not out.writes.settle(self.writer):
                     continue
@@ -325,7 +245,7 @@ class Sending:
                 continue  # kept until its request finishes
             if out.reg is not None and not out.expected and now > out.reg.unclaimed_until:
                 self._end(out, "the sender's request never came", failed=True)
-            elif out.reg is not None and not self._fenced(out.reg):
+            elif out.reg is not None and not out.reg.fenced(self._clock()):
                 self._end(out, "the receiver went silent", failed=True)
             elif out.reg is None and out.blocks is not None and now > out.send_deadline:
                 # Nobody registered in time: let the request's blocks go, and answer a late
@@ -333,29 +253,15 @@ class Sending:
                 self._end(out, "no receiver registered in time", failed=True)
             else:
                 self._check_and_write(out)
-        for transfer_id, (until, _) in list(self._over.items()):
-            if now > until:
-                del self._over[transfer_id]
-        for name in list(self._doomed):
-            peer = self.writer.peers.get(name)
-            if peer is None or peer.in_flight == 0:
-                self._doomed.discard(name)
-                self.writer.remove_peer(name)
+        self.transfers.expire(now)
+        self.peers.settle()
 
     def busy(self) -> bool:
         """Whether NIXL must be polled: writes in flight."""
-        return any(out.writes for out in self.transfers.values())
+        return self.transfers.busy()
 
     def next_deadline(self) -> float:
-        times = [t for t, _ in self._over.values()]
-        for out in self.transfers.values():
-            if out.reg is not None:
-                times.append(out.reg.last_wanted + sc.FENCE_S)
-                if not out.expected:
-                    times.append(out.reg.unclaimed_until)
-            elif out.blocks is not None:
-                times.append(out.send_deadline)
-        return min(times, default=math.inf)
+        return self.transfers.next_deadline()
 
     def close(self) -> None:
         for out in self.transfers.values():
@@ -365,89 +271,40 @@ class Sending:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _get(self, transfer_id: str) -> Outgoing:
-        out = self.transfers.get(transfer_id)
-        if out is None:
-            out = self.transfers[transfer_id] = Outgoing(transfer_id)
-            over = self._over.pop(transfer_id, None)
-            if over is not None:  # cancelled or refused before its request showed up here
-                out.ended, out.failed, out.stream_stopped = over[1], over[1] != CANCELLED, True
-        return out
-
-    def _fenced(self, reg: Registration) -> bool:
-        """Whether the receiver said recently enough that it wants the transfer."""
-        return self._clock() - reg.last_wanted <= sc.FENCE_S
-
     def _check_and_write(self, out: Outgoing) -> None:
         reg = out.reg
         if reg is None or out.ended is not None or out.token_ids is None:
             return
         if not reg.verified:
-            tokens = out.token_ids
-            if len(tokens) < reg.tokens:
-                if out.blocks is None:
-                    return  # the prompt is shorter; the finished request may cover it
-                self._mismatch(out, f"the sender holds {len(tokens)} tokens, the receiver "
-                                    f"asked for {reg.tokens}")
+            mismatch = out.token_mismatch()
+            if mismatch is not None:
+                self._outcomes.count(transfers_mismatched=1)
+                log.warning("turnkv: transfer %s refused: %s", out.transfer_id, mismatch)
+                self._end(out, mismatch, failed=True)
                 return
-            if token_digest(tokens[:reg.tokens]) != reg.digest:
-                self._mismatch(out, f"the two engines' first {reg.tokens} tokens differ")
-                return
-            reg.verified = True
+            if not reg.verified:
+                return  # the prompt is shorter; the finished request may cover it
         if out.blocks is not None and not out.writes and not out.final_posted:
             self._write_last(out, reg)
 
-    def _mismatch(self, out: Outgoing, reason: str) -> None:
-        self._outcomes.count(transfers_mismatched=1)
-        log.warning("turnkv: transfer %s refused: %s", out.transfer_id, reason)
-        self._end(out, reason, failed=True)
-
     def _write_last(self, out: Outgoing, reg: Registration) -> None:
-        assert out.blocks is not None
-        source = out.blocks[reg.first_block:reg.first_block + len(reg.blocks)]
+        source = out.last_write_source()
         peer = self.writer.peers.get(reg.agent)
-        reason = None
-        if out.writes.failed:
-            reason = "a layer-by-layer write failed"
-        elif len(source) < len(reg.blocks):
-            reason = (f"sender holds {len(out.blocks)} blocks, asked for blocks "
-                      f"{reg.first_block}..{reg.first_block + len(reg.blocks) - 1}")
-        elif peer is None:
-            reason = "the receiver's agent is gone"
-        elif not self._fenced(reg):
-            reason = "the receiver went silent"
+        reason = out.last_write_problem(source, peer is not None, self._clock())
         if reason is not None:
             self._end(out, reason, failed=True)
             return
         assert peer is not None
-        local, remote = self._remaining(out, source, reg, peer)
+        local, remote = out.remaining(source, self.writer.table, peer.table)
         try:
             handle = self.writer.post_indices(peer, local, remote,
                                               NOTIF_PREFIX + out.transfer_id.encode())
         except WriteError as exc:
             self._end(out, str(exc), failed=True)
-            self._doom(peer)
+            self.peers.doom(peer)
             return
         out.writes.add(handle, peer)
         out.final_posted, out.final_started = True, self._clock()
-
-    def _remaining(self, out: Outgoing, source: list[int], reg: Registration, peer: Peer
-                   ) -> tuple[list[int], list[int]]:
-        """Descriptor indices (local, remote) of what the receiver still lacks."""
-        table = self.writer.table
-        if not out.streamed:
-            return table.indices(source), peer.table.indices(reg.blocks)
-        local: list[int] = []
-        remote: list[int] = []
-        for layer, ranges in enumerate(table.layer_ranges):
-            done = out.streamed.get(layer, set())
-            todo = [i for i in range(len(source)) if reg.first_block + i not in done]
-            local += table.indices([source[i] for i in todo], ranges)
-            remote += peer.table.indices([reg.blocks[i] for i in todo], ranges)
-        if not local:
-            # Every layer of every block is there; the notification still needs a write.
-            return table.indices(source[-1:]), peer.table.indices(reg.blocks[-1:])
-        return local, remote
 
     def _done(self, out: Outgoing) -> None:
         assert out.blocks is not None and out.reg is not None
@@ -455,10 +312,10 @@ class Sending:
             # The notification may have gone with a failed write: the receiver cannot tell,
             # so it is told; it recomputes.
             self._end(out, "a NIXL write failed", failed=True)
-            self._doom(self.writer.peers.get(out.reg.agent))
+            self.peers.doom(self.writer.peers.get(out.reg.agent))
             return
         nblocks = len(out.reg.blocks)
-        self._forget(out)
+        self.transfers.forget(out)
         self._outcomes.sent(
             out.request_id or "", sends_done=1, blocks_sent=nblocks,
             bytes_sent=nblocks * self.writer.table.block_bytes,
@@ -486,51 +343,25 @@ class Sending:
             self._reply(out.reg.identity, out.reply)
             out.reply = None
         if out.blocks is not None:
-            self._forget(out)
+            self.transfers.forget(out)
             self._outcomes.sent(out.request_id or "", sends_failed=1 if out.failed else 0)
         elif out.expected:
             # The request still runs: keep the verdict for its `send` (or `refuse`).
             if out.reg is not None:
-                self._unregister(out.reg)
+                self.transfers.unregister(out.reg)
                 out.reg = None
         else:
-            self._forget(out)
-
-    def _forget(self, out: Outgoing) -> None:
-        self.transfers.pop(out.transfer_id, None)
-        if out.reg is not None:
-            self._unregister(out.reg)
-        if out.ended is not None:
-            self._over[out.transfer_id] = (self._clock() + self.send_timeout_s, out.ended)
-
-    def _unregister(self, reg: Registration) -> None:
-        left = self._regs_by_agent.get(reg.agent, 1) - 1
-        if left > 0:
-            self._regs_by_agent[reg.agent] = left
-        else:
-            self._regs_by_agent.pop(reg.agent, None)
-
-    def _doom(self, peer: Peer | None) -> None:
-        """A write to `peer` failed: forget it once its writes settle. If it lives, its next
-        registration is answered `UnknownAgent` and it says hello again."""
-        if peer is not None:
-            self._doomed.add(peer.name)
+            self.transfers.forget(out)
 
     def _drop_peer(self, name: str) -> None:
-        for out in list(self.transfers.values()):
+        """A receiver restarted under a new agent name: its old agent's transfers end."""
+        for out in self.transfers.values():
             if out.reg is not None and out.reg.agent == name:
                 self._end(out, "the receiver restarted", failed=True)
-        self._doom(self.writer.peers.get(name))
+        self.peers.doom(self.writer.peers.get(name))
 
-    def _evict_idle_peer(self) -> bool:
-        busy = {out.reg.agent for out in self.transfers.values() if out.reg is not None}
-        idle = [p for p in self.writer.peers.values()
-                if p.in_flight == 0 and p.name not in busy]
-        if not idle:
-            return False
-        oldest = min(idle, key=lambda p: self._peer_seen.get(p.name, -math.inf))
-        self.writer.remove_peer(oldest.name)
-        return True
+    def _busy_agents(self) -> set[str]:
+        return {out.reg.agent for out in self.transfers.values() if out.reg is not None}
 
     def _reply(self, identity: bytes, message: sc.Message) -> None:
         if self._router is None:

@@ -5,10 +5,12 @@ failures) and the scheduler (lease hits, misses, releases by reason, pinned bloc
 each half for `get_kv_connector_stats()` every step, sums them with `aggregate`, and hands the
 sum to the Prometheus object that `build_prom_metrics` returned, which exposes every counter as
 ``turnkv:<name>_total`` and the gauges as ``turnkv:<name>`` on the engine's `/metrics`.
+The transfer thread counts in `TransferCounters`, the scheduler half in `SchedulerCounters`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -47,6 +49,10 @@ COUNTERS = (
     "leases_released", "leases_expired", "leases_over_cap", "leases_pressure",
 )
 GAUGES = ("pinned_blocks", "leases")
+# Why a lease ended (the lease table's `released_total` keys) -> the counter it adds to.
+RELEASE_COUNTERS = {"release": "leases_released", "reset": "leases_released",
+                    "expired": "leases_expired", "over_cap": "leases_over_cap",
+                    "pressure": "leases_pressure"}
 
 HELP = {
     "blocks_sent": "KV blocks this engine wrote to another engine",
@@ -78,6 +84,36 @@ HELP = {
     "pinned_blocks": "Distinct KV blocks held under leases",
     "leases": "Live session leases",
 }
+
+
+class SchedulerCounters:
+    """What the scheduler half counted since vLLM last asked, and its lease gauges."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, Any] = {}
+        # The lease table counts releases since it began: what was reported of each reason.
+        self._released_seen: dict[str, int] = {}
+
+    def count(self, key: str, amount: float = 1) -> None:
+        self._data[key] = self._data.get(key, 0) + amount
+
+    def gauges(self, *, pinned_blocks: int, leases: int) -> None:
+        self._data["pinned_blocks"] = pinned_blocks
+        self._data["leases"] = leases
+
+    def take(self, released_total: Mapping[str, int]) -> dict[str, Any]:
+        """The counts since the last call, the releases among them (from the lease table's
+        running totals)."""
+        for reason, total in released_total.items():
+            key = RELEASE_COUNTERS.get(reason)
+            if key is None:
+                continue
+            delta = total - self._released_seen.get(reason, 0)
+            if delta:
+                self.count(key, delta)
+                self._released_seen[reason] = total
+        data, self._data = self._data, {}
+        return data
 
 
 def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:

@@ -6,9 +6,10 @@
                            "kv_connector_extra_config": {"lease_ttl_s": 300, ...}}'
 
 The same class runs on prefill and decode engines; what a request does is up to the router's
-`kv_transfer_params["turnkv"]` (`params`). This module only adapts vLLM's interface
-(`kv_connector/v1/base.py`) to the two halves: `scheduler_side` (pure logic on the block pool)
-and `worker_side` (NIXL). Settings, in `kv_connector_extra_config` unless said otherwise:
+`kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`). This module only adapts
+vLLM's interface (`kv_connector/v1/base.py`) to the two halves: `scheduler_side` (pure logic
+on the block pool) and `worker_side` (NIXL). Settings, in `kv_connector_extra_config` unless
+said otherwise:
 
 - ``lease_ttl_s`` (300), ``lease_max_ttl_s`` (900): the default lease and the operator's cap;
 - ``max_pinned_fraction`` (0.5): the share of the cache leases may hold;
@@ -32,7 +33,7 @@ match.
 
 The scheduler's connector finds vLLM's engine-core input queue when it is bound (vLLM binds it
 inside the engine core's constructor), so that leases expire on time on an idle engine (see
-`scheduler_side`).
+`idle_expiry`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from turnkv_server.nixl_poll import apply_poll_delay
+from turnkv_server.engine.nixl_poll import apply_poll_delay
 
 apply_poll_delay()
 
@@ -63,7 +64,8 @@ from turnkv_server.connector import identity  # noqa: E402
 from turnkv_server.connector import stats as stats_  # noqa: E402
 from turnkv_server.connector.layout import check_parallelism  # noqa: E402
 from turnkv_server.connector.leases import LeasePolicy  # noqa: E402
-from turnkv_server.connector.scheduler_side import SchedulerSide, StepOrders  # noqa: E402
+from turnkv_server.connector.orders import StepOrders  # noqa: E402
+from turnkv_server.connector.scheduler_side import SchedulerSide  # noqa: E402
 from turnkv_server.connector.worker_side import WorkerSide  # noqa: E402
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from turnkv_server.connector.blocktable import BlockTable
 from turnkv_server.connector.identity import Fingerprint
-from turnkv_server.connector.scheduler_side import StepOrders, StreamOrder
+from turnkv_server.connector.orders import StepOrders, StreamOrder
 from turnkv_server.connector.transport import TransferAgent
 from turnkv_server.ports import parse_address, write_report
 

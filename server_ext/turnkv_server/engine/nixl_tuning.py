@@ -29,7 +29,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from turnkv_server.nixl_poll import POLL_DELAY_ENV, apply_poll_delay
+from turnkv_server.engine.nixl_poll import POLL_DELAY_ENV, apply_poll_delay
 from turnkv_server.ports import SIDE_CHANNEL_REPORT_ENV, PortHold, write_report
 
 apply_poll_delay()

@@ -1,11 +1,14 @@
-"""What the router tells the turnkv connector about one request, inside `kv_transfer_params`.
+"""The turnkv engine protocol: what the router tells a turnkv engine about one request, and what
+the engine answers, both inside `kv_transfer_params["turnkv"]`.
 
 The router talks to engines only through their HTTP API; the per-request instructions ride in
-``kv_transfer_params["turnkv"]``, which vLLM hands to the connector untouched. This module is
-the one definition of that shape, shared by the router (which writes it) and the connector
-(which reads it). It imports nothing from vLLM.
+``kv_transfer_params["turnkv"]`` of the request, which vLLM hands to the connector untouched,
+and the connector's answer comes back in the same place of a non-streamed response. This module
+is the one definition of both shapes, imported by the router (which writes `TurnParams` and
+reads `TurnReply`) and by the connector (which reads the one and writes the other); neither
+imports the other. Standard library only.
 
-One request may carry:
+One request may carry (`TurnParams`):
 - ``session``: the lease key. After the request the engine keeps its blocks for the session,
   for ``ttl_s`` seconds at most (the engine's operator caps it), at ``priority``;
 - ``release``: the session has ended (``final`` or DELETE): hold nothing, drop its lease;
@@ -19,6 +22,9 @@ One request may carry:
 - ``abandon``: transfer IDs of this engine's sends to give up now: the router knows their
   receiver will never register (the push back is not coming), so their blocks go back at once
   instead of after the send timeout.
+
+The engine answers (`TurnReply`) with the blocks it now holds for the session and where the
+prompt's tokens came from: its own prefix hit, written by the peer, or (what is left) computed.
 """
 
 from __future__ import annotations
@@ -150,3 +156,33 @@ def _optional_str(raw: dict[str, Any], key: str) -> str | None:
     if value is not None and (not isinstance(value, str) or not value or len(value) > 512):
         raise BadParams(f"{KEY}.{key} must be a non-empty string of at most 512 characters")
     return value
+
+
+@dataclass(frozen=True)
+class TurnReply:
+    """A turnkv engine's answer about one finished request."""
+
+    held_blocks: int = 0  # blocks held for the session's lease
+    local_tokens: int = 0  # prompt tokens found in the engine's own prefix cache
+    received_tokens: int = 0  # prompt tokens the peer wrote (0 when the receive failed)
+    receive_failed: bool = False  # the peer's KV did not arrive: the engine recomputed it
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> TurnReply:
+        if not isinstance(raw, dict):
+            raise BadParams(f"the reply's {KEY} must be an object")
+        return cls(held_blocks=int(raw.get("held_blocks", 0)),
+                   local_tokens=int(raw.get("local_tokens", 0)),
+                   received_tokens=int(raw.get("received_tokens", 0)),
+                   receive_failed=bool(raw.get("receive_failed", False)))
+
+
+def parse_reply(kv_transfer_params: dict[str, Any] | None) -> TurnReply | None:
+    """The turnkv engine's reply in a response's params, or None when it has none (another
+    connector's params, or a streamed response, which carries none)."""
+    if not kv_transfer_params or not isinstance(kv_transfer_params.get(KEY), dict):
+        return None
+    return TurnReply.from_wire(kv_transfer_params[KEY])

@@ -7,6 +7,8 @@ Ports: the launcher chooses none. Every server binds port 0 and reports the port
 engines' HTTP servers and KV connectors, the router: `turnkv_server.ports`), so clusters
 started at the same time, or anything else on the machine, cannot take a port between its
 choice and its bind. The router starts once the engines have reported theirs.
+
+Each engine's KV connector settings (vLLM's `--kv-transfer-config`) come from `kv_transfer`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -34,16 +36,13 @@ from turnkv_server.launcher.engine import (
     read_tail,
     resolve_dtype,
 )
+from turnkv_server.launcher.kv_transfer import kv_transfer_config
 from turnkv_server.launcher.processes import ProcessRef, stop_group
 from turnkv_server.launcher.state import ClusterState, ServerState, clear_current, set_current
+from turnkv_server.mode_names import CLUSTER_MODES as MODES
+from turnkv_server.mode_names import ClusterMode as Mode
 from turnkv_server.paths import turnkv_home
 from turnkv_server.ports import read_report
-
-Mode = Literal["turnkv", "single", "standard", "bidirectional", "push"]
-MODES: tuple[str, ...] = ("turnkv", "single", "standard", "bidirectional", "push")
-
-NIXL_CONNECTOR_MODULE = "turnkv_server.nixl_tuning"
-TURNKV_CONNECTOR_MODULE = "turnkv_server.connector.vllm_connector"
 
 
 @dataclass
@@ -337,43 +336,6 @@ def stop_cluster(state: ClusterState) -> None:
     for server in servers:
         stop_group(ProcessRef(pid=server.pid, create_time=server.create_time))
     clear_current(Path(state.run_dir))
-
-
-def kv_transfer_config(
-    mode: str, role: Role, engine_id: str, decoder_kv_ttl: float = 120.0,
-    recompute_threshold: int | None = None, connector_settings: dict[str, Any] | None = None,
-) -> dict[str, Any] | None:
-    """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``."""
-    if role == "single":
-        return None
-    if mode == "turnkv":
-        # One class on both roles; a failed receive is recomputed, never served.
-        return {
-            "kv_connector": "TurnkvConnector",
-            "kv_connector_module_path": TURNKV_CONNECTOR_MODULE,
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "engine_id": engine_id,
-            "kv_connector_extra_config": dict(connector_settings or {}),
-        }
-    config: dict[str, Any] = {
-        "kv_connector": "NixlPushConnector" if mode == "push" else "NixlConnector",
-        "kv_connector_module_path": NIXL_CONNECTOR_MODULE,
-        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-        "kv_buffer_device": "cpu",
-        "engine_id": engine_id,
-    }
-    if mode == "bidirectional":
-        # Both directions on both engines: the decode engine holds finished turns and the
-        # prefill engine reads them back.
-        config["kv_role"] = "kv_both"
-        config["kv_connector_extra_config"] = {
-            "bidirectional_kv_xfer": True,
-            "decoder_kv_blocks_ttl": int(decoder_kv_ttl),
-        }
-        if recompute_threshold is not None:
-            config["kv_connector_extra_config"]["kv_recompute_threshold"] = recompute_threshold
-    return config
 
 
 def _core_sets(count: int, per_engine: int) -> list[tuple[int, ...]]:

@@ -1,6 +1,6 @@
-"""The session-aware router: OpenAI-compatible HTTP in front of prefill and decode pools."""
+"""The session-aware router: OpenAI-compatible HTTP in front of prefill and decode pools.
 
-from turnkv_server.router.app import Router, create_app
-from turnkv_server.router.config import ROUTER_MODES, RouterConfig
-
-__all__ = ["ROUTER_MODES", "Router", "RouterConfig", "create_app"]
+A turn goes `app` (routes, authentication, the request read) -> `turn` (the pipeline) ->
+`modes` (what each engine is told) -> `upstream` (placement, HTTP to the engines) -> `stats`
+-> `sessions` (the session table, its store, and their service). Settings: `config`.
+"""

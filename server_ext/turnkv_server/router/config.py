@@ -1,50 +1,102 @@
-"""Router configuration: pools, mode, leases, tenants."""
+"""The router's settings, declared once.
+
+Each field of `RouterConfig` that a command line may set carries its help (and its environment
+variable, if any) in its metadata. `python -m turnkv_server.router` (which `turnkv router` runs
+and the launcher starts) builds its parser from them (`add_arguments`, `from_args`); `turnkv up`
+and `turnkv bench` show the same help (`help_for`) for the settings they pass on to it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import json
+import os
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, get_type_hints
 
-from turnkv_server.router.registry import MODES
-from turnkv_server.router.sessions import LeasePolicy
+from turnkv_server.mode_names import DEFAULT_MODE, ROUTER_MODES, RouterMode
 
-ROUTER_MODES = tuple(MODES)
 # Measured with `turnkv bench` (docs/benchmarks.md, "Short deltas on the decode engine").
 SHORT_DELTA_TOKENS = 512
 
 
 @dataclass(frozen=True)
+class Option:
+    """How a setting reads from the command line: `--NAME` (the field's name, dashed)."""
+
+    help: str
+    flag: str | None = None  # another flag than `--NAME`
+    env: str | None = None  # the environment variable read when the flag is not given
+    repeat: bool = False  # given once per engine, in engine order
+    load: Callable[[str], Any] | None = None  # the flag's value -> the setting's
+
+
+def cli(help: str, **how: Any) -> dict[str, Option]:
+    return {"cli": Option(help, **how)}
+
+
+def load_api_keys(path: str) -> dict[str, str]:
+    with open(path) as f:
+        keys = json.load(f)
+    if not isinstance(keys, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
+        raise SystemExit(f"{path}: expected a JSON object of key -> tenant")
+    return keys
+
+
+@dataclass(frozen=True)
 class RouterConfig:
-    prefill: list[str]
-    decode: list[str]
-    mode: str = "standard"
-    lease: LeasePolicy = field(default_factory=LeasePolicy)
-    max_sessions: int = 10_000
+    prefill: list[str] = field(metadata=cli("a prefill engine's URL", repeat=True))
+    decode: list[str] = field(metadata=cli("a decode engine's URL", repeat=True))
+    mode: RouterMode = field(default=DEFAULT_MODE, metadata=cli(
+        "serving mode (see docs/protocol.md)"))
+    default_ttl: float = field(default=300.0, metadata=cli(
+        "seconds a session's lease lasts after a turn that gives no ttl hint"))
+    max_ttl: float = field(default=900.0, metadata=cli(
+        "the longest lease a client's hints may ask for, in seconds"))
+    max_sessions: int = field(default=10_000, metadata=cli(
+        "sessions the table holds; when it is full, the idle session with the lowest priority, "
+        "then the least recently used, goes first"))
     # API key -> tenant name. Empty: no authentication, one tenant.
-    api_keys: dict[str, str] = field(default_factory=dict)
-    admin_key: str | None = None
+    api_keys: dict[str, str] = field(default_factory=dict, metadata=cli(
+        "JSON file mapping API key to tenant name", load=load_api_keys))
+    admin_key: str | None = field(default=None, metadata=cli(
+        "key for admin routes", env="TURNKV_ADMIN_KEY"))
     max_body_bytes: int = 16 * 1024 * 1024
-    health_interval: float = 2.0
+    health_interval: float = field(default=2.0, metadata=cli(
+        "seconds between engine health probes"))
     # An engine that sends nothing for this long fails the turn (retried on another pair, or
     # an error): no turn waits on a hung engine forever. It must exceed the longest prefill.
-    engine_read_timeout: float = 600.0
+    engine_read_timeout: float = field(default=600.0, metadata=cli(
+        "seconds an engine may send nothing before its turn fails (longer than the longest "
+        "prefill)"))
     # A turn that fails on an unavailable engine is retried on another pair this many times.
     retries: int = 1
-    # push and turnkv: each prefill engine's NIXL side channel, ENGINE_ID@HOST:PORT, in
-    # --prefill order; turnkv also needs the decode engines' (it pushes both ways).
-    prefill_nixl: list[str] = field(default_factory=list)
-    decode_nixl: list[str] = field(default_factory=list)
-    # bidirectional: how long decode engines hold a finished turn (decoder_kv_blocks_ttl).
-    decoder_kv_ttl: float = 120.0
-    # turnkv: a turn adding at most this many tokens to its session is computed on the decode
-    # engine alone, which holds the session's history; 0 turns it off.
-    short_delta_tokens: int = SHORT_DELTA_TOKENS
-    # Sessions shared by every router on this Redis server (redis://HOST:PORT/DB); None: this
-    # router's memory only.
-    redis_url: str | None = None
+    # turnkv also needs the decode engines' side channels: it pushes both ways.
+    prefill_nixl: list[str] = field(default_factory=list, metadata=cli(
+        "push and turnkv modes: a prefill engine's NIXL side channel, ENGINE_ID@HOST:PORT, in "
+        "--prefill order", repeat=True))
+    decode_nixl: list[str] = field(default_factory=list, metadata=cli(
+        "turnkv mode: a decode engine's side channel, ENGINE_ID@HOST:PORT, in --decode order",
+        repeat=True))
+    decoder_kv_ttl: float = field(default=120.0, metadata=cli(
+        "bidirectional mode: seconds the decode engines hold a finished turn "
+        "(their decoder_kv_blocks_ttl)"))
+    # The decode engine holds the session's history.
+    short_delta_tokens: int = field(default=SHORT_DELTA_TOKENS, metadata=cli(
+        "turnkv mode: a turn adding at most this many tokens to its session is computed on "
+        "the decode engine alone (0: never)"))
+    # None: this router's memory only.
+    redis_url: str | None = field(default=None, metadata=cli(
+        "share sessions with other routers through this Redis server, redis://HOST:PORT/DB "
+        "or unix:///PATH?db=DB", flag="--redis", env="TURNKV_REDIS_URL"))
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTER_MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(ROUTER_MODES)}")
+        if not 0 < self.default_ttl <= self.max_ttl:
+            raise ValueError("lease policy needs 0 < default_ttl <= max_ttl")
         if self.engine_read_timeout <= 0:
             raise ValueError("engine_read_timeout must be positive")
         if self.short_delta_tokens < 0:
@@ -58,3 +110,49 @@ class RouterConfig:
                                       or len(self.decode_nixl) != len(self.decode)):
             raise ValueError("turnkv mode needs --prefill-nixl and --decode-nixl "
                              "ENGINE_ID@HOST:PORT for every engine")
+
+
+def _options() -> list[tuple[Field[Any], Option]]:
+    return [(f, f.metadata["cli"]) for f in fields(RouterConfig) if "cli" in f.metadata]
+
+
+def _flag(f: Field[Any], option: Option) -> str:
+    return option.flag or "--" + f.name.replace("_", "-")
+
+
+def help_for(name: str, with_default: bool = False) -> str:
+    """A setting's help (and its default)."""
+    f = next(f for f, _ in _options() if f.name == name)
+    option: Option = f.metadata["cli"]
+    text = option.help
+    if with_default and f.default is not MISSING and f.default is not None:
+        text += f" (default: {f.default})"
+    if option.env:
+        text += f" (or {option.env})"
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    types = get_type_hints(RouterConfig)
+    for f, option in _options():
+        kind = types[f.name]
+        parser.add_argument(
+            _flag(f, option), dest=f.name, help=help_for(f.name, with_default=True),
+            metavar=_flag(f, option)[2:].replace("-", "_").upper(),
+            action="append" if option.repeat else "store",
+            required=option.repeat and f.default_factory is MISSING,
+            type=kind if kind in (int, float) else str,
+            choices=ROUTER_MODES if f.name == "mode" else None)
+
+
+def from_args(args: argparse.Namespace) -> RouterConfig:
+    """The settings `add_arguments` parsed; those not given take their defaults."""
+    given: dict[str, Any] = {}
+    for f, option in _options():
+        value = getattr(args, f.name)
+        if not value and option.env:
+            value = os.environ.get(option.env) or None
+        if value is None:
+            continue
+        given[f.name] = option.load(value) if option.load else value
+    return RouterConfig(**given)

@@ -1,15 +1,10 @@
-"""Where the router's sessions outlive the router: nowhere (the default) or a Redis server.
+"""Where sessions outlive the router: a Redis server that several routers share (`--redis`).
 
-A router works on its own in-memory `SessionTable`. With `--redis URL`, every turn reads its
-session from Redis before it is routed and writes it back when it ends, so that several
-routers share placement, history and totals, and a restarted router loses no session. Redis
-owns the shared clock: a record lives as long as the session's lease (`PX`), renewed by every
-write.
-
-What is stored is what another router needs to serve the next turn as this one would: the
-pair the session lives on, the history's token IDs (turnkv's short deltas and bidirectional's
-prefix check read them), totals, and the JSON-safe part of the mode's state. What is not:
-this process's background tasks (a push back in flight) and the in-flight flag.
+With a store, every turn reads its session's record before it is routed and writes it back when
+it ends (`sessions.SessionService`), so that the routers share placement, history and totals,
+and a restarted router loses no session. Redis owns the shared clock: a record lives as long as
+the session's lease (`PX`), renewed by every write. Without one (the default), a router's
+sessions live in its memory only.
 
 The engines never depend on any of it for correctness: their caches are content-addressed, so
 a lost or stale record costs reuse (a recompute), never a wrong token.
@@ -26,8 +21,6 @@ import orjson
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from turnkv_server.router.sessions import Session, SessionKey, SessionTotals
-
 log = logging.getLogger(__name__)
 
 PREFIX = "turnkv:"
@@ -37,47 +30,18 @@ class StoreUnavailable(Exception):
     """The shared store did not answer: whether it holds the session is unknown."""
 
 
-class SessionStore(Protocol):
-    shared: bool
+class Key(Protocol):
+    """A session's key: sessions are scoped by tenant."""
 
-    async def start(self) -> bytes | None:
-        """Connect; the routers' shared secret for cache salts (None: keep a local one)."""
+    @property
+    def tenant(self) -> str: ...
 
-    async def load(self, key: SessionKey) -> dict[str, Any] | None:
-        """The session's record; None if there is none. Raises `StoreUnavailable`."""
-
-    async def save(self, session: Session, ttl_s: float) -> None: ...
-
-    async def delete(self, key: SessionKey) -> None: ...
-
-    async def close(self) -> None: ...
-
-
-class LocalStore:
-    """The default: sessions live in this router's memory only."""
-
-    shared = False
-
-    async def start(self) -> bytes | None:
-        return None
-
-    async def load(self, key: SessionKey) -> dict[str, Any] | None:
-        return None
-
-    async def save(self, session: Session, ttl_s: float) -> None:
-        return None
-
-    async def delete(self, key: SessionKey) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
+    @property
+    def session_id(self) -> str: ...
 
 
 class RedisStore:
-    """Sessions in Redis, one JSON value a session, keyed by a hash of tenant and ID."""
-
-    shared = True
+    """Session records in Redis, one JSON value a session, keyed by a hash of tenant and ID."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -85,14 +49,16 @@ class RedisStore:
                                            socket_connect_timeout=5.0)
 
     async def start(self) -> bytes:
-        # The first router to start picks the secret; the others (and restarts) read it, so
-        # a tenant's cache salt is the same whichever router serves it.
+        """Connect; returns the routers' shared secret for cache salts. The first router to
+        start picks it; the others (and restarts) read it, so a tenant's cache salt is the same
+        whichever router serves it."""
         await self._redis.set(f"{PREFIX}salt-secret", secrets.token_bytes(32), nx=True)
         secret = await self._redis.get(f"{PREFIX}salt-secret")
         assert isinstance(secret, bytes)
         return secret
 
-    async def load(self, key: SessionKey) -> dict[str, Any] | None:
+    async def load(self, key: Key) -> dict[str, Any] | None:
+        """The session's record; None if there is none. Raises `StoreUnavailable`."""
         try:
             raw = await self._redis.get(_redis_key(key))
         except RedisError as exc:
@@ -107,14 +73,14 @@ class RedisStore:
             return None
         return record if isinstance(record, dict) else None
 
-    async def save(self, session: Session, ttl_s: float) -> None:
+    async def save(self, key: Key, record: dict[str, Any], ttl_s: float) -> None:
         try:
-            await self._redis.set(_redis_key(session.key), orjson.dumps(to_record(session)),
+            await self._redis.set(_redis_key(key), orjson.dumps(record),
                                   px=max(1, int(ttl_s * 1000)))
         except RedisError as exc:
             _unreachable(exc)
 
-    async def delete(self, key: SessionKey) -> None:
+    async def delete(self, key: Key) -> None:
         try:
             await self._redis.delete(_redis_key(key))
         except RedisError as exc:
@@ -124,57 +90,12 @@ class RedisStore:
         await self._redis.aclose()
 
 
-def make_store(redis_url: str | None) -> SessionStore:
-    return RedisStore(redis_url) if redis_url else LocalStore()
-
-
-def to_record(session: Session) -> dict[str, Any]:
-    return {
-        "prefill": session.prefill,
-        "decode": session.decode,
-        "prefix_id": session.prefix_id,
-        "priority": session.priority,
-        "tokens": session.tokens,
-        "turns": session.turns,
-        "totals": vars(session.totals),
-        "mode_state": {k: v for k, v in session.mode_state.items() if _json_safe(v)},
-    }
-
-
-def apply_record(session: Session, record: dict[str, Any]) -> None:
-    """Make `session` what another router left: its fields, and the stored mode state over
-    this router's (whose tasks, if any, stay)."""
-    session.prefill = record.get("prefill")
-    session.decode = record.get("decode")
-    session.prefix_id = record.get("prefix_id")
-    session.priority = int(record.get("priority") or 0)
-    session.tokens = [int(t) for t in record.get("tokens") or []]
-    session.turns = int(record.get("turns") or 0)
-    totals = record.get("totals") or {}
-    session.totals = SessionTotals(**{k: int(v) for k, v in totals.items()
-                                      if k in SessionTotals.__dataclass_fields__})
-    kept = {k: v for k, v in session.mode_state.items() if not _json_safe(v)}
-    session.mode_state = {**dict(record.get("mode_state") or {}), **kept}
-
-
 def _unreachable(exc: Exception) -> None:
     # Turns go on from this router's memory: only reuse across routers is lost meanwhile.
     log.warning("turnkv: Redis unreachable (%s); serving from this router's sessions", exc)
 
 
-def _redis_key(key: SessionKey) -> str:
+def _redis_key(key: Key) -> str:
     # No tenant names or session IDs in Redis's keyspace (or its logs): a hash of both.
     digest = hashlib.sha256(f"{key.tenant}\0{key.session_id}".encode()).hexdigest()[:40]
     return f"{PREFIX}session:{digest}"
-
-
-def _json_safe(value: Any) -> bool:
-    """Plain JSON only: a dataclass (bidirectional's held KV, with this process's clock in it)
-    or a task stays with the router that made it."""
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_json_safe(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _json_safe(v) for k, v in value.items())
-    return False

@@ -1,19 +1,51 @@
-"""The router's session table: where each session lives, what it holds, until when.
+"""The router's sessions: where each lives, what it holds, until when; and the service the turn
+pipeline and the session API use to open, remember, renew and end them.
 
 One owner of the clock (the table), bounded size, and SGLang's TTL rule: the operator sets a
 default and a cap; a client's hint may only shorten the cap. Leases expire lazily on access and
 in `sweep`, so no timer thread touches the table.
+
+Each session keeps its token history (the last turn's prompt and output token IDs, as the
+engines computed them). Reused KV is only correct for the positions where a new prompt's tokens
+are exactly those tokens: an edited or stripped history, compacted context or assistant text
+that re-tokenises differently breaks the match, and reuse must stop there (`prefix_break`).
+
+With a shared store (`session_store`), the service reads a session's record before its turn is
+routed and writes it when the turn ends. A record holds what another router needs to serve the
+next turn as this one would: the pair, the history, totals, and the JSON-safe part of the
+mode's state; not this process's background tasks (a push back in flight) or the in-flight flag.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnkv.protocol import CacheHints
+from turnkv.protocol import CacheHints, TurnStats, TurnTag
+from turnkv_server.router.session_store import RedisStore, StoreUnavailable
+from turnkv_server.router.upstream import Placement
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in slices first: histories are thousands of tokens and usually match entirely.
+    step = 256
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prefix_break(history: Sequence[int], prompt: Sequence[int]) -> int | None:
+    """The first position where ``prompt`` stops following ``history``, or None if it repeats
+    all of it. A prompt shorter than the history breaks at its own length at the latest."""
+    matched = common_prefix_len(history, prompt)
+    return None if matched == len(history) else matched
 
 
 @dataclass(frozen=True)
@@ -26,6 +58,8 @@ class SessionKey:
 
 @dataclass
 class SessionTotals:
+    """A session's turns' stats, summed."""
+
     turns: int = 0
     prompt_tokens: int = 0
     prefill_computed: int = 0
@@ -35,6 +69,18 @@ class SessionTotals:
     completion_tokens: int = 0
     fallbacks: int = 0
     prefix_breaks: int = 0
+
+    def add(self, stats: TurnStats) -> None:
+        tokens = stats.prompt_tokens
+        self.turns += 1
+        self.prompt_tokens += tokens.total
+        self.completion_tokens += stats.completion_tokens
+        self.prefill_computed += tokens.prefill_computed or 0
+        self.decode_computed += tokens.decode_computed or 0
+        self.reused_tokens += max(0, tokens.total - (tokens.prefill_computed or 0)
+                                  - (tokens.decode_computed or 0))
+        self.fallbacks += 1 if stats.fallback else 0
+        self.prefix_breaks += 1 if stats.prefix_break_at is not None else 0
 
 
 @dataclass
@@ -53,6 +99,7 @@ class Session:
     # Per-mode state, e.g. the decode engine's kv_transfer_params in bidirectional mode.
     mode_state: dict[str, Any] = field(default_factory=dict)
     totals: SessionTotals = field(default_factory=SessionTotals)
+    last_stats: dict[str, Any] | None = None  # the last turn's, as the client got them
     in_flight: bool = False
 
 
@@ -151,3 +198,158 @@ class SessionTable:
         del self._sessions[victim.key]
         self.evicted_total += 1
         return True
+
+
+def to_record(session: Session) -> dict[str, Any]:
+    return {
+        "prefill": session.prefill,
+        "decode": session.decode,
+        "prefix_id": session.prefix_id,
+        "priority": session.priority,
+        "tokens": session.tokens,
+        "turns": session.turns,
+        "totals": vars(session.totals),
+        "last_stats": session.last_stats,
+        "mode_state": {k: v for k, v in session.mode_state.items() if _json_safe(v)},
+    }
+
+
+def apply_record(session: Session, record: dict[str, Any]) -> None:
+    """Make `session` what another router left: its fields, and the stored mode state over
+    this router's (whose tasks, if any, stay)."""
+    session.prefill = record.get("prefill")
+    session.decode = record.get("decode")
+    session.prefix_id = record.get("prefix_id")
+    session.priority = int(record.get("priority") or 0)
+    session.tokens = [int(t) for t in record.get("tokens") or []]
+    session.turns = int(record.get("turns") or 0)
+    totals = record.get("totals") or {}
+    session.totals = SessionTotals(**{k: int(v) for k, v in totals.items()
+                                      if k in SessionTotals.__dataclass_fields__})
+    last = record.get("last_stats")
+    session.last_stats = last if isinstance(last, dict) else None
+    kept = {k: v for k, v in session.mode_state.items() if not _json_safe(v)}
+    session.mode_state = {**dict(record.get("mode_state") or {}), **kept}
+
+
+def _json_safe(value: Any) -> bool:
+    """Plain JSON only: a dataclass (bidirectional's held KV, with this process's clock in it)
+    or a task stays with the router that made it."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_json_safe(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_safe(v) for k, v in value.items())
+    return False
+
+
+class SessionService:
+    """The router's sessions: its table, kept in step with the shared store when there is one.
+    `on_end` runs for each session that ends (released, or expired on every router): the
+    mode releases what it holds for it."""
+
+    def __init__(self, table: SessionTable, store: RedisStore | None,
+                 on_end: Callable[[Session], None]) -> None:
+        self.table = table
+        self.store = store
+        self._on_end = on_end
+
+    async def begin_turn(self, key: SessionKey) -> tuple[Session, bool]:
+        """The session a tagged turn belongs to, in flight from now on; and whether the turn
+        opened it."""
+        await self.sync(key)
+        opened = self.table.get(key) is None
+        session = self.table.open(key)
+        session.in_flight = True
+        return session, opened
+
+    async def end_turn(self, session: Session, opened: bool, failed: bool) -> None:
+        session.in_flight = False
+        # A session whose first turn failed holds nothing worth a table entry.
+        if opened and failed and session.turns == 0:
+            await self.release(session)
+
+    async def remember(self, session: Session, tag: TurnTag | None, placement: Placement,
+                       stats: TurnStats, history: list[int] | None) -> None:
+        """A turn served: its pair, its history (prompt and output token IDs), its stats, and a
+        renewed lease (or the end of the session, on a `final` turn)."""
+        # A resent turn (an index already seen) is not counted twice.
+        if tag is None or tag.turn is None or tag.turn > session.turns:
+            session.turns = stats.turn
+            session.totals.add(stats)
+        session.prefill, session.decode = placement.prefill.name, placement.decode.name
+        if history is not None:
+            session.tokens = history
+        session.last_stats = stats.model_dump()
+        if tag and tag.prefix_id:
+            session.prefix_id = tag.prefix_id
+        hints = tag.hints if tag else CacheHints()
+        if hints.final:
+            await self.release(session)
+        else:
+            await self.renew(session, hints)
+
+    async def find(self, key: SessionKey) -> Session | None:
+        await self.sync(key)
+        return self.table.get(key)
+
+    async def renew(self, session: Session, hints: CacheHints) -> None:
+        self.table.renew(session, hints)
+        if self.store is not None:
+            await self.store.save(session.key, to_record(session),
+                                  session.expires_at - self.table.clock())
+
+    async def release(self, session: Session) -> None:
+        self.table.release(session.key)
+        if self.store is not None:
+            await self.store.delete(session.key)
+        self._on_end(session)
+
+    async def expire(self) -> None:
+        """End the sessions whose lease ran out (with a store: on every router)."""
+        for gone in self.table.sweep():
+            # Expired here; with a shared store, another router may have renewed it.
+            if not await self._alive_elsewhere(gone.key):
+                self._on_end(gone)
+
+    async def sync(self, key: SessionKey) -> None:
+        """With a shared store, take the session as the routers last left it: another router
+        may have served its last turn, or ended it."""
+        if self.store is None:
+            return
+        try:
+            record = await self.store.load(key)
+        except StoreUnavailable:
+            return  # serve from this router's copy, if any
+        local = self.table.get(key)
+        if local is not None and local.in_flight:
+            return  # a turn of it is under way here; it writes the record when it ends
+        if record is None:
+            if local is not None:
+                self.table.release(key)
+            return
+        apply_record(self.table.open(key), record)
+
+    async def _alive_elsewhere(self, key: SessionKey) -> bool:
+        if self.store is None:
+            return False
+        try:
+            return await self.store.load(key) is not None
+        except StoreUnavailable:
+            return False
+
+    def view(self, session: Session) -> dict[str, Any]:
+        now = self.table.clock()
+        return {
+            "session_id": session.key.session_id,
+            "turns": session.turns,
+            "prefill_node": session.prefill,
+            "decode_node": session.decode,
+            "prefix_id": session.prefix_id,
+            "priority": session.priority,
+            "tokens_held": len(session.tokens),
+            "expires_in_s": round(max(0.0, session.expires_at - now), 3),
+            "totals": vars(session.totals),
+            "last_turn": session.last_stats,
+        }

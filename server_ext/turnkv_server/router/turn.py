@@ -1,9 +1,20 @@
-"""One turn through the router: place it, prefill, decode, measure, remember.
+"""One turn through the router, top to bottom.
 
-The pipeline is the same in every mode; the mode object decides what `kv_transfer_params`
-each engine gets. Engine trouble before the client has received a byte (connection refused,
-reset, a 5xx) marks the engine unhealthy and replays the turn on another pair, which is
-correct by construction: the new pair recomputes whatever it lacks.
+`Turns.serve` takes a request the app has authenticated and read (`app`), and:
+1. opens its session (`sessions`), in flight until the turn ends;
+2. places it on a prefill/decode pair (`upstream`);
+3. asks the mode for the attempt's plan (`modes`): whether the decode engine serves alone, each
+   engine's `kv_transfer_params`, whether both requests go out together;
+4. sends the prefill request (unless the decode engine serves alone) and the decode request,
+   and begins the turn's stats (`stats`) once the prefill is over;
+5. relays the decode engine's answer, whole or streamed, with the stats;
+6. tells the mode how the decode request ended (`Mode.finish`), and remembers the turn.
+
+Engine trouble before the client has received a byte (connection refused, reset, a 5xx) marks
+the engine unhealthy and replays the turn on another pair, which is correct by construction:
+the new pair recomputes whatever it lacks. A failed read-back of the session's KV is replayed
+without reuse. Every engine request is owned from the moment it is sent until it is closed
+(`upstream.Stream`); the decode request by a `Decode`, which ends exactly once, on every path.
 """
 
 from __future__ import annotations
@@ -12,30 +23,32 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from turnkv.protocol import FallbackReason, TurnStats, TurnTag, TurnTimes
-from turnkv_server.router.history import prefix_break
-from turnkv_server.router.modes import PREFILL_FOR_REMOTE_DECODE, Mode, PrefillResult
-from turnkv_server.router.placement import Engine, EnginePool, Placement
-from turnkv_server.router.sessions import Session
+from turnkv import protocol as p
+from turnkv_server.engine.requests import decode_request, prefill_request
+from turnkv_server.router import stats
+from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
+from turnkv_server.router.sessions import SessionKey, SessionService
 from turnkv_server.router.upstream import (
     EngineConnectionError,
+    EnginePool,
     EngineRejected,
+    EngineUnavailable,
+    Placement,
     Stream,
     Upstream,
 )
 
 
-class EngineUnavailable(Exception):
-    def __init__(self, engine: Engine, detail: str) -> None:
-        super().__init__(f"{engine.name} ({engine.url}) unavailable: {detail}")
-        self.engine = engine
-        self.detail = detail
+class TurnFailed(Exception):
+    """No engine could serve the turn: the client gets a 503 to retry later."""
 
 
 class ReuseFailed(Exception):
@@ -43,111 +56,298 @@ class ReuseFailed(Exception):
 
 
 @dataclass
-class Turn:
-    path: str
-    body: dict[str, Any]
-    tag: TurnTag | None
-    session: Session | None
+class Turns:
+    """The turn pipeline, one per router."""
+
+    pool: EnginePool
     mode: Mode
-    want_token_ids: bool
-    accepted_at: float = field(default_factory=time.perf_counter)
-    request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    stats: TurnStats | None = None
-    prompt_token_ids: list[int] | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    # Set by the mode when the prefill request carries KV to read back.
-    reuse_params: bool = False
-    reuse_note: tuple[FallbackReason, str] | None = None
-    # After a failed read-back the turn is replayed without reuse.
-    skip_reuse: bool = False
-    # The decode engine serves this attempt alone: no prefill request (a short delta).
-    decode_alone: bool = False
+    mode_name: str
+    upstream: Upstream
+    sessions: SessionService
+    metrics: stats.RouterMetrics
+    retries: int  # a turn that fails on an unavailable engine is replayed this many times
 
-    def new_attempt(self) -> None:
-        self.request_id = str(uuid.uuid4())
-        self.stats = None
-        self.prompt_token_ids = None
-        self.output_token_ids = []
-        self.reuse_params = False
-        self.reuse_note = None
-        self.decode_alone = False
+    async def serve(self, path: str, body: dict[str, Any], tag: p.TurnTag | None,
+                    tenant: str) -> Response:
+        """The turn's response; raises `TurnFailed`, or `EngineRejected` (the engine's 4xx,
+        for the client as it is)."""
+        session, opened = None, False
+        if tag is not None:
+            session, opened = await self.sessions.begin_turn(SessionKey(tenant, tag.session_id))
+        turn = Turn(path=path, body=body, tag=tag, session=session,
+                    want_token_ids=bool(body.get("return_token_ids")),
+                    stream=bool(body.get("stream")))
+        response: Response | None = None
+        try:
+            response = await self._attempts(turn)
+            return response
+        finally:
+            # A streamed turn stays in flight until its relay ends.
+            if session is not None and not isinstance(response, StreamingResponse):
+                failed = response is None or response.status_code >= 400
+                await self.sessions.end_turn(session, opened, failed)
 
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
+    async def _attempts(self, turn: Turn) -> Response:
+        # A session whose engines are down must move: name the fallback before routing.
+        lost = self.pool.unhealthy(turn.session.prefill, turn.session.decode) \
+            if turn.session else []
+        fallback: p.FallbackReason | None = "engine_unavailable" if lost else None
+        detail = f"{', '.join(lost)} unhealthy; session moved" if lost else None
+        for attempt in range(self.retries + 2):
+            placement = self._place(turn)
+            turn.request_id = str(uuid.uuid4())
+            turn.prompt_token_ids, turn.output_token_ids = None, []
+            try:
+                return await self._attempt(turn, placement, fallback, detail)
+            except ReuseFailed as exc:
+                # Reading the session's KV back failed: the mode's offer is spent, and the
+                # replay recomputes, on the same engines.
+                fallback, detail = "transfer_failed", str(exc)
+            except EngineUnavailable as exc:
+                exc.engine.healthy = False
+                fallback, detail = "engine_unavailable", str(exc)
+                if attempt >= self.retries:
+                    raise TurnFailed(f"no engine could serve the turn: {exc}") from exc
+        raise TurnFailed(f"the turn failed: {detail}")
 
-    def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.accepted_at) * 1000
+    def _place(self, turn: Turn) -> Placement:
+        session = turn.session
+        if not self.mode.affinity or session is None:
+            return self.pool.round_robin()
+        return self.pool.place(prefill=session.prefill, decode=session.decode,
+                               prefix_id=turn.tag.prefix_id if turn.tag else None)
+
+    async def _attempt(self, turn: Turn, placement: Placement,
+                       fallback: p.FallbackReason | None, detail: str | None) -> Response:
+        try:
+            plan = await self.mode.plan(turn, placement)
+        except EngineConnectionError as exc:
+            # Planning may ask an engine first (/tokenize, /metrics).
+            raise EngineUnavailable(exc.engine, str(exc)) from exc
+        if plan.alone is not None:
+            turn.prompt_token_ids = plan.alone.prompt_token_ids
+            turn_stats = stats.begin(turn, plan, None, self.mode_name, fallback, detail)
+            decode = await self._open_decode(turn, plan, plan.decode_params)
+        else:
+            decode, turn_stats = await self._prefill_then_decode(turn, plan, fallback, detail)
+        if turn.stream:
+            try:
+                return RelayResponse(self._relay(turn, decode, turn_stats),
+                                     on_end=lambda: self._end_relay(decode),
+                                     media_type="text/event-stream",
+                                     headers=stats.headers(turn_stats))
+            except BaseException:
+                self._end_relay(decode)
+                raise
+        return await self._complete(turn, decode, turn_stats)
+
+    async def _prefill_then_decode(self, turn: Turn, plan: TurnPlan,
+                                   fallback: p.FallbackReason | None, detail: str | None
+                                   ) -> tuple[Decode, p.TurnStats]:
+        decode: asyncio.Task[Decode] | None = None
+        if plan.concurrent:
+            decode = asyncio.create_task(self._open_decode(turn, plan, plan.decode_params))
+        try:
+            prefill = await self._prefill(turn, plan)
+            turn.prompt_token_ids = prefill.prompt_token_ids
+            turn_stats = stats.begin(turn, plan, prefill, self.mode_name, fallback, detail)
+            if decode is None:
+                # vLLM's pull P/D: the decode request carries what the prefill returned.
+                decode = asyncio.create_task(
+                    self._open_decode(turn, plan, prefill.transfer_params))
+            return await decode, turn_stats
+        except BaseException:
+            if decode is not None:
+                await drop_decode(decode)
+            raise
+
+    async def _prefill(self, turn: Turn, plan: TurnPlan) -> stats.PrefillResult:
+        engine = plan.placement.prefill
+        assert plan.prefill_params is not None
+        started = time.perf_counter()
+        try:
+            response = await self.upstream.post(
+                engine, turn.path, prefill_request(turn.body, plan.prefill_params),
+                headers={"X-Request-Id": turn.request_id})
+        except EngineConnectionError as exc:
+            # Connection refused or reset, a timeout, a truncated body: the engine cannot serve
+            # now. The same test applies to the decode request.
+            raise EngineUnavailable(engine, str(exc)) from exc
+        if response.status >= 500 and plan.reuse:
+            raise ReuseFailed(f"{engine.name} failed reading the session's KV back: "
+                              f"HTTP {response.status}")
+        if response.status >= 500:
+            raise EngineUnavailable(engine, f"HTTP {response.status}")
+        if response.status != 200:
+            raise EngineRejected(response.status, response.content)
+        return stats.PrefillResult.read(response.json(), (time.perf_counter() - started) * 1000)
+
+    async def _open_decode(self, turn: Turn, plan: TurnPlan,
+                           params: dict[str, Any] | None) -> Decode:
+        """Send the decode request; returns once its headers are in. The caller owns the
+        returned `Decode` and must end it."""
+        engine = plan.placement.decode
+        request = decode_request(turn.body, params,
+                                 token_ids=turn.session is not None or turn.want_token_ids)
+        try:
+            upstream = await self.upstream.open(engine, turn.path, request,
+                                                headers={"X-Request-Id": turn.request_id})
+        except EngineConnectionError as exc:
+            self.mode.finish(turn, plan, TurnEnd("refused"))
+            raise EngineUnavailable(engine, str(exc)) from exc
+        if upstream.status != 200:
+            try:
+                content = await upstream.read()
+            except EngineConnectionError:
+                content = b""
+            finally:
+                upstream.close()
+            self.mode.finish(turn, plan, TurnEnd("refused"))
+            if upstream.status >= 500:
+                raise EngineUnavailable(engine, f"HTTP {upstream.status}")
+            raise EngineRejected(upstream.status, content)
+        return Decode(turn, plan, upstream, self.mode)
+
+    async def _complete(self, turn: Turn, decode: Decode, turn_stats: p.TurnStats) -> Response:
+        try:
+            data = orjson.loads(await decode.stream.read())
+        except BaseException as exc:
+            decode.cut()
+            if isinstance(exc, EngineConnectionError):
+                raise EngineUnavailable(exc.engine, str(exc)) from exc
+            raise
+        finally:
+            decode.close()
+        choices = data.get("choices") or [{}]
+        turn.output_token_ids = list(choices[0].get("token_ids") or [])
+        usage = data.get("usage") or {}
+        reply = data.pop("kv_transfer_params", None)
+        stats.finish(turn, decode.plan, turn_stats, int(usage.get("completion_tokens") or 0),
+                     None, usage, reply)
+        decode.complete(reply, turn_stats)
+        await self._remember(turn, decode.plan, turn_stats)
+        if not turn.want_token_ids:
+            strip_token_ids(data)
+        data["turnkv"] = turn_stats.model_dump()
+        return Response(orjson.dumps(data), media_type="application/json",
+                        headers=stats.headers(turn_stats))
+
+    async def _relay(self, turn: Turn, decode: Decode, turn_stats: p.TurnStats
+                     ) -> AsyncIterator[bytes]:
+        first_token_ms: float | None = None
+        completion_tokens = 0
+        template: dict[str, Any] | None = None
+        usage: dict[str, Any] | None = None
+        try:
+            async for payload in decode.stream.events():
+                if payload == b"[DONE]":
+                    stats.finish(turn, decode.plan, turn_stats,
+                                 completion_tokens or len(turn.output_token_ids),
+                                 first_token_ms, usage, None)
+                    decode.complete(None, turn_stats)
+                    await self._remember(turn, decode.plan, turn_stats)
+                    yield stats.chunk(turn, turn_stats, template)
+                    yield b"data: [DONE]\n\n"
+                    continue
+                try:
+                    chunk = orjson.loads(payload)
+                except ValueError:
+                    yield b"data: " + payload + b"\n\n"
+                    continue
+                template = template or chunk
+                if first_token_ms is None and has_output(chunk):
+                    first_token_ms = (time.perf_counter() - turn.accepted_at) * 1000
+                for choice in chunk.get("choices") or []:
+                    turn.output_token_ids.extend(choice.get("token_ids") or [])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    completion_tokens = int(usage.get("completion_tokens") or 0)
+                if not turn.want_token_ids:
+                    strip_token_ids(chunk)
+                    if not chunk.get("choices") and not chunk.get("usage") \
+                            and "error" not in chunk:
+                        continue
+                yield stats.sse(chunk)
+        except EngineConnectionError as exc:
+            # Mid-stream loss of the decode engine: the client gets an error event, never a
+            # silently truncated answer.
+            exc.engine.healthy = False
+            yield stats.sse({"error": {"message": f"decode engine lost mid-stream: {exc!r}",
+                                       "type": "service_unavailable", "code": 503}})
+        finally:
+            self._end_relay(decode)
+
+    def _end_relay(self, decode: Decode) -> None:
+        """The end of a streamed turn, however it came: idempotent (the relay's `finally` and
+        the response's `on_end` both call it)."""
+        if decode.stream.closed:
+            return
+        if decode.state != "complete":
+            self.metrics.errors.labels("incomplete_stream").inc()
+        decode.cut()  # closes the response; gives up the mode's plans unless complete
+        if decode.turn.session is not None:
+            decode.turn.session.in_flight = False
+
+    async def _remember(self, turn: Turn, plan: TurnPlan, turn_stats: p.TurnStats) -> None:
+        self.metrics.record(turn_stats, tagged=turn.session is not None)
+        if turn.session is None:
+            return
+        if turn.tag and turn.tag.prefix_id:
+            self.pool.remember_prefix(turn.tag.prefix_id, plan.placement)
+        history = (None if turn.prompt_token_ids is None
+                   else [*turn.prompt_token_ids, *turn.output_token_ids])
+        await self.sessions.remember(turn.session, turn.tag, plan.placement, turn_stats,
+                                     history)
 
 
-def prefill_request(turn: Turn, transfer_params: dict[str, Any]) -> dict[str, Any]:
-    body = {k: v for k, v in turn.body.items()
-            if k not in ("stream_options", "min_tokens", "max_completion_tokens")}
-    body["max_tokens"] = 1
-    body["stream"] = False
-    body["return_token_ids"] = True
-    body["kv_transfer_params"] = transfer_params
-    return body
+class RelayResponse(StreamingResponse):
+    """A streamed turn's response.
 
+    The relay generator ends its decode request in its `finally`, but a generator that never
+    started (the client left before the first byte) has no `finally` to run, and one left at a
+    `yield` runs it only when it is collected: `on_end` runs as soon as the response is over,
+    however it ended.
+    """
 
-async def run_prefill(
-    upstream: Upstream, engine: Engine, turn: Turn, transfer_params: dict[str, Any]
-) -> PrefillResult:
-    started = time.perf_counter()
-    try:
-        response = await upstream.post(engine, turn.path, prefill_request(turn, transfer_params),
-                                       headers={"X-Request-Id": turn.request_id})
-    except EngineConnectionError as exc:
-        # Connection refused or reset, a timeout, a truncated body: the engine cannot serve
-        # now. The same test applies to the decode request.
-        raise EngineUnavailable(engine, str(exc)) from exc
-    if response.status >= 500 and turn.reuse_params:
-        raise ReuseFailed(f"{engine.name} failed reading the session's KV back: "
-                          f"HTTP {response.status}")
-    if response.status >= 500:
-        raise EngineUnavailable(engine, f"HTTP {response.status}")
-    if response.status != 200:
-        raise EngineRejected(response.status, response.content)
-    data = response.json()
-    usage = data.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return PrefillResult(
-        transfer_params=data.get("kv_transfer_params"),
-        prompt_token_ids=data.get("prompt_token_ids"),
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        cached_tokens=int(details.get("cached_tokens") or 0),
-        elapsed_ms=(time.perf_counter() - started) * 1000,
-    )
+    def __init__(self, content: AsyncIterator[bytes], on_end: Callable[[], None],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
 
 
 @dataclass
 class Decode:
-    """One attempt's decode request once its headers are in: the engine's response and the
-    transfer params the request carried.
+    """One attempt's decode request once its headers are in.
 
-    It ends exactly once, one of two ways: `complete` (the reply was read whole: the mode's
-    `after_turn` runs) or `cut` (anything else: the stream broke or the client left, the turn
-    failed elsewhere, the request is no longer wanted: the mode gives up what it arranged for
-    after the turn). The response itself is closed by `close` (or `cut`), which also gives
-    back the engine's in-flight count; both are idempotent, so every path may call them.
+    It ends exactly once, one of two ways: `complete` (the reply was read whole) or `cut`
+    (anything else: the stream broke or the client left, the turn failed elsewhere, the
+    request is no longer wanted); either way the mode's `finish` learns which. The response
+    itself is closed by `close` (or `cut`), which also gives back the engine's in-flight
+    count; both are idempotent, so every path may call them.
     """
 
     turn: Turn
-    placement: Placement
+    plan: TurnPlan
     stream: Stream
-    params: dict[str, Any] | None
+    mode: Mode
     state: Literal["open", "complete", "cut"] = "open"
 
-    def complete(self, reply_params: dict[str, Any] | None) -> None:
+    def complete(self, reply: dict[str, Any] | None, turn_stats: p.TurnStats) -> None:
         if self.state == "open":
             self.state = "complete"
-            self.turn.mode.after_turn(self.turn, self.placement, reply_params)
+            self.mode.finish(self.turn, self.plan, TurnEnd("complete", reply, turn_stats))
 
     def cut(self) -> None:
         self.stream.close()
         if self.state == "open":
             self.state = "cut"
-            self.turn.mode.decode_cut(self.turn, self.placement, self.params)
+            self.mode.finish(self.turn, self.plan, TurnEnd("cut"))
 
     def close(self) -> None:
         self.stream.close()
@@ -176,89 +376,10 @@ def _cut_result(task: asyncio.Task[Decode]) -> None:
         task.result().cut()
 
 
-def decode_request(turn: Turn, transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-    body = dict(turn.body)
-    body["kv_transfer_params"] = transfer_params
-    if turn.session is not None or turn.want_token_ids:
-        body["return_token_ids"] = True
-    return body
-
-
-def begin_stats(turn: Turn, placement: Placement, prefill: PrefillResult,
-                fallback: FallbackReason | None, fallback_detail: str | None) -> TurnStats:
-    session = turn.session
-    break_at = None
-    if session is not None and session.tokens and prefill.prompt_token_ids is not None:
-        break_at = prefix_break(session.tokens, prefill.prompt_token_ids)
-    moved = bool(session and session.decode and
-                 (session.prefill, session.decode) != (placement.prefill.name,
-                                                       placement.decode.name))
-    if fallback is None and turn.reuse_note is not None:
-        fallback, fallback_detail = turn.reuse_note
-    return TurnStats(
-        session_id=session.key.session_id if session else None,
-        turn=_turn_number(turn),
-        mode=turn.mode.name,
-        prefill_node=None if turn.decode_alone else placement.prefill.name,
-        decode_node=placement.decode.name,
-        moved=moved,
-        prompt_tokens=turn.mode.prompt_tokens(turn, prefill),
-        times=TurnTimes(prefill_ms=prefill.elapsed_ms),
-        prefix_break_at=break_at,
-        fallback=fallback,
-        fallback_detail=fallback_detail,
-    )
-
-
-def _turn_number(turn: Turn) -> int:
-    if turn.tag is not None and turn.tag.turn is not None:
-        return turn.tag.turn
-    return (turn.session.turns + 1) if turn.session else 1
-
-
-def finish_stats(turn: Turn, completion_tokens: int, first_token_ms: float | None,
-                 usage: dict[str, Any] | None = None) -> TurnStats:
-    assert turn.stats is not None
-    stats = turn.stats
-    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    if turn.decode_alone and cached is not None:
-        # With no remote prefill, the decode engine's cached_tokens are its own prefix hits
-        # (in P/D it reports the prefill engine's, so they are not read there).
-        stats.prompt_tokens.decode_cached = int(cached)
-        stats.prompt_tokens.decode_computed = stats.prompt_tokens.total - int(cached)
-    stats.completion_tokens = completion_tokens
-    stats.times.first_token_ms = first_token_ms
-    stats.times.total_ms = turn.elapsed_ms()
-    return stats
-
-
 def strip_token_ids(data: dict[str, Any]) -> None:
     data.pop("prompt_token_ids", None)
     for choice in data.get("choices") or []:
         choice.pop("token_ids", None)
-
-
-async def sse_events(response: Stream) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an SSE stream, in order."""
-    async for line in response.lines():
-        if line.startswith(b"data:"):
-            yield line[5:].strip()
-
-
-def stats_chunk(turn: Turn, stats: TurnStats, template: dict[str, Any] | None) -> bytes:
-    chunk: dict[str, Any] = {
-        "id": (template or {}).get("id", turn.request_id),
-        "object": (template or {}).get("object", "chat.completion.chunk"),
-        "created": (template or {}).get("created", int(time.time())),
-        "model": (template or {}).get("model", turn.body.get("model")),
-        "choices": [],
-        "turnkv": stats.model_dump(),
-    }
-    return sse(chunk)
-
-
-def sse(event: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
 def has_output(chunk: dict[str, Any]) -> bool:
@@ -268,31 +389,3 @@ def has_output(chunk: dict[str, Any]) -> bool:
                 or delta.get("reasoning") or choice.get("token_ids"):
             return True
     return False
-
-
-async def decode_alone(turn: Turn, placement: Placement) -> list[int] | None:
-    """The prompt's token IDs if the mode has the decode engine serve this turn alone."""
-    if turn.skip_reuse:
-        return None
-    try:
-        return await turn.mode.decode_alone(turn, placement)
-    except EngineConnectionError as exc:
-        # Deciding asks the decode engine first (/tokenize).
-        raise EngineUnavailable(placement.decode, str(exc)) from exc
-
-
-async def prefill_params(turn: Turn, placement: Placement) -> dict[str, Any]:
-    if turn.skip_reuse:
-        return dict(PREFILL_FOR_REMOTE_DECODE)
-    try:
-        return await turn.mode.prefill_transfer_params(turn, placement)
-    except EngineConnectionError as exc:
-        # Preparing reuse asks the prefill engine first (bidirectional: /tokenize).
-        raise EngineUnavailable(placement.prefill, str(exc)) from exc
-
-
-def route(pool: EnginePool, mode: Mode, session: Session | None, prefix_id: str | None
-          ) -> Placement:
-    if not mode.affinity or session is None:
-        return pool.round_robin()
-    return pool.place(prefill=session.prefill, decode=session.decode, prefix_id=prefix_id)

@@ -1,10 +1,19 @@
-"""`kv_transfer_params["turnkv"]`: what the router writes is what the connector reads."""
+"""`kv_transfer_params["turnkv"]`: what the router writes is what the connector reads, and what
+the connector answers is what the router reads."""
 
 from __future__ import annotations
 
 import pytest
 
-from turnkv_server.connector.params import BadParams, Receive, Send, TurnParams, parse
+from turnkv_server.engine.protocol import (
+    BadParams,
+    Receive,
+    Send,
+    TurnParams,
+    TurnReply,
+    parse,
+    parse_reply,
+)
 
 
 def test_round_trip() -> None:
@@ -64,3 +73,15 @@ def test_malformed_abandon_is_refused(raw: object) -> None:
 def test_malformed_stream_is_refused() -> None:
     with pytest.raises(BadParams, match="stream"):
         parse({"turnkv": {"send": {"transfer_id": "t", "stream": "yes"}}})
+
+
+def test_the_reply_round_trips_and_other_params_carry_none() -> None:
+    reply = TurnReply(held_blocks=3, local_tokens=256, received_tokens=100, receive_failed=True)
+    assert parse_reply({"turnkv": reply.to_wire()}) == reply
+    # What the connector has always sent: these four keys, under "turnkv".
+    assert reply.to_wire() == {"held_blocks": 3, "local_tokens": 256, "received_tokens": 100,
+                               "receive_failed": True}
+    assert parse_reply(None) is None
+    assert parse_reply({"remote_block_ids": [[1]]}) is None  # upstream's, streamed: none
+    with pytest.raises(BadParams, match="object"):
+        TurnReply.from_wire([1])

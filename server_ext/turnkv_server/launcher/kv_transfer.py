@@ -1,0 +1,54 @@
+"""vLLM's `--kv-transfer-config` for each engine of a cluster, by serving mode and role.
+
+In `turnkv` mode every engine loads this project's connector (`TURNKV_CONNECTOR_MODULE`); the
+upstream modes load vLLM's own NIXL connectors through `NIXL_CONNECTOR_MODULE`, which
+re-exports them tuned for CPU hosts. A `single` engine loads none. `Cluster` puts the result
+in each engine's spec, and names each engine's `engine_id` from it on the router's command
+line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from turnkv_server.launcher.engine import Role
+
+NIXL_CONNECTOR_MODULE = "turnkv_server.engine.nixl_tuning"
+TURNKV_CONNECTOR_MODULE = "turnkv_server.connector.vllm_connector"
+
+
+def kv_transfer_config(
+    mode: str, role: Role, engine_id: str, decoder_kv_ttl: float = 120.0,
+    recompute_threshold: int | None = None, connector_settings: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``."""
+    if role == "single":
+        return None
+    if mode == "turnkv":
+        # One class on both roles; a failed receive is recomputed, never served.
+        return {
+            "kv_connector": "TurnkvConnector",
+            "kv_connector_module_path": TURNKV_CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "engine_id": engine_id,
+            "kv_connector_extra_config": dict(connector_settings or {}),
+        }
+    config: dict[str, Any] = {
+        "kv_connector": "NixlPushConnector" if mode == "push" else "NixlConnector",
+        "kv_connector_module_path": NIXL_CONNECTOR_MODULE,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "engine_id": engine_id,
+    }
+    if mode == "bidirectional":
+        # Both directions on both engines: the decode engine holds finished turns and the
+        # prefill engine reads them back.
+        config["kv_role"] = "kv_both"
+        config["kv_connector_extra_config"] = {
+            "bidirectional_kv_xfer": True,
+            "decoder_kv_blocks_ttl": int(decoder_kv_ttl),
+        }
+        if recompute_threshold is not None:
+            config["kv_connector_extra_config"]["kv_recompute_threshold"] = recompute_threshold
+    return config

@@ -1,0 +1,159 @@
+"""What a serving mode is: two calls per turn, between the router's turn pipeline
+(`router.turn`) and vLLM's `kv_transfer_params`.
+
+- `plan(turn, placement) -> TurnPlan`, before any engine request of the attempt: whether the
+  decode engine serves the turn alone, each engine's `kv_transfer_params`, whether the decode
+  request goes out with the prefill request, what the prefill reads back (and why it reads
+  nothing, if that is a fallback), and what the engines keep for later requests of the turn.
+- `finish(turn, plan, end)`, once the attempt's decode request has ended, however it ended
+  (`TurnEnd`): completed (with the decode engine's reply params and the turn's stats), cut
+  (its stream broke, the client left, the turn failed elsewhere) or refused (it never started).
+  The mode arranges what follows a whole turn, or gives up what it arranged for it.
+
+The pipeline owns everything else: the engine requests, their ends, the stats, the session's
+history. A mode's state per session (a push back in flight, an offer of held KV) lives in
+`Session.mode_state`; `drop_session` releases it when the session ends.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from turnkv.protocol import FallbackReason, TurnStats, TurnTag
+from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.sessions import Session
+from turnkv_server.router.upstream import EnginePool, Placement, Upstream
+
+
+@dataclass
+class Turn:
+    """One client request as it goes through the router; replayed attempts share it."""
+
+    path: str
+    body: dict[str, Any]  # the client's, tag removed, tenant's cache salt added
+    tag: TurnTag | None
+    session: Session | None
+    want_token_ids: bool  # the client asked for token IDs (the router always does)
+    stream: bool
+    accepted_at: float = field(default_factory=time.perf_counter)
+    # Per attempt (the pipeline sets them): the engine requests' ID, and the token IDs the
+    # engines report.
+    request_id: str = ""
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DecodeAlone:
+    """The decode engine serves the turn by itself: it holds the session's history and
+    computes the `new_tokens` the prompt adds, as a single engine would."""
+
+    prompt_token_ids: list[int]
+    new_tokens: int
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """What each engine does for one attempt of a turn."""
+
+    placement: Placement
+    # The prefill request's kv_transfer_params; None when the decode engine serves alone.
+    prefill_params: dict[str, Any] | None
+    alone: DecodeAlone | None = None
+    # The decode request goes out together with the prefill request, carrying
+    # `decode_params`; otherwise (vLLM's pull P/D) it follows the prefill, carrying the params
+    # the prefill's response returned. A decode engine serving alone carries `decode_params`.
+    concurrent: bool = False
+    decode_params: dict[str, Any] | None = None
+    # The prefill request reads the session's KV back: its failure (a 5xx) is a failed
+    # read-back, replayed without reuse, not an unavailable engine.
+    reuse: bool = False
+    # Why the prefill reads nothing back although the session held KV.
+    reuse_note: tuple[FallbackReason, str] | None = None
+    # vLLM's cached_tokens on the prefill engine are its own prefix hits (False: they include
+    # what it read back, and vLLM does not report the split).
+    cached_is_local: bool = True
+    # turnkv: the sends the engines keep for a receiver that registers later, by transfer ID:
+    # the prefill engine's for the decode request, the decode engine's for the push back.
+    # `finish` gives up those no receiver will register for.
+    prefill_send: str | None = None
+    decode_send: str | None = None
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """How a planned attempt's decode request ended."""
+
+    how: Literal["complete", "cut", "refused"]
+    # complete: the decode engine's kv_transfer_params (in non-streamed responses only) and
+    # the turn's stats.
+    reply: dict[str, Any] | None = None
+    stats: TurnStats | None = None
+
+
+@dataclass(frozen=True)
+class NixlPeer:
+    """Where an engine's NIXL side channel listens (push and turnkv need it up front)."""
+
+    engine_id: str
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, spec: str) -> NixlPeer:
+        """``ENGINE_ID@HOST:PORT``"""
+        match = re.fullmatch(r"([^@\s]+)@([^:\s]+):(\d+)", spec)
+        if not match:
+            raise ValueError(f"expected ENGINE_ID@HOST:PORT, got {spec!r}")
+        return cls(match.group(1), match.group(2), int(match.group(3)))
+
+
+@dataclass
+class ModeContext:
+    upstream: Upstream
+    prefill_peers: dict[str, NixlPeer]  # prefill engine name -> its NIXL side channel
+    decoder_kv_ttl: float
+    clock: Any = time.monotonic
+    # turnkv: every engine's connector side channel, engine name -> HOST:PORT.
+    side_channels: dict[str, str] = field(default_factory=dict)
+    pool: EnginePool | None = None
+    # turnkv: a turn adding at most this many tokens to a session is computed on its decode
+    # engine alone (0: never).
+    short_delta_tokens: int = 0
+
+    @classmethod
+    def of(cls, config: RouterConfig, upstream: Upstream, pool: EnginePool,
+           clock: Callable[[], float]) -> ModeContext:
+        """The context of a router's mode, from its settings."""
+        peers = {engine.name: NixlPeer.parse(spec)
+                 for engine, spec in zip(pool.prefill, config.prefill_nixl, strict=False)}
+        decode_peers = {engine.name: NixlPeer.parse(spec)
+                        for engine, spec in zip(pool.decode, config.decode_nixl, strict=False)}
+        side_channels = {name: f"{peer.host}:{peer.port}"
+                         for name, peer in {**peers, **decode_peers}.items()}
+        return cls(upstream=upstream, prefill_peers=peers, decoder_kv_ttl=config.decoder_kv_ttl,
+                   clock=clock, side_channels=side_channels, pool=pool,
+                   short_delta_tokens=config.short_delta_tokens)
+
+
+class Mode:
+    """A serving mode; `standard` is the plainest."""
+
+    # Whether a session's turns stick to the pair that served it.
+    affinity = False
+
+    def __init__(self, ctx: ModeContext) -> None:
+        self.ctx = ctx
+
+    async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
+        raise NotImplementedError
+
+    def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
+        """The attempt's decode request ended (see `TurnEnd`)."""
+
+    def drop_session(self, session: Session) -> None:
+        """The session ended; release whatever the mode holds for it."""

@@ -1,0 +1,288 @@
+"""The `turnkv` mode: the turnkv connector on every engine, session KV kept on both sides.
+
+Per turn (see docs/architecture.md for the picture):
+1. `plan`: prefill and decode are dispatched at the same time under one transfer ID. The
+   decode engine registers the blocks it lacks beyond its own prefix hit (the session's lease
+   keeps the last turn there), and the prefill engine writes exactly those, layer by layer.
+2. `finish`, after a whole reply: the decode engine keeps the turn's blocks (for the session's
+   lease, and until the push back); the router sends the prefill engine a one-token request
+   over the session's whole history, during the agent's tool time. The prefill engine
+   registers what it lacks (the generated tokens), the decode engine writes it, and the next
+   turn's prefill computes only the new message.
+3. Both engines hold the session's blocks under a lease: the client's TTL and priority hints
+   ride along, the engines cap them; `final` and DELETE release them.
+
+The engines keep a send for a receiver that registers later (the plan names both:
+`prefill_send`, `decode_send`). Whenever the router knows that receiver will not come (the
+turn's stream was cut, its output was empty, the decode request was refused, the prefill
+engine refused or failed the push back, or the session ended), it tells the engine to give the
+send up at once (`TurnParams.abandon`), so that those blocks do not stay allocated for the
+whole send timeout.
+
+A short delta skips step 1: when a turn adds at most `short_delta_tokens` tokens to the
+session's history (counted with the decode engine's /tokenize), the decode engine, which holds
+that history, computes them itself and no prefill request is sent. Step 2 brings the prefill
+engine up to date as usual, so a later long turn still prefills only its new tokens. A decode
+engine that turns out to have lost the history backs off short deltas for a while.
+
+Everything reaches the engines as `kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from turnkv.protocol import CacheHints
+from turnkv_server.engine.protocol import KEY, Receive, Send, TurnParams
+from turnkv_server.engine.requests import one_token_request
+from turnkv_server.router.modes.base import (
+    DecodeAlone,
+    Mode,
+    ModeContext,
+    Turn,
+    TurnEnd,
+    TurnPlan,
+)
+from turnkv_server.router.sessions import Session, common_prefix_len
+from turnkv_server.router.upstream import Engine, EngineConnectionError, Placement
+
+log = logging.getLogger(__name__)
+
+PUSH_BACK = "turnkv_push_back"
+MODEL = "turnkv_model"
+# The next turn waits this long for the previous push back to land on the prefill engine.
+PUSH_BACK_WAIT_S = 5.0
+PUSH_BACK_TIMEOUT_S = 120.0
+# The decode engine's blocks are ready when the push back starts: a peer that does not answer
+# within this is gone, and the prefill engine recomputes instead of waiting.
+PUSH_BACK_RECEIVE_S = 10.0
+# A held history leaves at most the tail of its last block to recompute (127 tokens with the
+# CPU backend's 128-token blocks, 15 on GPUs). A decode engine that computed more than this
+# beyond the delta had lost the session's KV: its leases are going to memory pressure.
+HELD_TAIL_TOKENS = 256
+# After such a miss, that decode engine's turns go through the prefill engine for this long
+# (which moves them the history back), doubling while misses go on.
+PRESSURE_BACKOFF_S = 30.0
+PRESSURE_BACKOFF_MAX_S = 600.0
+
+
+def lease_key(session: Session) -> str:
+    """The engines' name for a session: tenant-scoped, and no IDs or tenant names in their logs."""
+    raw = f"{session.key.tenant}\0{session.key.session_id}".encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def new_tokens(prompt_ids: list[int], history: list[int]) -> int:
+    """Tokens of the prompt past its first difference from the session's history (the last
+    turn's prompt and output): an edited history counts from the edit."""
+    return len(prompt_ids) - common_prefix_len(prompt_ids, history)
+
+
+def lost_history(computed: int | None, delta: int) -> bool:
+    """Whether a decode engine that computed `computed` prompt tokens for a short delta of
+    `delta` tokens had lost the session's KV (None: its usage did not say)."""
+    return computed is not None and computed > delta + HELD_TAIL_TOKENS
+
+
+class Turnkv(Mode):
+    affinity = True
+
+    def __init__(self, ctx: ModeContext) -> None:
+        super().__init__(ctx)
+        # Push backs and releases run on after their turn; a task nobody references may be
+        # collected before it ends.
+        self._background: set[asyncio.Task[None]] = set()
+        # Decode engine name -> (until when its turns skip short deltas, the current backoff).
+        self._pressure: dict[str, tuple[float, float]] = {}
+        names = [e.name for e in ctx.pool.engines()] if ctx.pool is not None else []
+        missing = [name for name in names if name not in ctx.side_channels]
+        if missing:
+            raise ValueError(f"turnkv mode needs the side channel (HOST:PORT) of every engine; "
+                             f"missing: {', '.join(missing)}")
+
+    # -- before the turn ---------------------------------------------------------------------
+
+    async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
+        session = turn.session
+        if session is not None:
+            # Releasing the session's leases when it ends takes a request of its model.
+            session.mode_state[MODEL] = turn.body.get("model")
+        # The decode engine keeps the turn for the push back, unless there is nothing to keep.
+        keep = session is not None and not _hints(turn).final
+        decode_send = _transfer_id(turn, "d2p") if keep else None
+        alone = await self._short_delta(turn, placement)
+        if alone is not None:
+            return TurnPlan(placement, prefill_params=None, alone=alone,
+                            decode_params=self._params(turn, send=_send(decode_send)),
+                            decode_send=decode_send)
+        await self._settle_push_back(session)
+        p2d = _transfer_id(turn, "p2d")
+        # Streamed: the decode engine registers within milliseconds, so the prefill's KV can be
+        # written layer by layer while it computes.
+        prefill = self._params(turn, send=Send(p2d, stream=True))
+        decode = self._params(turn, send=_send(decode_send), receive=Receive(
+            p2d, self.ctx.side_channels[placement.prefill.name]))
+        return TurnPlan(placement, prefill_params=prefill, concurrent=True,
+                        decode_params=decode, prefill_send=p2d, decode_send=decode_send)
+
+    async def _short_delta(self, turn: Turn, placement: Placement) -> DecodeAlone | None:
+        """The decode engine serves the turn alone if it holds the session's history and the
+        prompt adds at most `short_delta_tokens` to it."""
+        session = turn.session
+        decode = placement.decode.name
+        if (self.ctx.short_delta_tokens <= 0 or session is None or not session.tokens
+                or session.decode != decode or self._under_pressure(decode)):
+            return None
+        prompt_ids = await self.ctx.upstream.tokenize(placement.decode, turn.body)
+        delta = new_tokens(prompt_ids, session.tokens)
+        if delta > self.ctx.short_delta_tokens:
+            return None
+        return DecodeAlone(prompt_ids, delta)
+
+    async def _settle_push_back(self, session: Session | None) -> None:
+        task = session.mode_state.pop(PUSH_BACK, None) if session is not None else None
+        if isinstance(task, asyncio.Task) and not task.done():
+            # A turn that comes before the push back has landed computes what it lacks.
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), PUSH_BACK_WAIT_S)
+
+    def _params(self, turn: Turn, send: Send | None = None,
+                receive: Receive | None = None) -> dict[str, Any]:
+        session = turn.session
+        if session is None:
+            params = TurnParams(receive=receive, send=send)
+        else:
+            hints = _hints(turn)
+            params = TurnParams(session=lease_key(session), ttl_s=hints.ttl,
+                                priority=hints.priority or 0, release=hints.final,
+                                receive=receive, send=send)
+        return {KEY: params.to_wire()}
+
+    # -- after it ----------------------------------------------------------------------------
+
+    def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
+        prefill, decode = plan.placement.prefill, plan.placement.decode
+        model = turn.body.get("model")
+        if end.how == "refused":
+            # The decode engine will never register for the prefill engine's send (it refused
+            # a body the prefill engine accepted, say a `max_tokens` over the model's length).
+            self._abandon(prefill, model, plan.prefill_send)
+            return
+        if end.how == "cut":
+            # The push back comes only after a whole reply. (A request the engine aborted sends
+            # nothing anyway; one that finished just before the cut would wait for the timeout.)
+            self._abandon(decode, model, plan.decode_send)
+            if not turn.output_token_ids:
+                # Cut before any token: the decode engine may never have registered for the
+                # prefill engine's send (a request dropped before it reached the engine).
+                self._abandon(prefill, model, plan.prefill_send)
+            return
+        if plan.alone is not None and end.stats is not None:
+            self._judge_short_delta(decode.name, plan.alone.new_tokens,
+                                    end.stats.prompt_tokens.decode_computed)
+        if plan.decode_send is None or turn.session is None:
+            return  # the decode request had nothing to send
+        if turn.prompt_token_ids is None or not turn.output_token_ids:
+            # No history to push back: the decode engine's send would wait for nothing.
+            self._abandon(decode, model, plan.decode_send)
+            return
+        history = [*turn.prompt_token_ids, *turn.output_token_ids]
+        receive = Receive(plan.decode_send, self.ctx.side_channels[decode.name],
+                          # The decode engine never computed its last token's KV.
+                          peer_tokens=len(history) - 1, timeout_s=PUSH_BACK_RECEIVE_S)
+        # The same cache salt: block hashes include it, and without it the history lands in
+        # another cache.
+        request = one_token_request(model, history, self._params(turn, receive=receive),
+                                    cache_salt=turn.body.get("cache_salt"))
+        turn.session.mode_state[PUSH_BACK] = self._spawn(
+            self._push_back(prefill, decode, request, plan.decode_send))
+
+    def drop_session(self, session: Session) -> None:
+        task = session.mode_state.pop(PUSH_BACK, None)
+        if isinstance(task, asyncio.Task) and not task.done():
+            # Its own ending gives the decode engine's send up (`_push_back`).
+            task.cancel()
+        model = session.mode_state.get(MODEL)
+        pool = self.ctx.pool
+        if pool is None or model is None:
+            return
+        release = TurnParams(session=lease_key(session), release=True)
+        orders = [(engine, release) for engine in pool.engines()
+                  if engine.name in (session.prefill, session.decode) and engine.healthy]
+        self._spawn(self._tell(model, orders))
+
+    def _under_pressure(self, decode: str) -> bool:
+        until, _ = self._pressure.get(decode, (0.0, 0.0))
+        return self.ctx.clock() < until
+
+    def _judge_short_delta(self, decode: str, delta: int, computed: int | None) -> None:
+        """A short delta that found its history gone backs that decode engine off short
+        deltas; one that found it held ends the backoff."""
+        if computed is None:
+            return
+        if not lost_history(computed, delta):
+            self._pressure.pop(decode, None)
+            return
+        _, backoff = self._pressure.get(decode, (0.0, PRESSURE_BACKOFF_S / 2))
+        backoff = min(backoff * 2, PRESSURE_BACKOFF_MAX_S)
+        self._pressure[decode] = (self.ctx.clock() + backoff, backoff)
+        log.info("%s recomputed %d tokens for a delta of %d: its turns skip short deltas "
+                 "for %.0f s", decode, computed, delta, backoff)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _push_back(self, prefill: Engine, decode: Engine, request: dict[str, Any],
+                         transfer_id: str) -> None:
+        """Send the history to the prefill engine, which registers for the decode engine's
+        blocks; if it does not (refused, e.g. a history at the model's max length, failed,
+        unreachable, or cancelled), the decode engine's send is given up. The next turn
+        recomputes what is missing."""
+        landed = False
+        try:
+            reply = await self.ctx.upstream.post(prefill, "/v1/completions", request,
+                                                 timeout=PUSH_BACK_TIMEOUT_S)
+            landed = reply.ok
+            if not reply.ok:
+                log.warning("push back to %s answered %s: %s", prefill.name, reply.status,
+                            reply.content[:200])
+        except EngineConnectionError as exc:
+            log.warning("push back to %s failed: %s", prefill.name, exc)
+        finally:
+            if not landed:
+                self._abandon(decode, request.get("model"), transfer_id)
+
+    def _abandon(self, engine: Engine, model: str | None, transfer_id: str | None) -> None:
+        """Tell `engine` to give up its send under `transfer_id` now: nobody will register for
+        it, and until it times out its blocks stay allocated."""
+        if transfer_id is not None and engine.healthy:
+            # (A lost engine's request was aborted: it sends nothing.)
+            self._spawn(self._tell(model, [(engine, TurnParams(abandon=(transfer_id,)))]))
+
+    async def _tell(self, model: str | None, orders: list[tuple[Engine, TurnParams]]) -> None:
+        """Instructions that are not part of a turn (end the session's leases now rather than
+        at their TTL, give a send up): the engines take them only through their HTTP API."""
+        for engine, params in orders:
+            request = one_token_request(model, [0], {KEY: params.to_wire()})
+            with contextlib.suppress(EngineConnectionError):
+                await self.ctx.upstream.post(engine, "/v1/completions", request, timeout=30.0)
+
+
+def _send(transfer_id: str | None) -> Send | None:
+    return Send(transfer_id) if transfer_id is not None else None
+
+
+def _transfer_id(turn: Turn, direction: str) -> str:
+    return f"{turn.request_id}-{direction}"
+
+
+def _hints(turn: Turn) -> CacheHints:
+    return turn.tag.hints if turn.tag is not None else CacheHints()

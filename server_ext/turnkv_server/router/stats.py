@@ -1,0 +1,198 @@
+"""A turn's stats: the one place that fills `TurnStats`, from what the engines answered, plus the
+forms they reach the client in (a body field, a last SSE chunk, headers known before the first
+token) and the router's Prometheus metrics of them.
+
+The prompt's tokens are split by where each engine got them (`PromptTokens`): the prefill
+engine's from its response's usage (its own prefix hits, or in `bidirectional` its hits and
+what it read back together, which vLLM does not split); the decode engine's from the turnkv
+connector's reply (non-streamed turns only: vLLM returns it nowhere else) or, when the decode
+engine served the turn alone, from its usage. A part the serving mode gives no per-request
+measurement of stays `null`: never a guess.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from turnkv import protocol as p
+from turnkv_server.engine.protocol import parse_reply
+from turnkv_server.router.modes.base import Turn, TurnPlan
+from turnkv_server.router.sessions import prefix_break
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What the prefill engine answered."""
+
+    transfer_params: dict[str, Any] | None
+    prompt_token_ids: list[int] | None
+    prompt_tokens: int
+    cached_tokens: int
+    elapsed_ms: float
+
+    @classmethod
+    def read(cls, data: dict[str, Any], elapsed_ms: float) -> PrefillResult:
+        usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        return cls(transfer_params=data.get("kv_transfer_params"),
+                   prompt_token_ids=data.get("prompt_token_ids"),
+                   prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                   cached_tokens=int(details.get("cached_tokens") or 0),
+                   elapsed_ms=elapsed_ms)
+
+
+def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
+          fallback: p.FallbackReason | None, detail: str | None) -> p.TurnStats:
+    """What is known once the prefill is over (or skipped: the decode engine serves alone)."""
+    session, placement, prompt_ids = turn.session, plan.placement, turn.prompt_token_ids
+    break_at = None
+    if session is not None and session.tokens and prompt_ids is not None:
+        break_at = prefix_break(session.tokens, prompt_ids)
+    moved = bool(session and session.decode and
+                 (session.prefill, session.decode) != (placement.prefill.name,
+                                                       placement.decode.name))
+    if fallback is None and plan.reuse_note is not None:
+        fallback, detail = plan.reuse_note
+    if turn.tag is not None and turn.tag.turn is not None:
+        number = turn.tag.turn
+    else:
+        number = (session.turns + 1) if session else 1
+    return p.TurnStats(
+        session_id=session.key.session_id if session else None,
+        turn=number,
+        mode=mode,
+        prefill_node=None if prefill is None else placement.prefill.name,
+        decode_node=placement.decode.name,
+        moved=moved,
+        prompt_tokens=_prompt_tokens(plan, prefill, len(prompt_ids or [])),
+        times=p.TurnTimes(prefill_ms=prefill.elapsed_ms if prefill is not None else 0.0),
+        prefix_break_at=break_at,
+        fallback=fallback,
+        fallback_detail=detail,
+    )
+
+
+def _prompt_tokens(plan: TurnPlan, prefill: PrefillResult | None,
+                   alone_total: int) -> p.PromptTokens:
+    if prefill is None:
+        # No prefill engine took part; the decode engine's split arrives with its usage.
+        return p.PromptTokens(total=alone_total)
+    computed = prefill.prompt_tokens - prefill.cached_tokens
+    if not plan.cached_is_local:
+        return p.PromptTokens(total=prefill.prompt_tokens, prefill_reused=prefill.cached_tokens,
+                              prefill_computed=computed)
+    # The decode engine's split is not reported per request by the upstream connectors (the
+    # turnkv connector's comes in `finish`).
+    return p.PromptTokens(total=prefill.prompt_tokens, prefill_cached=prefill.cached_tokens,
+                          prefill_received=0, prefill_reused=prefill.cached_tokens,
+                          prefill_computed=computed)
+
+
+def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: int,
+           first_token_ms: float | None, usage: dict[str, Any] | None,
+           reply: dict[str, Any] | None) -> None:
+    """The rest, once the decode engine's answer is whole: its usage and, non-streamed, its
+    `kv_transfer_params` (`reply`)."""
+    tokens = stats.prompt_tokens
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    if plan.alone is not None and cached is not None:
+        # With no remote prefill, the decode engine's cached_tokens are its own prefix hits
+        # (in P/D it reports the prefill engine's, so they are not read there).
+        tokens.decode_cached = int(cached)
+        tokens.decode_computed = tokens.total - int(cached)
+    figures = parse_reply(reply)
+    if figures is not None and plan.alone is None:
+        tokens.decode_cached, tokens.decode_received = (figures.local_tokens,
+                                                        figures.received_tokens)
+        tokens.decode_computed = max(0, tokens.total - figures.local_tokens
+                                     - figures.received_tokens)
+        stats.kv.to_decode_tokens = figures.received_tokens
+        if figures.receive_failed and stats.fallback is None:
+            stats.fallback = "transfer_failed"
+            stats.fallback_detail = ("the prefill engine's KV did not arrive; the decode engine "
+                                     "recomputed it")
+    stats.completion_tokens = completion_tokens
+    stats.times.first_token_ms = first_token_ms
+    stats.times.total_ms = (time.perf_counter() - turn.accepted_at) * 1000
+
+
+def chunk(turn: Turn, stats: p.TurnStats, template: dict[str, Any] | None) -> bytes:
+    """The stats as a streamed turn's last chunk, shaped like the stream's own."""
+    template = template or {}
+    return sse({
+        "id": template.get("id", turn.request_id),
+        "object": template.get("object", "chat.completion.chunk"),
+        "created": template.get("created", int(time.time())),
+        "model": template.get("model", turn.body.get("model")),
+        "choices": [],
+        "turnkv": stats.model_dump(),
+    })
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+def headers(stats: p.TurnStats) -> dict[str, str]:
+    """What is known before the first token, as response headers."""
+    found = {
+        p.HEADER_PREFILL_NODE: stats.prefill_node or "",
+        p.HEADER_DECODE_NODE: stats.decode_node or "",
+    }
+    if stats.session_id:
+        found[p.HEADER_SESSION] = stats.session_id
+        found[p.HEADER_TURN] = str(stats.turn)
+    tokens = stats.prompt_tokens
+    if tokens.prefill_computed is not None:
+        found[p.HEADER_PREFILL_COMPUTED] = str(tokens.prefill_computed)
+    if tokens.prefill_cached is not None:
+        found[p.HEADER_PREFILL_CACHED] = str(tokens.prefill_cached)
+    if stats.prefix_break_at is not None:
+        found[p.HEADER_PREFIX_BREAK_AT] = str(stats.prefix_break_at)
+    if stats.fallback:
+        found[p.HEADER_FALLBACK] = stats.fallback
+    return found
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics (its own registry: several routers may share a
+    process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.turns = Counter("turnkv_turns", "Turns served", ["mode", "tagged"], registry=r)
+        self.errors = Counter("turnkv_errors", "Turns that failed", ["status"], registry=r)
+        self.fallbacks = Counter("turnkv_fallbacks", "Turns that fell back", ["reason"],
+                                 registry=r)
+        self.prefix_breaks = Counter("turnkv_prefix_breaks", "Turns whose prompt diverged "
+                                     "from the session's history", registry=r)
+        self.prompt_tokens = Counter("turnkv_prompt_tokens", "Prompt tokens by source",
+                                     ["source"], registry=r)
+        self.ttft = Histogram("turnkv_time_to_first_token_seconds", "Router-measured TTFT",
+                              ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.sessions = Gauge("turnkv_sessions", "Sessions in the table", registry=r)
+        self.engine_healthy = Gauge("turnkv_engine_healthy", "1 if the engine answers /health",
+                                    ["engine"], registry=r)
+
+    def record(self, stats: p.TurnStats, tagged: bool) -> None:
+        self.turns.labels(stats.mode, str(tagged).lower()).inc()
+        if stats.fallback:
+            self.fallbacks.labels(stats.fallback).inc()
+        if stats.prefix_break_at is not None:
+            self.prefix_breaks.inc()
+        tokens = stats.prompt_tokens
+        for source in ("prefill_cached", "prefill_received", "prefill_computed",
+                       "decode_cached", "decode_received", "decode_computed"):
+            value = getattr(tokens, source)
+            if value:
+                self.prompt_tokens.labels(source).inc(value)
+        if stats.times.first_token_ms is not None:
+            self.ttft.labels(stats.mode).observe(stats.times.first_token_ms / 1000)

@@ -1,0 +1,270 @@
+"""Clusters for the integration tests: each started once, shared across test modules, and one
+at a time.
+
+Starting engines is most of the suite's time (a tiny-model engine takes about 20 s of one
+core), and the test machine has two cores: two clusters alive at once slow each other to a
+crawl. The session's `ClusterPool` (the `clusters` fixture) keeps at most one set of engines
+alive and hands it to every test that asks for it:
+
+- an `EngineSet` is what the launcher starts from one `ClusterConfig`: the engines, and the
+  launcher's own router in front of them;
+- a `ClusterSpec` is what a group of tests talks to: an engine set through the launcher's
+  router, or through a router of its own (`RouterView`) in front of some of the set's engines.
+  Tests that differ only in router settings (a Redis store, timeouts, health probes, how many
+  engines it routes to) share the engines that way: a router starts in a second, an engine
+  set in half a minute to a minute.
+
+`tests/integration/conftest.py` orders the tests so that each engine set comes up once, its
+users one after the other, the ones that kill engines last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.redis_server import redis_server
+from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState, ProcessRef
+from turnkv_server.launcher.engine import EngineProcess
+from turnkv_server.launcher.state import ServerState
+from turnkv_server.models import build_tiny, resolve_model
+from turnkv_server.ports import read_report
+
+# A registered receive that gets no KV in this long is recomputed (the engines' default:
+# 120 s). test_faults.py's timed-out transfer waits it out; no other user of these engines
+# has a transfer that takes seconds, so it changes nothing for them.
+RECEIVE_TIMEOUT_S = 4.0
+# The launcher's router of a shared engine set serves no test (each has a router of its own,
+# started after whatever the tests before it did to the engines): it should not probe them.
+IDLE_ROUTER = ("--health-interval", "3600")
+
+
+class RouterProcess:
+    """Another router process on a cluster's engines (`launched.router_command`: the router
+    `launched`'s configuration describes, in front of `launched.engines`); stopped by its
+    PID."""
+
+    def __init__(self, launched: Cluster, log: Path) -> None:
+        port_file = log.with_suffix(".addr")
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(
+                [*launched.router_command(0, port_file)], stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.log = log
+        self.url = ""
+        deadline = time.monotonic() + 60
+        while True:
+            bound = read_report(port_file)
+            if bound is not None:
+                self.url = f"http://{bound[0]}:{bound[1]}"
+            try:
+                if bound and httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.process.poll() is None, f"router exited; see {log}"
+            assert time.monotonic() < deadline, f"router not healthy; see {log}"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@dataclass(frozen=True)
+class EngineSet:
+    """Engines the launcher starts, with its own router: `config(run_dir)` says how."""
+
+    name: str
+    config: Callable[[Path], ClusterConfig]
+
+
+@dataclass(frozen=True)
+class RouterView:
+    """A router of its own in front of the first `prefill` prefill and first `decode` decode
+    engines of a set, with these settings (the set's mode and decoder KV TTL)."""
+
+    prefill: int = 1
+    decode: int = 1
+    args: tuple[str, ...] = ()
+    short_delta_tokens: int | None = None
+    # Started before the router and stopped after it, in the router's run folder; yields
+    # more router arguments (a Redis server: its URL).
+    service: Callable[[Path], AbstractContextManager[tuple[str, ...]]] | None = None
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What a group of tests talks to. `router` None: the launcher's own router (or, for a
+    `single` set, the engine itself)."""
+
+    name: str
+    engines: EngineSet
+    router: RouterView | None = None
+
+
+@dataclass
+class _View:
+    spec: ClusterSpec
+    launched: Cluster
+    state: ClusterState
+    stack: ExitStack
+
+
+@dataclass
+class _Running:
+    engines: EngineSet
+    launched: Cluster
+    state: ClusterState
+    view: _View | None = None
+
+    def alive(self) -> bool:
+        return all(e.ref is not None and e.ref.is_alive() for e in self.launched.engines)
+
+
+class ClusterPool:
+    """At most one engine set alive; `get` starts what a spec needs, stopping the rest."""
+
+    def __init__(self, tmp: pytest.TempPathFactory) -> None:
+        self._tmp = tmp
+        self._running: _Running | None = None
+        # What was started, and how long it took: the suite's summary prints it.
+        self.starts: list[tuple[str, float]] = []
+
+    def get(self, spec: ClusterSpec) -> tuple[Cluster, ClusterState]:
+        """The spec's cluster: `launched` (the launcher's `Cluster`, or for a router of the
+        spec's own, a `Cluster` naming the engines it routes to: its `router_command` is that
+        router's) and its state (`state.router`: where to send requests)."""
+        running = self._running
+        # An engine killed by an earlier test (and not restarted): start the set again.
+        if running is not None and (running.engines != spec.engines or not running.alive()):
+            self.release()
+            running = None
+        if running is None:
+            started = time.monotonic()
+            config = spec.engines.config(self._tmp.mktemp(spec.engines.name))
+            launched = Cluster(config)
+            running = _Running(spec.engines, launched, launched.start())
+            self._running = running
+            self.starts.append((f"engines {spec.engines.name}", time.monotonic() - started))
+        if spec.router is None:
+            self._stop_view(running)
+            return running.launched, running.state
+        if running.view is None or running.view.spec != spec:
+            self._stop_view(running)
+            started = time.monotonic()
+            running.view = self._start_view(spec, spec.router, running)
+            self.starts.append((f"router {spec.name}", time.monotonic() - started))
+        return running.view.launched, running.view.state
+
+    def release(self) -> None:
+        """Stop whatever runs (tests that start clusters of their own come next)."""
+        running, self._running = self._running, None
+        if running is not None:
+            self._stop_view(running)
+            running.launched.stop()
+
+    def _start_view(self, spec: ClusterSpec, view: RouterView, running: _Running) -> _View:
+        run_dir = self._tmp.mktemp(spec.name)
+        (run_dir / "logs").mkdir()
+        stack = ExitStack()
+        try:
+            extra = stack.enter_context(view.service(run_dir)) if view.service else ()
+            config = dataclasses.replace(
+                running.launched.config, run_dir=run_dir, num_prefill=view.prefill,
+                num_decode=view.decode, router_args=(*view.args, *extra),
+                short_delta_tokens=view.short_delta_tokens, register_as_current=False)
+            launched = Cluster(config)
+            engines = running.launched.engines
+            prefill = [e for e in engines if e.spec.role == "prefill"][: view.prefill]
+            decode = [e for e in engines if e.spec.role == "decode"][: view.decode]
+            assert (len(prefill), len(decode)) == (view.prefill, view.decode), spec
+            launched.engines = [*prefill, *decode]
+            router = RouterProcess(launched, run_dir / "logs" / "router.log")
+            stack.callback(router.stop)
+            state = ClusterState(
+                mode=config.mode, model=running.state.model,
+                served_model_name=running.state.served_model_name, run_dir=str(run_dir),
+                router=router.url, engines=[_server(e) for e in launched.engines],
+                router_process=ServerState(
+                    name="router", role="router", url=router.url, pid=router.process.pid,
+                    create_time=ProcessRef.of(router.process.pid).create_time,
+                    log=str(router.log)))
+        except BaseException:
+            stack.close()
+            raise
+        return _View(spec, launched, state, stack)
+
+    @staticmethod
+    def _stop_view(running: _Running) -> None:
+        view, running.view = running.view, None
+        if view is not None:
+            view.stack.close()
+
+
+def _server(engine: EngineProcess) -> ServerState:
+    """An engine's entry in a state, as the launcher records it (its current process)."""
+    spec, ref = engine.spec, engine.ref
+    assert ref is not None
+    return ServerState(name=spec.name, role=spec.role, url=spec.url, pid=ref.pid,
+                       create_time=ref.create_time, cores=list(spec.cores),
+                       nixl_port=spec.nixl_port, log=str(engine.log_path))
+
+
+@contextmanager
+def redis_store(run_dir: Path) -> Iterator[tuple[str, ...]]:
+    """A real redis-server for routers that share sessions: `--redis <its URL>`."""
+    with redis_server(run_dir) as url:
+        yield ("--redis", url)
+
+
+# -- the engine sets -------------------------------------------------------------------------
+
+
+def _tiny(mode: Any, run_dir: Path, **settings: Any) -> ClusterConfig:
+    return ClusterConfig(mode=mode, model=str(build_tiny()), dtype="float32", run_dir=run_dir,
+                         **settings)
+
+
+def _tiny_pair_set(mode: str) -> EngineSet:
+    """One prefill and two decode engines (tiny model, float32). Bidirectional engines read
+    back however few tokens are missing (`kv_recompute_threshold=0`): exact stats to
+    assert. turnkv engines give up a receive after RECEIVE_TIMEOUT_S."""
+    connector = {"receive_timeout_s": RECEIVE_TIMEOUT_S} if mode == "turnkv" else {}
+    return EngineSet(f"tiny-{mode}-1p2d", lambda run_dir: _tiny(
+        mode, run_dir, num_prefill=1, num_decode=2, kv_recompute_threshold=0,
+        connector_settings=connector, router_args=IDLE_ROUTER))
+
+
+MODES = ("turnkv", "standard", "bidirectional", "push")
+TINY_ENGINES = {mode: _tiny_pair_set(mode) for mode in MODES}
+
+# One tiny engine alone, plain vLLM: the reference every routed turn is compared with, and
+# the SDK's plain server.
+SINGLE_TINY = ClusterSpec("single-tiny", EngineSet("single-tiny", lambda run_dir: _tiny(
+    "single", run_dir)))
+SINGLE_SMOLLM2 = ClusterSpec("single-smollm2", EngineSet("single-smollm2", lambda run_dir: (
+    ClusterConfig(mode="single", model=str(resolve_model("smollm2")), dtype="float32",
+                  run_dir=run_dir))))
+
+# The SDK, adapter and example tests: one prefill and one decode engine behind the router in
+# `bidirectional` mode, where a session's turns reuse its KV. `state.router` is the router's
+# URL; clients use `state.router + "/v1"`.
+ROUTER_CLUSTER = ClusterSpec("router-cluster", TINY_ENGINES["bidirectional"],
+                             RouterView(prefill=1, decode=1))

@@ -1,0 +1,105 @@
+"""The single-engine reference: what one plain vLLM engine answers, greedily, to the
+conversations the integration tests then play through turnkv (`tests.support.oracle`
+compares the two).
+
+One engine per model serves every test module's reference (`References`, the
+`tiny_references` fixture): the suite's tiny-model conversations are played on it in one go,
+while it runs, and remembered. Each conversation is played under a cache salt of its own, so
+that no conversation hits another's prefixes: each one is computed as on an engine of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tests.support.clusters import ClusterPool, ClusterSpec
+from tests.support.conversation import conversation
+from tests.support.oracle import Completion, greedy_chat
+
+
+@dataclass(frozen=True)
+class Script:
+    """A conversation of `turns` turns, each answered with at most `max_tokens` tokens; with
+    `edited_at`, one more request: that turn's history with turn 1's reply replaced by
+    `edit`."""
+
+    turns: int
+    max_tokens: int
+    edited_at: int | None = None
+    edit: str = ""
+
+    @property
+    def salt(self) -> str:
+        edited = f"-edited-at-{self.edited_at}" if self.edited_at is not None else ""
+        return f"reference-{self.turns}x{self.max_tokens}{edited}"
+
+
+@dataclass
+class Reference:
+    turns: list[Completion]
+    messages: list[list[dict[str, Any]]]  # the exact messages of each turn
+    edited_messages: list[dict[str, Any]] | None = None
+    edited_turn: Completion | None = None
+
+
+def play(base_url: str, model: str, script: Script, client: httpx.Client) -> Reference:
+    """The script on a single engine: each turn's messages hold the engine's earlier replies."""
+    extra = {"cache_salt": script.salt}
+    replies: list[str] = []
+    outputs = []
+    for turn in range(script.turns):
+        out = greedy_chat(base_url, model, conversation(replies, script.turns)[turn],
+                          script.max_tokens, client=client, extra=extra)
+        outputs.append(out)
+        replies.append(out.text)
+    reference = Reference(outputs, conversation(replies, script.turns))
+    if script.edited_at is not None:
+        edited = conversation(replies, script.turns)[script.edited_at - 1]
+        edited[2] = {"role": "assistant", "content": script.edit}
+        reference.edited_messages = edited
+        reference.edited_turn = greedy_chat(base_url, model, edited, script.max_tokens,
+                                            client=client, extra=extra)
+    return reference
+
+
+class References:
+    """The references of one model's single engine (`engine`, from the pool), each played
+    once. `prefetch` plays several while the engine runs: asking for one later brings the
+    engine back, in place of whatever cluster runs then."""
+
+    def __init__(self, clusters: ClusterPool, engine: ClusterSpec) -> None:
+        self._clusters = clusters
+        self._engine = engine
+        self._played: dict[Script, Reference] = {}
+
+    def prefetch(self, scripts: Iterable[Script]) -> None:
+        missing = [s for s in scripts if s not in self._played]
+        if not missing:
+            return
+        _, state = self._clusters.get(self._engine)
+        started = time.monotonic()
+        with httpx.Client(timeout=600) as client:
+            for script in missing:
+                self._played[script] = play(state.router, state.served_model_name, script,
+                                            client)
+        self._clusters.starts.append(
+            (f"references on {self._engine.name}: {len(missing)} conversation(s) played",
+             time.monotonic() - started))
+
+    def __getitem__(self, script: Script) -> Reference:
+        self.prefetch([script])
+        return self._played[script]
+
+
+# The tiny-model conversations of the suite, played together before the first cluster that
+# needs them starts.
+ROUTER_SCRIPT = Script(turns=5, max_tokens=24, edited_at=3, edit=(
+    "Let me restate my first answer more briefly: crashes can lose buffered writes."))
+# Shared sessions play all five turns; test_faults.py plays the first four.
+SHORT_SCRIPT = Script(turns=5, max_tokens=16)
+TINY_SCRIPTS = (ROUTER_SCRIPT, SHORT_SCRIPT)
