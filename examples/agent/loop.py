@@ -11,6 +11,7 @@ to the caller.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
@@ -109,6 +110,14 @@ class ToolTimer:
         self._mean[name] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
 
+def next_turn_hint(tool_s: float) -> float:
+    """The `next_turn_in` hint sent before a tool run: the tool's expected run time, in whole
+    seconds and at least 1. The next turn also waits for the agent's own work and the request
+    itself, and the hint only sets how long the router keeps the session (it keeps it for
+    minutes anyway): "0.3 ms" would claim a precision that means nothing there."""
+    return float(max(1, math.ceil(tool_s)))
+
+
 @dataclass
 class Agent:
     session: turnkv.Session
@@ -119,6 +128,8 @@ class Agent:
     answers: list[str | None] = field(default_factory=list)
     turns: int = 0
     final_sent: bool = False
+    # Calls that ran, as (tool, argument): their results are in the conversation already.
+    done: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.timer = ToolTimer(self.config.tool_prior_s)
@@ -156,7 +167,11 @@ class Agent:
                 self.final_sent = True
             rules = None
             if cfg.constrain:
-                rules = grammar(self.tools.specs, self.files, words,
+                # No call the conversation already holds the result of: SmolLM2 repeats its
+                # last call, question after question (it once read one file six times).
+                files = [f for f in self.files if ("read_file", f) not in self.done]
+                fresh = [w for w in words if ("search", w) not in self.done]
+                rules = grammar(self.tools.specs, files or self.files, fresh or words,
                                 must_call=attempt == 0 and not last_attempt,
                                 must_answer=last_attempt)
             turn, reply = yield from self._turn(rules, final)
@@ -212,7 +227,7 @@ class Agent:
             return
         estimate = None
         if self._served_by_turnkv():
-            estimate = round(self.timer.estimate(call.name), 4)
+            estimate = next_turn_hint(self.timer.estimate(call.name))
             self.session.hint_now(next_turn_in=estimate)
         yield ToolStarted(call, estimate)
         start = time.perf_counter()
@@ -222,6 +237,8 @@ class Agent:
             result, ok = str(exc), False
         seconds = time.perf_counter() - start
         self.timer.record(call.name, seconds)
+        if ok:
+            self.done.add((call.name, str(next(iter(call.args.values()), ""))))
         yield ToolDone(call, result, ok, seconds)
         self.messages.append(prompts.tool_result(call, result, ok=ok, native=native))
 

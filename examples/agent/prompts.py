@@ -35,12 +35,14 @@ def worked_example(native: bool) -> list[Message]:
     than they follow a description. Strong models with native tools need none."""
     if native:
         return []
+    # The answer copies the line that holds the fact: SmolLM2 does that well, where an answer
+    # in words of its own ("The project needs ...") was copied instead, whatever the question.
     return [
-        question("Which file explains the installation?"),
-        {"role": "assistant", "content": "CALL search install"},
-        {"role": "user", "content": "Tool result (search install):\n"
-                                    "setup.md:1: # Installing the tool"},
-        {"role": "assistant", "content": "ANSWER: setup.md explains the installation."},
+        question("Which Python version does the project need?"),
+        {"role": "assistant", "content": "CALL read_file setup.cfg"},
+        {"role": "user", "content": "Tool result (read_file setup.cfg):\n"
+                                    "[options]\npython_requires = >=3.10"},
+        {"role": "assistant", "content": "ANSWER: python_requires = >=3.10"},
     ]
 
 

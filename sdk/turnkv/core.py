@@ -109,7 +109,9 @@ class SessionCore:
     def hint(self, *, ttl: float | None = None, next_turn_in: float | None = None,
              final: bool | None = None, priority: int | None = None) -> None:
         """Hints for the NEXT turn. `ttl` and `priority` then stay for later turns;
-        `next_turn_in` and `final` go with the next turn only. Validated here."""
+        `next_turn_in` and `final` go with the next turn only. Validated here. A closed
+        session takes no hints, as it takes no turns."""
+        self._check_open()
         lasting = {k: v for k, v in (("ttl", ttl), ("priority", priority)) if v is not None}
         once = {k: v for k, v in (("next_turn_in", next_turn_in), ("final", final))
                 if v is not None}
@@ -139,9 +141,13 @@ class SessionCore:
             self._no_retry_client = self._client.with_options(max_retries=0)
         return self._no_retry_client
 
-    def begin_turn(self, managed: bool = True) -> PendingTurn:
+    def _check_open(self) -> None:
         if self.closed:
-            raise SessionClosedError(f"session {self._id} is closed")
+            raise SessionClosedError(f"session {self._id} is closed: open a new one for more "
+                                     "turns")
+
+    def begin_turn(self, managed: bool = True) -> PendingTurn:
+        self._check_open()
         with self._lock:
             pending = PendingTurn(self, self._next, self.hints, managed)
             self._next += 1

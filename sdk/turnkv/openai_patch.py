@@ -11,21 +11,28 @@ the first turnkv client (`turnkv.OpenAI` / `AsyncOpenAI`) or `turnkv.session()` 
 - `_process_response`: watches the response (JSON body, or the SSE stream as the caller
   reads it) and records the turn's stats into the session.
 
+`request` also names the URL that did not answer when a turnkv client's request, or a turn of
+a session, finds no server (`turnkv.ServerUnreachableError`).
+
 Clients whose http client is one of turnkv's (`turnkv.OpenAI`, or any client given
 `turnkv.http_client()`) are left alone: their http client does the same work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+from collections.abc import Iterator
 from typing import Any
 
+import openai
 from openai import _base_client as base
 
 import turnkv.context as context
 import turnkv.protocol as p
 from turnkv.core import PendingTurn
+from turnkv.errors import ServerUnreachableError
 from turnkv.http import is_tagging_client
 from turnkv.observe import observe_response
 from turnkv.tagging import TURN_PATHS
@@ -86,18 +93,35 @@ def _settle_failed(pending: PendingTurn) -> None:
         pending.give_up()
 
 
+@contextlib.contextmanager
+def _named_unreachable(client: Any, pending: PendingTurn | None) -> Iterator[None]:
+    """A request of turnkv's (a turnkv client's, or a turn of a session) that found no
+    server raises `ServerUnreachableError`, which names the URL and how to check it, in place
+    of openai's bare "Connection error."; other clients' errors are left as they are."""
+    try:
+        yield
+    except openai.APIConnectionError as exc:
+        ours = (pending is not None or context.pinned_turn() is not None
+                or is_tagging_client(getattr(client, "_client", None)))
+        if not ours or isinstance(exc, (openai.APITimeoutError, ServerUnreachableError)):
+            raise
+        url = str(getattr(client, "base_url", exc.request.url)).rstrip("/")
+        raise ServerUnreachableError(url, exc.request, exc) from exc
+
+
 def _sync_request(original: Any) -> Any:
     def request(self: Any, *args: Any, **kwargs: Any) -> Any:
         options = args[1] if len(args) > 1 else kwargs.get("options")
         pending = _own_turn(self, options)
-        if pending is None:
-            return original(self, *args, **kwargs)
-        with context.pinning(pending):
-            try:
+        with _named_unreachable(self, pending):
+            if pending is None:
                 return original(self, *args, **kwargs)
-            except BaseException:
-                _settle_failed(pending)
-                raise
+            with context.pinning(pending):
+                try:
+                    return original(self, *args, **kwargs)
+                except BaseException:
+                    _settle_failed(pending)
+                    raise
     return request
 
 
@@ -105,14 +129,15 @@ def _async_request(original: Any) -> Any:
     async def request(self: Any, *args: Any, **kwargs: Any) -> Any:
         options = args[1] if len(args) > 1 else kwargs.get("options")
         pending = _own_turn(self, options)
-        if pending is None:
-            return await original(self, *args, **kwargs)
-        with context.pinning(pending):
-            try:
+        with _named_unreachable(self, pending):
+            if pending is None:
                 return await original(self, *args, **kwargs)
-            except BaseException:
-                _settle_failed(pending)
-                raise
+            with context.pinning(pending):
+                try:
+                    return await original(self, *args, **kwargs)
+                except BaseException:
+                    _settle_failed(pending)
+                    raise
     return request
 
 

@@ -108,14 +108,21 @@ class KvMoved(BaseModel):
 
 
 class TurnTimes(BaseModel):
-    """Milliseconds, measured at the router from the moment it accepted the turn.
+    """Milliseconds. `prefill_ms`, `first_token_ms` and `total_ms` are measured at the router
+    from the moment it accepted the turn; `queue_ms` and `engine_prefill_ms` are the engine's
+    own figures for the request that computed the prompt (vLLM's per-request metrics: the
+    prefill engine's, or the decode engine's for a turn it served alone).
 
-    None where not measured: the time a request queued inside an engine is not reported per
-    request by vLLM's HTTP API.
+    None where not measured (an engine started without `--enable-per-request-metrics`, a
+    streamed turn without usage).
     """
 
     queue_ms: float | None = None
     prefill_ms: float = 0.0
+    # From the engine scheduling the request to its first token: the prompt's computation
+    # without the HTTP round trip or the queue (vLLM schedules a request that loads KV from
+    # another engine once it has arrived: that wait is queue time).
+    engine_prefill_ms: float | None = None
     first_token_ms: float | None = None
     total_ms: float = 0.0
 
@@ -141,6 +148,9 @@ class TurnStats(BaseModel):
     prefix_break_at: int | None = None
     fallback: FallbackReason | None = None
     fallback_detail: str | None = None
+    # Why the turn reused none of the history it shares with its session when that is no
+    # fallback: reuse comes in whole KV blocks, and that history was under one.
+    note: str | None = None
 
 
 __all__ = [

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 
 from turnkv.stats import SessionStats, TurnStats
@@ -24,16 +26,76 @@ def _num(value: float | int | None, digits: int = 0) -> str:
     return f"{value:,}"
 
 
-def stats_table(turns: Iterable[Turn | TurnStats], title: str | None = "turnkv turns") -> Table:
-    """One row per turn: prompt tokens by source, TTFT at the client and the router."""
-    table = Table(title=title)
-    for name in ("turn", "prompt", "reused", "computed", "hit", "out", "client TTFT ms",
-                 "router TTFT ms", "prefill ms", "total ms", "nodes", "notes"):
-        table.add_column(name, justify="left" if name in ("nodes", "notes") else "right")
-    for item in turns:
-        stats = item if isinstance(item, TurnStats) else item.stats
-        table.add_row(*_turn_row(stats))
-    return table
+_UNBOUNDED = 100_000
+
+
+class TurnsTable:
+    """`stats_table`'s result, a rich renderable: every column where the console is wide
+    enough for them all uncut, else a compact form (an 80-column terminal, a log file: rich
+    draws 80 columns when its output is not a terminal) with the columns a reader needs
+    first. `wide()` and `compact()` give either form as a `rich.table.Table`."""
+
+    def __init__(self, turns: Iterable[Turn | TurnStats], title: str | None) -> None:
+        self.stats = [item if isinstance(item, TurnStats) else item.stats for item in turns]
+        self.title = title
+
+    def wide(self) -> Table:
+        """Prompt tokens by source, TTFT at the client and the router, router times, nodes."""
+        table = Table(title=self.title)
+        for name in ("turn", "prompt", "reused", "computed", "hit", "out", "client TTFT ms",
+                     "router TTFT ms", "prefill ms", "total ms", "nodes", "notes"):
+            table.add_column(name, justify="left" if name in ("nodes", "notes") else "right")
+        for stats in self.stats:
+            table.add_row(*_turn_row(stats))
+        return table
+
+    def compact(self) -> Table:
+        """Prompt tokens by source (the hit ratio beside the reused count), output tokens, the
+        client's TTFT (the router's where the client measured none) and the notes, which
+        wrap; nodes and router times left out."""
+        table = Table(title=self.title)
+        for name in ("turn", "prompt", "reused", "computed", "out", "TTFT ms"):
+            table.add_column(name, justify="right", no_wrap=True)
+        table.add_column("notes", overflow="fold", ratio=1)
+        for stats in self.stats:
+            total, reused = stats.prompt_tokens.total, stats.reused_tokens
+            hit = f" {reused / total:.0%}" if reused is not None and total else ""
+            ttft = stats.client_ttft_ms
+            if ttft is None and stats.served_by_turnkv:
+                ttft = stats.times.first_token_ms
+            table.add_row(str(stats.turn), _num(total), _num(reused) + hit,
+                          _num(stats.computed_tokens), _num(stats.completion_tokens),
+                          _num(ttft), ", ".join(_notes(stats)))
+        return table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        wide = self.wide()
+        # Measured without the console's limit, which `Measurement.get` would clamp it to.
+        natural = Measurement.get(console, options.update_width(_UNBOUNDED), wide).maximum
+        yield wide if natural <= options.max_width else self.compact()
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement.get(console, options, self.wide())
+
+
+def stats_table(turns: Iterable[Turn | TurnStats],
+                title: str | None = "turnkv turns") -> TurnsTable:
+    """One row per turn: prompt tokens by source, TTFT at the client and the router; compact
+    where the console is narrow (`TurnsTable`)."""
+    return TurnsTable(turns, title)
+
+
+def _notes(stats: TurnStats) -> list[str]:
+    notes = []
+    if not stats.served_by_turnkv:
+        notes.append("plain server")
+    if stats.fallback:
+        notes.append(f"fallback: {stats.fallback}")
+    if stats.prefix_break_at is not None:
+        notes.append(f"prefix break at token {stats.prefix_break_at:,}")
+    if stats.retries:
+        notes.append(f"{stats.retries} retries")
+    return notes
 
 
 def _turn_row(stats: TurnStats) -> list[str]:
@@ -41,21 +103,12 @@ def _turn_row(stats: TurnStats) -> list[str]:
     reused = stats.reused_tokens
     hit = f"{reused / total:.0%}" if reused is not None and total else "-"
     nodes = " -> ".join(n for n in (stats.prefill_node, stats.decode_node) if n) or "-"
-    notes = []
-    if not stats.served_by_turnkv:
-        notes.append("plain server")
-    if stats.fallback:
-        notes.append(f"fallback: {stats.fallback}")
-    if stats.prefix_break_at is not None:
-        notes.append(f"prefix break at {stats.prefix_break_at}")
-    if stats.retries:
-        notes.append(f"{stats.retries} retries")
     first_token = stats.times.first_token_ms
     return [str(stats.turn), _num(total), _num(reused), _num(stats.computed_tokens), hit,
             _num(stats.completion_tokens), _num(stats.client_ttft_ms, 1), _num(first_token, 1),
             _num(stats.times.prefill_ms if stats.served_by_turnkv else None, 1),
             _num(stats.times.total_ms if stats.served_by_turnkv else None, 1),
-            nodes, ", ".join(notes)]
+            nodes, ", ".join(_notes(stats))]
 
 
 def turn_stats_table(stats: TurnStats) -> Table:

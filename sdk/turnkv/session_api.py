@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 import turnkv.protocol as p
-from turnkv.errors import TurnKVError
+from turnkv.errors import ServerUnreachableError, SessionAPIError, SessionNotFoundError
 
 TIMEOUT_S = 10.0
 
@@ -37,9 +37,26 @@ def released(response: httpx.Response) -> bool:
 
 def checked(response: httpx.Response) -> Any:
     if response.status_code >= 400:
-        raise TurnKVError(f"{response.request.method} {response.request.url} answered "
-                          f"{response.status_code}: {response.text[:300]}")
+        raise refusal(response)
     return response.json()
+
+
+def refusal(response: httpx.Response) -> SessionAPIError:
+    """The router's refusal as a typed error with the router's own message (its answers are
+    OpenAI-shaped: `{"error": {"message", "type", ...}}`), not the raw JSON."""
+    status = response.status_code
+    message, kind = response.text[:300], None
+    with contextlib.suppress(ValueError, AttributeError, KeyError, TypeError):
+        error = response.json()["error"]
+        message, kind = str(error["message"]), error.get("type")
+    if status == 404:
+        return SessionNotFoundError(
+            f"{message}: the router does not hold this session (its lease expired, it was "
+            "released, or no turn of it reached this router); its next turn starts it again, "
+            "with the history computed anew",
+            status_code=status, kind=kind)
+    return SessionAPIError(f"{response.request.method} {response.request.url} answered "
+                           f"{status}: {message}", status_code=status, kind=kind)
 
 
 def _view(response: httpx.Response) -> dict[str, Any]:
@@ -79,13 +96,22 @@ class SessionCall:
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
-        if self.quiet is None:
-            yield
-            return
+        try:
+            with self._unreachable():
+                yield
+        except Exception as exc:
+            if self.quiet is None:
+                raise
+            # never raised over the caller's body
+            log.warning("turnkv: %s failed: %s", self.quiet, exc)
+
+    @contextlib.contextmanager
+    def _unreachable(self) -> Iterator[None]:
         try:
             yield
-        except Exception as exc:  # noqa: BLE001 -- never raised over the caller's body
-            log.warning("turnkv: %s failed: %s", self.quiet, exc)
+        except httpx.ConnectError as exc:
+            base = (self.url or "").split("/turnkv/sessions/", 1)[0]
+            raise ServerUnreachableError(base, exc.request, exc) from exc
 
 
 def release(base_url: str, session_id: str, headers: Mapping[str, str],

@@ -12,8 +12,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from turnkv_server import extras
 from turnkv_server.mode_names import BENCH_MODES, CLUSTER_MODES, DEFAULT_MODE
 from turnkv_server.router.config import SHORT_DELTA_TOKENS, help_for
 
@@ -33,6 +35,11 @@ out = Console()
 
 def _progress(message: str) -> None:
     console.print(f"[dim]{message}[/]")
+
+
+def _error(message: str) -> None:
+    # soft_wrap: a pip command cut across two lines cannot be pasted.
+    console.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
 
 
 @model_app.command("pull")
@@ -86,6 +93,12 @@ def up(
     foreground: Annotated[bool, typer.Option(help="stay attached; Ctrl-C stops it")] = False,
 ) -> None:
     """Start a local cluster; returns once every engine is healthy (unless --foreground)."""
+    try:
+        # Checked before anything starts: an engine without vLLM would die in its own log.
+        extras.require("turnkv up", extras.CLUSTER_MODULES)
+    except extras.MissingExtraError as exc:
+        _error(str(exc))
+        raise typer.Exit(1) from exc
     from turnkv_server.launcher import Cluster, ClusterConfig, current_state
 
     running = current_state()
@@ -298,19 +311,52 @@ def _print_status(state: object) -> None:
 
     assert isinstance(state, ClusterState)
     table = Table(title=f"turnkv cluster — mode {state.mode}, model {state.served_model_name}")
-    for column in ("server", "url", "pid", "cores", "alive", "log"):
-        table.add_column(column)
     servers = ([state.router_process] if state.router_process else []) + state.engines
+    # At 80 columns (a log file, a small terminal) the URLs stay whole: one cut to
+    # "http://127.0.0.1:…" cannot be used. Logs in the run folder's logs/ (printed whole below
+    # the table) go by their file name.
+    url_width = max((len(s.url) for s in servers), default=3)
+    logs = Path(state.run_dir) / "logs"
+    for column in ("server", "url", "pid", "cores", "alive"):
+        table.add_column(column, no_wrap=True,
+                         min_width=url_width if column == "url" else None)
+    table.add_column("log", overflow="fold")
     for s in servers:
         alive = ProcessRef(pid=s.pid, create_time=s.create_time).is_alive()
+        log = Path(s.log)
         table.add_row(s.name, s.url, str(s.pid), ",".join(map(str, s.cores)) or "-",
-                      "[green]yes[/]" if alive else "[red]no[/]", s.log)
+                      "[green]yes[/]" if alive else "[red]no[/]",
+                      log.name if log.parent == logs else str(log))
     out.print(table)
-    out.print(f"client-facing URL: [bold]{state.router}[/]  (OpenAI base_url {state.router}/v1)")
-
+    out.print(f"logs: {logs}", soft_wrap=True, highlight=False)
+    out.print(f"client-facing URL: [bold]{state.router}[/]  (OpenAI base_url {state.router}/v1)",
+              soft_wrap=True)
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        # `pip install turnkv` alone has no server dependencies: say which extra brings them.
+        text = extras.message(_command_name(), [exc.name or ""])
+        if text is None:
+            raise
+        _error(text)
+        raise SystemExit(1) from None
+
+
+def _command_name() -> str:
+    """`turnkv status`, `turnkv model pull`...: the command's own words, without its
+    arguments."""
+    command: object = typer.main.get_command(app)
+    words = ["turnkv"]
+    for arg in sys.argv[1:]:
+        # A group has `commands` (typer's own click, not necessarily the `click` package's).
+        commands = getattr(command, "commands", None)
+        if not isinstance(commands, dict) or arg not in commands:
+            break
+        command = commands[arg]
+        words.append(arg)
+    return " ".join(words)
 
 
 if __name__ == "__main__":

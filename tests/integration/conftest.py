@@ -5,8 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.clusters import ROUTER_CLUSTER, SINGLE_TINY, ClusterPool, ClusterSpec
-from tests.support.reference import TINY_SCRIPTS, References
+from tests.support.clusters import (
+    ROUTER_CLUSTER,
+    SINGLE_SMOLLM2,
+    SINGLE_TINY,
+    ClusterPool,
+    ClusterSpec,
+)
+from tests.support.reference import SMOLLM2_SCRIPTS, TINY_SCRIPTS, References
 from turnkv_server.launcher import ClusterState
 from turnkv_server.models import build_tiny
 
@@ -14,12 +20,17 @@ from turnkv_server.models import build_tiny
 # once, its users one after the other. Within a set, the tests that need its engines as they
 # started come first, those that leave them otherwise later:
 # - tiny turnkv engines: the shared-session routers (every block must be free at the end),
-#   then the faults (engines killed and restarted; sessions left open), then test_router.py,
-#   whose last test leaves a decode engine dead;
+#   then `cached_tokens` through the router (its sessions released at the end), then the
+#   faults (engines killed and restarted; sessions left open), then test_router.py, whose
+#   last test leaves a decode engine dead;
 # - tiny bidirectional engines: the SDK, adapter and example tests (`router_cluster`), then
-#   test_router.py.
-SCHEDULE = ("single-tiny", "shared-sessions", "faults", "router-turnkv", "router-standard",
-            "router-cluster", "router-bidirectional", "router-push", "connector")
+#   test_router.py;
+# - SmolLM2 turnkv engines (`connector`, after the single SmolLM2 engine played its
+#   references): the demo agent's test (test_examples.py; every block free at its end), then
+#   test_turnkv_connector.py, whose last test stops them.
+SCHEDULE = ("single-tiny", "shared-sessions", "usage-turnkv", "faults", "router-turnkv",
+            "router-standard", "router-cluster", "router-bidirectional", "router-push",
+            "connector")
 # Clusters that tests reach through a fixture of this file rather than a `cluster` mark.
 FIXTURE_CLUSTERS = {"router_cluster": ROUTER_CLUSTER, "plain_engine": SINGLE_TINY}
 
@@ -103,6 +114,16 @@ def tiny_references(clusters: ClusterPool) -> References:
     request, before the first cluster that needs them starts."""
     references = References(clusters, SINGLE_TINY)
     references.prefetch(TINY_SCRIPTS)
+    return references
+
+
+@pytest.fixture(scope="session")
+def smollm2_references(clusters: ClusterPool) -> References:
+    """The single SmolLM2 engine's answers to test_turnkv_connector.py's conversation, played
+    before the SmolLM2 pair (`SMOLLM2_TURNKV`) first starts: every user of the pair asks for
+    them first, so the reference engine comes and goes once, whichever test starts the pair."""
+    references = References(clusters, SINGLE_SMOLLM2)
+    references.prefetch(SMOLLM2_SCRIPTS)
     return references
 
 

@@ -110,6 +110,9 @@ def test_sync_session_chat_stream_hints_and_release(router_cluster: ClusterState
         assert 0 < view["expires_in_s"] <= 5
     # Released on exit.
     assert router_record(state, session.id).status_code == 404
+    # Hints for a session the router no longer holds: a typed error in the router's words.
+    with pytest.raises(turnkv.SessionNotFoundError, match="^no live session .*lease expired"):
+        client.session(session.id).hint_now(ttl=5)
 
 
 def test_async_session_chat_stream_and_keep(router_cluster: ClusterState) -> None:

@@ -22,35 +22,38 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.clusters import SINGLE_SMOLLM2, ClusterPool, ClusterSpec, EngineSet
+from tests.support.clusters import (
+    SMOLLM2_LEASE_S,
+    SMOLLM2_SHORT_DELTA_TOKENS,
+    SMOLLM2_TURNKV,
+    ClusterPool,
+)
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
-from tests.support.reference import Reference, References, Script
+from tests.support.reference import SMOLLM2_SCRIPT, Reference, References
 from turnkv_server.engine.metrics import fetch_connector_counters, fetch_prompt_token_sources
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState, ProcessRef
+from turnkv_server.launcher import Cluster, ClusterState, ProcessRef
 from turnkv_server.launcher.processes import group_members, unpinned_threads
-from turnkv_server.models import resolve_model
 
-TURNS = 8
-MAX_TOKENS = 16
+SCRIPT = SMOLLM2_SCRIPT
+TURNS = SCRIPT.turns
+MAX_TOKENS = SCRIPT.max_tokens
 EDITED_AT = 4  # this turn's history rewrites turn 1's reply
-EDIT = "In short: a crash can lose the writes that were not yet synced."
-SCRIPT = Script(turns=TURNS, max_tokens=MAX_TOKENS, edited_at=EDITED_AT, edit=EDIT)
+assert SCRIPT.edited_at == EDITED_AT
 # Engine leases last this long unless a client asks for less; the router keeps sessions longer.
-ENGINE_LEASE_S = 10.0
+ENGINE_LEASE_S = SMOLLM2_LEASE_S
 # Turns adding at most this many tokens are served by the decode engine alone: some of the
 # conversation's user messages are below it, some above.
-SHORT_DELTA_TOKENS = 60
+SHORT_DELTA_TOKENS = SMOLLM2_SHORT_DELTA_TOKENS
 TURNKV = [sys.executable, "-m", "turnkv_server.cli"]
-# The module's own pair (its last test stops it), started after the reference engine stopped.
-CLUSTER = ClusterSpec("connector", EngineSet("smollm2-turnkv", lambda run_dir: ClusterConfig(
-    mode="turnkv", model=str(resolve_model("smollm2")), dtype="float32", run_dir=run_dir,
-    connector_settings={"lease_ttl_s": ENGINE_LEASE_S}, short_delta_tokens=SHORT_DELTA_TOKENS)))
+# The pair (its last test here stops it), started after the reference engine stopped. The demo
+# agent's test (test_examples.py) runs on it first and leaves every block free.
+CLUSTER = SMOLLM2_TURNKV
 pytestmark = pytest.mark.cluster(CLUSTER)
 
 
 @pytest.fixture(scope="module")
-def reference(clusters: ClusterPool) -> Reference:
-    return References(clusters, SINGLE_SMOLLM2)[SCRIPT]
+def reference(smollm2_references: References) -> Reference:
+    return smollm2_references[SCRIPT]
 
 
 @pytest.fixture

@@ -263,6 +263,18 @@ SINGLE_SMOLLM2 = ClusterSpec("single-smollm2", EngineSet("single-smollm2", lambd
     ClusterConfig(mode="single", model=str(resolve_model("smollm2")), dtype="float32",
                   run_dir=run_dir))))
 
+# SmolLM2 behind the turnkv connector, float32: test_turnkv_connector.py's pair (its last test
+# stops it), used first by the demo agent's test in test_examples.py, which gives every block
+# back. Engine leases last SMOLLM2_LEASE_S unless a client asks for less (the router keeps
+# sessions longer); turns adding at most SMOLLM2_SHORT_DELTA_TOKENS tokens are served by the
+# decode engine alone.
+SMOLLM2_LEASE_S = 10.0
+SMOLLM2_SHORT_DELTA_TOKENS = 60
+SMOLLM2_TURNKV = ClusterSpec("connector", EngineSet("smollm2-turnkv", lambda run_dir: (
+    ClusterConfig(mode="turnkv", model=str(resolve_model("smollm2")), dtype="float32",
+                  run_dir=run_dir, connector_settings={"lease_ttl_s": SMOLLM2_LEASE_S},
+                  short_delta_tokens=SMOLLM2_SHORT_DELTA_TOKENS))))
+
 # The SDK, adapter and example tests: one prefill and one decode engine behind the router in
 # `bidirectional` mode, where a session's turns reuse its KV. `state.router` is the router's
 # URL; clients use `state.router + "/v1"`.

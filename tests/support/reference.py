@@ -103,3 +103,9 @@ ROUTER_SCRIPT = Script(turns=5, max_tokens=24, edited_at=3, edit=(
 # Shared sessions play all five turns; test_faults.py plays the first four.
 SHORT_SCRIPT = Script(turns=5, max_tokens=16)
 TINY_SCRIPTS = (ROUTER_SCRIPT, SHORT_SCRIPT)
+
+# test_turnkv_connector.py's SmolLM2 conversation: eight turns, and the fourth again with turn
+# 1's reply rewritten. Played before the SmolLM2 pair starts (`smollm2_references`).
+SMOLLM2_SCRIPT = Script(turns=8, max_tokens=16, edited_at=4, edit=(
+    "In short: a crash can lose the writes that were not yet synced."))
+SMOLLM2_SCRIPTS = (SMOLLM2_SCRIPT,)

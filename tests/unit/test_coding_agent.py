@@ -1,4 +1,5 @@
-"""The coding agent's pure parts: its folder tools, the tool-call parser and the grammar."""
+"""The coding agent's pure parts: its folder tools, the tool-call parser, the grammar, the hints
+and what the demo prints about them."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
+import turnkv
+from examples.agent import explain
 from examples.agent.calls import grammar, key_words, parse_native, parse_text
-from examples.agent.loop import ToolTimer
+from examples.agent.loop import ToolTimer, next_turn_hint
 from examples.agent.tools import FolderTools, ToolError
+from turnkv import protocol as p
 
 
 @pytest.fixture
@@ -150,3 +154,50 @@ def test_tool_timer_starts_from_the_prior_then_follows_measurements() -> None:
     timer.record("search", 2.0)
     assert timer.estimate("search") == pytest.approx(1.3)
     assert timer.estimate("read_file") == 2.0
+
+
+@pytest.mark.parametrize(("tool_s", "hint"), [(0.0003, 1.0), (1.0, 1.0), (1.2, 2.0),
+                                               (400.0, 400.0)])
+def test_the_next_turn_hint_is_whole_seconds_and_at_least_one(tool_s: float,
+                                                               hint: float) -> None:
+    assert next_turn_hint(tool_s) == hint
+
+
+def test_hints_and_durations_read_in_sane_units() -> None:
+    assert explain.hint(1.0, "read_file") == (
+        "told the router: next turn in ~1 s, after read_file runs (so it keeps the "
+        "session's cache at least that long)")
+    assert [explain.duration(s) for s in (0.0003, 0.0123, 0.5, 2.0, 90.0)] == [
+        "under 1 ms", "12.3 ms", "500 ms", "2 s", "90 s"]
+
+
+def turn_stats(turn: int, total: int, computed: int, **extra: object) -> turnkv.TurnStats:
+    wire = p.TurnStats(
+        session_id="s", turn=turn, mode="turnkv", prefill_node="prefill-0",
+        decode_node="decode-0", completion_tokens=10,
+        prompt_tokens=p.PromptTokens(total=total, prefill_computed=computed,
+                                                   prefill_reused=total - computed),
+        **extra)  # type: ignore[arg-type]
+    return turnkv.TurnStats.from_wire(wire, client_ttft_ms=412.0)
+
+
+def test_a_turn_line_says_where_the_prompt_came_from() -> None:
+    assert explain.turn_line(turn_stats(2, 1_900, 140)) == (
+        "first token after 412 ms; prompt 1,900 tokens: 1,760 reused from cache, 140 computed")
+    alone = turn_stats(3, 1_950, 0).model_copy(update={"prefill_node": None})
+    assert "the decode engine computed it alone" in explain.turn_line(alone)
+    assert explain.prefix_break(turn_stats(2, 1_900, 140), None) is None
+
+
+def test_a_prefix_break_is_explained_with_its_cause_and_cost() -> None:
+    previous = turn_stats(3, 1_600, 100)
+    in_reply = explain.prefix_break(turn_stats(4, 1_900, 259, prefix_break_at=1_641), previous)
+    assert in_reply is not None
+    assert in_reply.startswith("prefix break at token 1,641 of 1,900: from there on, the prompt "
+                               "differs from the history the engines hold")
+    assert "It is inside the model's last reply" in in_reply
+    assert in_reply.endswith("the 259 tokens after it had to be computed.")
+    earlier = explain.prefix_break(turn_stats(4, 1_900, 1_700, prefix_break_at=200), previous)
+    assert earlier is not None and "an earlier message changed" in earlier
+    unknown = explain.prefix_break(turn_stats(1, 900, 700, prefix_break_at=200), None)
+    assert unknown is not None and "  " not in unknown and "It is" not in unknown

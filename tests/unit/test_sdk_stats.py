@@ -12,6 +12,7 @@ import turnkv
 from turnkv import protocol as p
 from turnkv.observe import Observer
 from turnkv.sse import SSEReader
+from turnkv.stats import estimate_prefill_saved, prefill_cost_ms
 
 
 def wire(turn: int, total: int, computed: int, prefill_ms: float, **extra: object
@@ -54,12 +55,75 @@ def test_session_totals_and_the_prefill_estimate() -> None:
     assert (totals.prompt_tokens_reused, totals.prompt_tokens_computed) == (500, 400)
     assert totals.hit_ratio == pytest.approx(500 / 900)
     assert (totals.fallbacks, totals.prefix_breaks, totals.retries) == (1, 1, 2)
-    # 80 ms over 400 computed tokens: 0.2 ms per token, times 500 reused tokens.
+    # The lowest per-token cost measured: turn 1's 40 ms for 200 tokens, times 500 reused.
     assert totals.prefill_ms_per_token == pytest.approx(0.2)
     assert totals.estimated_prefill_s_saved == pytest.approx(0.1)
     plain = turnkv.SessionStats.from_turns(
         [turnkv.TurnStats.from_usage({"prompt_tokens": 10}, session_id="s", turn=1)])
     assert plain.estimated_prefill_s_saved is None and plain.hit_ratio is None
+
+
+def test_the_estimate_takes_the_engines_timing_and_the_cost_of_one_more_token() -> None:
+    """An agent's turns compute few tokens each, each paying a fixed cost per request: the
+    session's average rate made a 90 s run "save" 167.9 s. The estimate takes the cost of one
+    more token, from the engine's own timing where it reported one."""
+    first = wire(1, 1000, 1000, 900.0)  # router: 900 ms; the engine: 500 ms
+    first.times.engine_prefill_ms = 500.0
+    turns = [turnkv.TurnStats.from_wire(first)]
+    # Short turns: 40 new tokens in 60 ms each (1.5 ms per token), reusing the history.
+    for n in range(2, 12):
+        turns.append(turnkv.TurnStats.from_wire(wire(n, 1000 + 40 * n, 40, 60.0)))
+    totals = turnkv.SessionStats.from_turns(turns)
+    # (500 - 60) ms for (1000 - 40) more tokens; 40 ms of each turn is its fixed cost.
+    assert totals.prefill_ms_per_token == pytest.approx(440 / 960)
+    reused = sum(t.prompt_tokens.prefill_reused or 0 for t in turns)
+    assert totals.estimated_prefill_s_saved == pytest.approx(440 / 960 * reused / 1000)
+    # The old average rate (router times): (900 + 10 * 60) ms over 1,400 tokens.
+    assert totals.estimated_prefill_s_saved < 0.5 * 1500 / 1400 * reused / 1000
+    # No turn is estimated above a prefill the engine measured that computed as many tokens.
+    for turn in turns:
+        estimate = totals.prefill_ms_per_token * (turn.reused_tokens or 0)
+        assert turn.reused_tokens is None or turn.reused_tokens > 1000 or estimate <= 500.0
+
+
+def test_the_estimate_on_measured_turns() -> None:
+    """Five turns of the quick start's conversation on SmolLM2 (turnkv mode, 32-token blocks):
+    the first computed by the prefill engine, the rest short deltas on the decode engine
+    (engine_prefill_ms). About 90 ms of each is a fixed cost."""
+    measured = [(245, 437.3), (39, 136.1), (24, 116.3), (37, 135.5), (25, 151.6)]
+    rate, saved = estimate_prefill_saved(measured, 1344)
+    assert rate == pytest.approx(1.409, abs=1e-3)
+    assert saved == pytest.approx(1.409 * 1.344, abs=1e-2)
+    # The lowest per-token cost measured, turn 1's, would say 2.4 s.
+    assert rate < 437.3 / 245
+
+
+@pytest.mark.parametrize(("measured", "reused", "expected"), [
+    ([], 100, (None, None)),
+    ([(0, 10.0), (10, 0.0)], 100, (None, None)),  # nothing computed, or nothing timed
+    ([(100, 50.0)], 0, (0.5, 0.0)),                # one turn: its own rate
+    ([(100, 50.0), (100, 70.0)], 1000, (0.5, 0.5)),  # no spread: the lowest rate
+    ([(100, 50.0), (200, 40.0)], 1000, (0.2, 0.2)),  # a falling line: the lowest rate
+    ([(100, 50.0), (10, 20.0), (400, 120.0)], 1000, (20900 / 83400, 20900 / 83400)),
+])
+def test_estimate_prefill_saved(measured: list[tuple[int, float]], reused: int,
+                                expected: tuple[float | None, float | None]) -> None:
+    rate, saved = estimate_prefill_saved(measured, reused)
+    assert (rate, saved) == (pytest.approx(expected[0]) if expected[0] is not None else None,
+                             pytest.approx(expected[1]) if expected[1] is not None else None)
+    for tokens, ms in measured:
+        if rate is not None and tokens > 0 and ms > 0:
+            # Any r <= tokens reused is estimated at most at that turn's measured time.
+            assert rate * tokens <= ms + 1e-9
+
+
+def test_a_turn_without_engine_timing_uses_the_routers() -> None:
+    timed = turnkv.TurnStats.from_wire(wire(1, 100, 100, 80.0))
+    assert prefill_cost_ms(timed) == 80.0
+    timed.times.engine_prefill_ms = 30.0
+    assert prefill_cost_ms(timed) == 30.0
+    untimed = turnkv.TurnStats.from_wire(wire(2, 100, 100, 0.0))
+    assert prefill_cost_ms(untimed) is None
 
 
 def test_tables_render() -> None:

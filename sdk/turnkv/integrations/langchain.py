@@ -25,14 +25,11 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import openai
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.messages.ai import UsageMetadata
-from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_openai import ChatOpenAI
 from pydantic import PrivateAttr
 
 from turnkv.core import SessionCore
 from turnkv.http import async_http_client, http_client
+from turnkv.integrations import extra_missing
 from turnkv.integrations.turns import (
     STATS_KEY,
     SessionOwner,
@@ -42,6 +39,19 @@ from turnkv.integrations.turns import (
     wire_of,
 )
 from turnkv.stats import TurnStats
+
+try:
+    from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+    from langchain_core.messages.ai import UsageMetadata
+    from langchain_core.outputs import ChatGenerationChunk, ChatResult
+    from langchain_openai import ChatOpenAI
+except ModuleNotFoundError as exc:
+    # `pip install turnkv` has no LangChain: say which extra brings it.
+    missing = extra_missing(exc, "langchain", ("langchain_core", "langchain_openai"),
+                            "LangChain", "turnkv.integrations.langchain")
+    if missing is None:
+        raise
+    raise missing from exc
 
 
 class ChatTurnKV(SessionOwner, ChatOpenAI):

@@ -25,17 +25,9 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
 
-from llama_index.core.base.llms.types import (
-    ChatMessage,
-    ChatResponse,
-    ChatResponseAsyncGen,
-    ChatResponseGen,
-)
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
-from llama_index.llms.openai_like import OpenAILike
-
 from turnkv.core import SessionCore
 from turnkv.http import async_http_client, http_client
+from turnkv.integrations import extra_missing
 from turnkv.integrations.turns import (
     STATS_KEY,
     SessionOwner,
@@ -45,6 +37,23 @@ from turnkv.integrations.turns import (
     wire_of,
 )
 from turnkv.stats import TurnStats
+
+try:
+    from llama_index.core.base.llms.types import (
+        ChatMessage,
+        ChatResponse,
+        ChatResponseAsyncGen,
+        ChatResponseGen,
+    )
+    from llama_index.core.bridge.pydantic import Field, PrivateAttr
+    from llama_index.llms.openai_like import OpenAILike
+except ModuleNotFoundError as exc:
+    # `pip install turnkv` has no LlamaIndex: say which extra brings it.
+    missing = extra_missing(exc, "llamaindex", ("llama_index",),
+                            "LlamaIndex", "turnkv.integrations.llamaindex")
+    if missing is None:
+        raise
+    raise missing from exc
 
 CACHE_READ_KEY = "cache_read"
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 
 from turnkv_server.launcher.engine import (
     EngineProcess,
@@ -38,6 +38,7 @@ from turnkv_server.launcher.engine import (
 )
 from turnkv_server.launcher.kv_transfer import kv_transfer_config
 from turnkv_server.launcher.processes import ProcessRef, stop_group
+from turnkv_server.launcher.progress import LogPhases, StartupDisplay
 from turnkv_server.launcher.state import ClusterState, ServerState, clear_current, set_current
 from turnkv_server.mode_names import CLUSTER_MODES as MODES
 from turnkv_server.mode_names import ClusterMode as Mode
@@ -122,21 +123,32 @@ class Cluster:
     def start(self) -> ClusterState:
         from turnkv_server.models import resolve_model
 
+        began = time.monotonic()
+        steps = 3 if self.config.mode == "single" else 4
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._step(1, steps, f"model {self.config.model}")
         model_path = resolve_model(self.config.model, progress=self._note)
         served_name = _served_name(self.config.model, model_path)
+        self._note(f"{served_name}: {model_path}")
         specs = self._engine_specs(model_path, served_name)
         self.engines = [EngineProcess(spec, self.run_dir) for spec in specs]
         try:
+            self._step(2, steps, f"starting {len(specs)} vLLM engine(s), {self.config.mode} mode")
+            self._note("each imports vLLM, loads the weights and allocates its KV cache")
+            self._note(f"their logs: {self.run_dir / 'logs'}")
             for engine in self.engines:
                 engine.start()
             self._wait_for_engines()
+            self._step(3, steps, "pinning every engine thread to its cores")
             self._pin_engines()
+            if steps == 4:
+                self._step(4, steps, "starting the router")
             router_url = self._start_router(served_name)
         except BaseException:
             self.stop()
             raise
         self.state = self._record(served_name, model_path, router_url)
+        self._note(f"cluster ready in {time.monotonic() - began:.0f} s")
         return self.state
 
     def _engine_specs(self, model_path: Path, served_name: str) -> list[EngineSpec]:
@@ -185,28 +197,17 @@ class Cluster:
 
     def _wait_for_engines(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout
-        with Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            TimeElapsedColumn(),
-            console=self.console,
-            transient=True,
-        ) as progress:
-            tasks = {
-                e.spec.name: progress.add_task(f"starting {e.spec.name}")
-                for e in self.engines
-            }
+        logs = {e.spec.name: LogPhases(e.log_path, e.log_offset) for e in self.engines}
+        with StartupDisplay(self.console, list(logs)) as display:
             pending = list(self.engines)
             while pending:
                 for engine in list(pending):
+                    elapsed = time.monotonic() - engine.started_at
                     if engine.is_healthy():
                         pending.remove(engine)
-                        progress.update(
-                            tasks[engine.spec.name],
-                            description=f"[green]{engine.spec.name} healthy on "
-                                        f"{engine.spec.url}[/]",
-                        )
-                        progress.stop_task(tasks[engine.spec.name])
+                        display.serving(engine.spec.name, engine.spec.url, elapsed)
+                    else:
+                        display.update(engine.spec.name, logs[engine.spec.name].poll(), elapsed)
                 if pending and time.monotonic() > deadline:
                     timeout = self.config.startup_timeout
                     raise EngineStartError(
@@ -327,7 +328,12 @@ class Cluster:
             clear_current(self.run_dir)
 
     def _note(self, message: str) -> None:
-        self.console.print(f"[dim]{message}[/]")
+        self.console.print(f"[dim]{escape(message)}[/]")
+
+    def _step(self, index: int, steps: int, message: str) -> None:
+        # soft_wrap: one line per step in a log file too, however long.
+        self.console.print(f"[bold]{escape(f'[{index}/{steps}]')}[/] {escape(message)}",
+                           highlight=False, soft_wrap=True)
 
 
 def stop_cluster(state: ClusterState) -> None:

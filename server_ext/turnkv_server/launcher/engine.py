@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -99,6 +100,9 @@ class EngineSpec:
             "--enforce-eager",
             # Without it `usage.prompt_tokens_details.cached_tokens` is null.
             "--enable-prompt-tokens-details",
+            # Each response's `metrics` (queue time, time to the first token): the router's
+            # stats time the prompt's computation as the engine measured it.
+            "--enable-per-request-metrics",
             "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
         ]
         if self.kv_cache_bytes is not None:
@@ -165,6 +169,10 @@ class EngineProcess:
         self.side_channel_report = self.workdir / SIDE_CHANNEL_REPORT
         self._hold: PortHold | None = None
         self._reported = False
+        # Where this start's lines begin in the log (a restart appends), and when it began:
+        # what the start-up display reads and counts from.
+        self.log_offset = 0
+        self.started_at = time.monotonic()
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +191,9 @@ class EngineProcess:
         if self._hold is None:
             self._hold = PortHold(self.spec.host, self._known_ports())
         side_channel = self.side_channel_report if self.spec.nixl_port is not None else None
+        self.started_at = time.monotonic()
         with open(self.log_path, "ab") as log:
+            self.log_offset = log.tell()
             self._popen = subprocess.Popen(
                 ["taskset", "-c", _cpu_list(self.spec.cores),
                  *self.spec.command(self.http_report)],

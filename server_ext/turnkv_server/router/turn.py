@@ -223,7 +223,8 @@ class Turns:
         usage = data.get("usage") or {}
         reply = data.pop("kv_transfer_params", None)
         stats.finish(turn, decode.plan, turn_stats, int(usage.get("completion_tokens") or 0),
-                     None, usage, reply)
+                     None, usage, reply, data.get("metrics"))
+        stats.correct_usage(usage, decode.plan, turn_stats)
         decode.complete(reply, turn_stats)
         await self._remember(turn, decode.plan, turn_stats)
         if not turn.want_token_ids:
@@ -238,12 +239,13 @@ class Turns:
         completion_tokens = 0
         template: dict[str, Any] | None = None
         usage: dict[str, Any] | None = None
+        metrics: Any = None  # vLLM's per-request timing, on its usage chunk
         try:
             async for payload in decode.stream.events():
                 if payload == b"[DONE]":
                     stats.finish(turn, decode.plan, turn_stats,
                                  completion_tokens or len(turn.output_token_ids),
-                                 first_token_ms, usage, None)
+                                 first_token_ms, usage, None, metrics)
                     decode.complete(None, turn_stats)
                     await self._remember(turn, decode.plan, turn_stats)
                     yield stats.chunk(turn, turn_stats, template)
@@ -262,6 +264,9 @@ class Turns:
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                     completion_tokens = int(usage.get("completion_tokens") or 0)
+                    metrics = chunk.get("metrics")
+                    # (A P/D turn's reuse is known since its prefill.)
+                    stats.correct_usage(usage, decode.plan, turn_stats)
                 if not turn.want_token_ids:
                     strip_token_ids(chunk)
                     if not chunk.get("choices") and not chunk.get("usage") \

@@ -49,6 +49,8 @@ class Engine:
     healthy: bool = True
     in_flight: int = 0
     consecutive_failures: int = 0
+    # Its KV block size once a health probe has read it (stats explain reuse in whole blocks).
+    block_size: int | None = None
 
 
 @dataclass(frozen=True)
