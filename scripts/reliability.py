@@ -687,7 +687,9 @@ class SoakTally:
                 self.short_deltas += 1
         else:
             self.lost.append(record)
-        if len(result.attempts) > 1 and len(self.retried) < 100:
+        # Every retried turn is kept up to a bound well above one per session per fault
+        # (64 sessions x 3 faults): a record cut at 100 once read as turns that hung.
+        if len(result.attempts) > 1 and len(self.retried) < 2000:
             self.retried.append(record)
 
     @property

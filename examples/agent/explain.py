@@ -49,7 +49,8 @@ def turn_line(stats: turnkv.TurnStats) -> str:
     reused, computed = stats.reused_tokens, stats.computed_tokens
     if reused is not None and computed is not None:
         line += f": {reused:,} reused from cache, {computed:,} computed"
-    if stats.served_by_turnkv and stats.prefill_node is None and stats.decode_node:
+    # (In affinity mode every turn is computed where it is decoded: nothing to point out.)
+    if stats.mode == "turnkv" and stats.prefill_node is None and stats.decode_node:
         line += " (a short addition: the decode engine computed it alone)"
     if stats.fallback:
         detail = f" ({stats.fallback_detail})" if stats.fallback_detail else ""

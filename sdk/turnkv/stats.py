@@ -92,7 +92,8 @@ class TurnStats(p.TurnStats):
         if tokens.prefill_cached is not None or tokens.prefill_received is not None:
             return (tokens.prefill_cached or 0) + (tokens.prefill_received or 0)
         if tokens.decode_computed is not None:
-            # turnkv served a short delta on the decode engine alone: no prefill side.
+            # No prefill side: turnkv served a short delta on the decode engine alone, or
+            # affinity served the turn on the session's engine.
             return tokens.total - tokens.decode_computed
         return None
 

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from turnkv_server import extras
-from turnkv_server.mode_names import BENCH_MODES, CLUSTER_MODES, DEFAULT_MODE
+from turnkv_server.mode_names import CLUSTER_MODES, DEFAULT_MODE, describe_bench_modes
 from turnkv_server.router.config import SHORT_DELTA_TOKENS, help_for
 
 # `turnkv up` and `turnkv bench` pass it to the router only when given.
@@ -74,6 +74,8 @@ def up(
     ),
     prefill: Annotated[int, typer.Option(help="number of prefill engines")] = 1,
     decode: Annotated[int, typer.Option(help="number of decode engines")] = 1,
+    engines: Annotated[int, typer.Option(
+        help="affinity: number of aggregated engines (each keeps its sessions)")] = 2,
     dtype: Annotated[str, typer.Option(help="engine dtype (float32 for exact comparisons)")] = (
         "auto"
     ),
@@ -81,7 +83,9 @@ def up(
         True
     ),
     kv_cache_bytes: Annotated[int | None, typer.Option(help="KV cache size per engine")] = None,
-    cores_per_engine: Annotated[int, typer.Option(help="cores pinned to each engine")] = 1,
+    cores_per_engine: Annotated[int, typer.Option(
+        help="cores pinned to each engine (one engine on two: --mode single "
+             "--cores-per-engine 2)")] = 1,
     decoder_kv_ttl: Annotated[float, typer.Option(help=help_for("decoder_kv_ttl"))] = 120.0,
     short_delta_tokens: Annotated[int | None, typer.Option(
         help=SHORT_DELTA_HELP)] = None,
@@ -109,7 +113,8 @@ def up(
     try:
         config = ClusterConfig(
             mode=mode,  # type: ignore[arg-type]
-            model=model, num_prefill=prefill, num_decode=decode, dtype=dtype,
+            model=model, num_prefill=prefill, num_decode=decode, num_aggregated=engines,
+            dtype=dtype,
             prefill_cache=prefill_cache, kv_cache_bytes=kv_cache_bytes,
             cores_per_engine=cores_per_engine, router_port=port, run_dir=run_dir,
             decoder_kv_ttl=decoder_kv_ttl, short_delta_tokens=short_delta_tokens,
@@ -191,7 +196,9 @@ def bench(
         help="agent | chat | conversation | smoke | memory-pressure | trace")] = "agent",
     trace: Annotated[Path | None, typer.Option(help="JSONL trace for --workload trace")] = None,
     modes: Annotated[str, typer.Option(
-        help=f"comma-separated, run in this order: {', '.join(BENCH_MODES)} (turnkv-end-write: "
+        help="comma-separated, run in this order; engines x cores each: "
+             f"{describe_bench_modes()} (affinity: aggregated engines behind the router, "
+             "sessions kept on one; single-2core: one engine on both cores; turnkv-end-write: "
              "turnkv without layer-by-layer writes)")] = (
         "single,standard,bidirectional,push,turnkv"),
     model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
@@ -220,6 +227,9 @@ def bench(
         help="seconds without any output token (turns in flight) before a mode is stalled")] = (
         90.0
     ),
+    repeat: Annotated[int, typer.Option(
+        help="run every mode this many times, interleaved (A B C A B C); tables show the "
+             "median of the runs and their range")] = 1,
 ) -> None:
     """Run a multi-turn workload against each serving mode in turn; write JSON, plots, a table."""
     from turnkv_server.bench.cli import BenchOptions, run_bench
@@ -230,7 +240,7 @@ def bench(
         sessions=sessions, seed=seed, concurrency=concurrency, kv_cache_bytes=kv_cache_bytes,
         max_model_len=max_model_len, kv_recompute_threshold=kv_recompute_threshold,
         short_delta_tokens=short_delta_tokens, out=out_dir, baseline=baseline,
-        turn_timeout=turn_timeout, stall_timeout=stall_timeout,
+        turn_timeout=turn_timeout, stall_timeout=stall_timeout, repeat=repeat,
     )
     # Run in the background, a job ignores SIGINT: SIGTERM must also stop the engines.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -254,7 +264,8 @@ def bench_report(
     from pydantic import ValidationError
 
     from turnkv_server.bench import report
-    from turnkv_server.bench.results import BenchResult, finalize
+    from turnkv_server.bench.aggregate import finalize
+    from turnkv_server.bench.results import BenchResult
     from turnkv_server.bench.runner import RESULTS_FILE, write_outputs
 
     path = folder / RESULTS_FILE
@@ -265,7 +276,8 @@ def bench_report(
         raise typer.Exit(2) from exc
     result = finalize(result, result.baseline)
     paths = write_outputs(result, folder)
-    out.print(report.rich_table(result))
+    # As in `bench`: piped to a file, the table keeps all its columns instead of 80.
+    (out if out.is_terminal else Console(width=200)).print(report.rich_table(result))
     for written in paths:
         out.print(f"wrote {written}")
 

@@ -3,8 +3,9 @@ the launcher, the benchmark and the command line's help.
 
 A router serves one of `ROUTER_MODES` (docs/protocol.md says what each does); a cluster runs one
 of `CLUSTER_MODES`: a router mode in front of prefill and decode engines (the launcher starts a
-`standard` cluster with the prefill engines' prefix cache off as a `standard-nocache` router), or
-one engine alone (`single`, no router). The benchmark also measures two variants, each a cluster
+`standard` cluster with the prefill engines' prefix cache off as a `standard-nocache` router),
+the `affinity` router in front of aggregated engines (each serves its sessions' turns whole),
+or one engine alone (`single`, no router). The benchmark also measures variants, each a cluster
 mode with one setting changed.
 """
 
@@ -12,20 +13,39 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-RouterMode = Literal["turnkv", "standard", "standard-nocache", "bidirectional", "push"]
+RouterMode = Literal["turnkv", "standard", "standard-nocache", "bidirectional", "push",
+                     "affinity"]
 ROUTER_MODES: tuple[RouterMode, ...] = get_args(RouterMode)
 # `turnkv up`'s and `turnkv router`'s.
 DEFAULT_MODE: RouterMode = "turnkv"
 
-ClusterMode = Literal["turnkv", "single", "standard", "bidirectional", "push"]
+ClusterMode = Literal["turnkv", "single", "standard", "bidirectional", "push", "affinity"]
 CLUSTER_MODES: tuple[ClusterMode, ...] = get_args(ClusterMode)
 
 # Benchmark variant -> the cluster mode it changes: `standard-nocache` turns the prefill
 # engines' prefix cache off (vLLM's multi-turn blog baseline); `turnkv-end-write` sends a
-# prefill's KV in one write when it ends instead of layer by layer (that design choice, measured).
+# prefill's KV in one write when it ends instead of layer by layer (that design choice, measured);
+# `single-2core` gives the one engine both cores the P/D modes share (equal resources).
 BENCH_VARIANTS: dict[str, ClusterMode] = {"standard-nocache": "standard",
-                                          "turnkv-end-write": "turnkv"}
+                                          "turnkv-end-write": "turnkv",
+                                          "single-2core": "single"}
 # In the order the benchmark's help lists them.
 BENCH_MODES: tuple[str, ...] = (
-    "single", "standard", "standard-nocache", "bidirectional", "push", "turnkv",
-    "turnkv-end-write")
+    "single", "single-2core", "affinity", "standard", "standard-nocache", "bidirectional",
+    "push", "turnkv", "turnkv-end-write")
+
+# How many engines each benchmark mode starts, and how many cores each gets: ratios between
+# modes mean something only where the cores are equal. Every mode not named here runs two
+# engines of one core each (P/D: one prefill and one decode engine; affinity: two aggregated).
+BENCH_ENGINES: dict[str, tuple[int, int]] = {"single": (1, 1), "single-2core": (1, 2)}
+PAIR = (2, 1)
+
+
+def bench_layout(mode: str) -> tuple[int, int]:
+    """(engines, cores per engine) of a benchmark mode."""
+    return BENCH_ENGINES.get(mode, PAIR)
+
+
+def describe_bench_modes() -> str:
+    """Each benchmark mode with its engines x cores each, for the command line's help."""
+    return ", ".join("{} ({}x{})".format(mode, *bench_layout(mode)) for mode in BENCH_MODES)

@@ -23,14 +23,16 @@ from turnkv_server.models import build_tiny
 #   then `cached_tokens` through the router (its sessions released at the end), then the
 #   faults (engines killed and restarted; sessions left open), then test_router.py, whose
 #   last test leaves a decode engine dead;
+# - tiny standard engines: an affinity router in front of the two decode engines (before
+#   test_router.py, whose last test leaves a decode engine dead), then test_router.py;
 # - tiny bidirectional engines: the SDK, adapter and example tests (`router_cluster`), then
 #   test_router.py;
 # - SmolLM2 turnkv engines (`connector`, after the single SmolLM2 engine played its
 #   references): the demo agent's test (test_examples.py; every block free at its end), then
 #   test_turnkv_connector.py, whose last test stops them.
 SCHEDULE = ("single-tiny", "shared-sessions", "usage-turnkv", "faults", "router-turnkv",
-            "router-standard", "router-cluster", "router-bidirectional", "router-push",
-            "connector")
+            "router-affinity", "router-standard", "router-cluster", "router-bidirectional",
+            "router-push", "connector")
 # Clusters that tests reach through a fixture of this file rather than a `cluster` mark.
 FIXTURE_CLUSTERS = {"router_cluster": ROUTER_CLUSTER, "plain_engine": SINGLE_TINY}
 

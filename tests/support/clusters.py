@@ -37,6 +37,7 @@ from tests.support.redis_server import redis_server
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState, ProcessRef
 from turnkv_server.launcher.engine import EngineProcess
 from turnkv_server.launcher.state import ServerState
+from turnkv_server.mode_names import ClusterMode
 from turnkv_server.models import build_tiny, resolve_model
 from turnkv_server.ports import read_report
 
@@ -98,10 +99,13 @@ class EngineSet:
 @dataclass(frozen=True)
 class RouterView:
     """A router of its own in front of the first `prefill` prefill and first `decode` decode
-    engines of a set, with these settings (the set's mode and decoder KV TTL)."""
+    engines of a set, with these settings (the set's mode and decoder KV TTL, unless `mode`
+    says another: an `affinity` router in front of a set's decode engines serves every turn
+    on one of them alone, no KV connector involved, without starting engines of its own)."""
 
     prefill: int = 1
     decode: int = 1
+    mode: ClusterMode | None = None
     args: tuple[str, ...] = ()
     short_delta_tokens: int | None = None
     # Started before the router and stopped after it, in the router's run folder; yields
@@ -187,7 +191,8 @@ class ClusterPool:
         try:
             extra = stack.enter_context(view.service(run_dir)) if view.service else ()
             config = dataclasses.replace(
-                running.launched.config, run_dir=run_dir, num_prefill=view.prefill,
+                running.launched.config, mode=view.mode or running.launched.config.mode,
+                run_dir=run_dir, num_prefill=view.prefill,
                 num_decode=view.decode, router_args=(*view.args, *extra),
                 short_delta_tokens=view.short_delta_tokens, register_as_current=False)
             launched = Cluster(config)

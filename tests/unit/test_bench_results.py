@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from turnkv_server.bench.aggregate import finalize, ratios
+from turnkv_server.bench.plots import PLOTS, source_parts, write_plots
 from turnkv_server.bench.report import (
+    COLUMNS,
     markdown_table,
     rich_table,
     rows,
-    source_parts,
     summary_markdown,
-    write_plots,
 )
 from turnkv_server.bench.results import (
     BenchResult,
@@ -21,12 +22,10 @@ from turnkv_server.bench.results import (
     ModeStatus,
     TurnRecord,
     WorkloadSummary,
-    finalize,
     percentiles,
-    ratios,
-    summarize,
     total,
 )
+from turnkv_server.bench.summary import summarize
 
 OK = ModeStatus(state="ok")
 STALLED = ModeStatus(state="stalled", detail="no progress for 60 s")
@@ -114,11 +113,13 @@ def test_ratios_against_a_baseline() -> None:
     base = summarize(run("standard", [record("standard", 0, 400.0)]))
     fast = summarize(run("push", [record("push", 0, 100.0)]))
     stalled = summarize(run("bidirectional", [record("bidirectional", 0, 50.0)], STALLED))
-    out = ratios([base, fast, stalled], "standard")
+    out, spread = ratios([base, fast, stalled], "standard")
     assert out["standard"]["ttft_p50"] == 1.0
     assert out["push"]["ttft_p50"] == pytest.approx(0.25)
     assert out["push"]["recompute_fraction"] is None  # neither reported it
     assert all(v is None for v in out["bidirectional"].values())
+    # One run each: the per-repeat ratio is the one ratio.
+    assert (spread["push"]["ttft_p50"].n, spread["push"]["ttft_p50"].min) == (1, 0.25)
     with pytest.raises(ValueError):
         ratios([base], "turnkv")
 
@@ -171,12 +172,15 @@ def test_result_json_round_trip() -> None:
 def test_table_rows_show_status_and_dashes() -> None:
     bench = result()
     standard, stalled, failed = rows(bench)
-    assert standard[:3] == ["standard", "ok", "200"]
-    assert standard[-3:] == ["100%", "9.0 MiB", "1.00x"]
-    assert stalled[1] == "stalled: no progress for 60 s" and stalled[2] == "80"
-    assert stalled[-1] == "-" and stalled[8] == "-" and stalled[9] == "20%"
-    assert failed[1] == "failed: engine exited"
-    assert set(failed[2:]) == {"-"}
+    column = {name: i for i, name in enumerate(COLUMNS)}
+    shown = ("mode", "status", "TTFT p50 ms", "recompute", "KV moved", "TTFT p50 vs base")
+    assert [standard[column[c]] for c in shown] == [
+        "standard", "ok", "200", "100%", "9.0 MiB", "1.00x"]
+    assert [stalled[column[c]] for c in shown] == [
+        "bidirectional", "stalled: no progress for 60 s", "80", "20%", "-", "-"]
+    assert stalled[column["out tok/s"]] == "-"
+    assert failed[column["status"]] == "failed: engine exited"
+    assert {failed[column[c]] for c in COLUMNS[column["status"] + 1:]} == {"-"}
     md = markdown_table(bench)
     assert md.count("\n") == 2 + 3 and "| stalled: no progress for 60 s |" in md
     assert rich_table(bench).row_count == 3
@@ -191,8 +195,7 @@ def test_prompt_sources_only_as_reported() -> None:
 
 def test_plots_are_written(tmp_path: Path) -> None:
     paths = write_plots(result(), tmp_path / "plots")
-    assert [p.name for p in paths] == [
-        "ttft_by_turn.png", "ttft_cdf.png", "prompt_tokens_by_source.png"]
+    assert [p.name for p in paths] == list(PLOTS)
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -156,6 +156,11 @@ async def prefill_ok(engine: StandIn, request: web.Request, body: dict[str, Any]
                 "usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}}})
 
 
+async def tokenize_ok(engine: StandIn, request: web.Request, body: dict[str, Any]
+                      ) -> web.StreamResponse:
+    return _ok({"tokens": [7, 8, 9]})
+
+
 @dataclass
 class Cluster:
     prefill: StandIn
@@ -175,7 +180,8 @@ def free_port() -> int:
 async def cluster(prefill: dict[str, Handler] | None, decode: dict[str, Handler],
                   short_delta_tokens: int = 0) -> AsyncIterator[Cluster]:
     """Stand-in engines (`prefill` None: nothing listens there) behind a `turnkv` router."""
-    p, d = StandIn(prefill or {}), StandIn(decode)
+    # (A prompt of three tokens, as `prefill_ok` renders it.)
+    p, d = StandIn(prefill or {}), StandIn({"/tokenize": tokenize_ok, **decode})
     p.partner, d.partner = d, p
     d_url = await d.start()
     p_url = await p.start() if prefill is not None else f"http://127.0.0.1:{free_port()}"
@@ -232,14 +238,20 @@ def chat(stream: bool, session: str | None = None, **extra: Any) -> dict[str, An
 def test_a_streamed_turn_whose_prefill_fails_closes_its_decode_request(how: str) -> None:
     """The decode request goes out with the prefill; a streamed one has its headers in before
     the prefill fails. Its engine request must still be closed (the engine would wait for KV
-    that never comes) and its in-flight count given back."""
+    that never comes) and its in-flight count given back. (The turn is then replayed with the
+    only prefill engine out of service: the decode engine serves it alone, and the client
+    leaves after its first token; a 400 is the client's own, passed through.)"""
 
     async def main() -> None:
         prefill = None if how == "refused" else {"/v1/chat/completions": failing_prefill(how)}
         async with cluster(prefill, {"/v1/chat/completions": slow_decode}) as c, \
                 httpx.AsyncClient(timeout=30) as client:
-            reply = await client.post(f"{c.url}/v1/chat/completions", json=chat(stream=True))
-            assert reply.status_code == (400 if how == "400" else 503), reply.text
+            async with client.stream("POST", f"{c.url}/v1/chat/completions",
+                                     json=chat(stream=True)) as reply:
+                assert reply.status_code == (400 if how == "400" else 200)
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: {"):
+                        break
             decodes = c.decode.requests("/v1/chat/completions")
             # The turn (and its retry, after a 5xx or a reset) reached the decode engine,
             # except where the refusal came first.
@@ -247,6 +259,36 @@ def test_a_streamed_turn_whose_prefill_fails_closes_its_decode_request(how: str)
             await settle(c, all_over(c))
             # Closed by the router, not run to the end into a buffer nobody reads.
             assert all(s.closed.is_set() for s in decodes)
+
+    asyncio.run(main())
+
+
+def test_while_the_prefill_engine_is_down_the_decode_engine_serves_turns_alone() -> None:
+    """The soak killed the prefill engine: within seconds every session was at a turn that
+    needs it (a first turn) and got 503 until it was back, while the decode engine sat idle.
+    The turn that finds it down is replayed on the decode engine alone, and so are the turns
+    after it; nothing is kept for a push back it cannot take."""
+
+    async def main() -> None:
+        async with cluster(None, {"/v1/chat/completions": slow_decode},
+                           short_delta_tokens=512) as c, \
+                httpx.AsyncClient(timeout=30) as client:
+            for number in (1, 2):
+                reply = await client.post(f"{c.url}/v1/chat/completions",
+                                          json=chat(stream=False, session="s"))
+                assert reply.status_code == 200, reply.text
+                stats = reply.json()["turnkv"]
+                assert stats["prefill_node"] is None and stats["decode_node"] == "decode-0"
+                assert stats["fallback"] == "engine_unavailable", stats
+                served = c.decode.requests("/v1/chat/completions")[-1]
+                params = served.body["kv_transfer_params"]["turnkv"]
+                assert "receive" not in params and "send" not in params
+                assert stats["turn"] == number
+            await settle(c, lambda: all(e.in_flight == 0 for e in c.router.pool.engines()))
+            assert abandoned(c.decode) == [] and not c.router.pool.prefill[0].healthy
+            # Still serving: a load balancer must keep the router.
+            health = await client.get(f"{c.url}/health")
+            assert (health.status_code, health.json()["status"]) == (200, "degraded")
 
     asyncio.run(main())
 

@@ -186,3 +186,53 @@ def test_a_short_delta_that_found_its_history_gone_backs_the_decode_engine_off()
     served_alone(delta=40, computed=60)  # held again: the backoff ends
     assert not mode._under_pressure(decode)  # type: ignore[attr-defined]
     assert lost_history(900, 40) and not lost_history(None, 40)
+
+
+def test_while_no_prefill_engine_is_up_the_decode_engine_serves_every_turn_alone() -> None:
+    # The soak killed the prefill engine: within seconds every session was at a turn that is
+    # not a short delta (a first turn) and got 503 until the engine was back, while the decode
+    # engine sat idle. It computes such a turn itself, as a single engine would.
+    ctx = context(short_delta_tokens=64)
+    ctx.upstream = Tokenizer(list(range(300)))
+    mode = make_mode("turnkv", ctx)
+    assert ctx.pool is not None
+    ctx.pool.prefill[0].healthy = False
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)
+    assert not placement.prefill.healthy  # the only prefill engine, down
+    first = turn(CacheHints(ttl=60))
+    plan = asyncio.run(mode.plan(first, placement))
+    assert plan.alone == DecodeAlone(list(range(300)), new_tokens=300, held=False)
+    assert plan.prefill_params is None and plan.prefill_send is None
+    assert plan.reuse_note is not None and plan.reuse_note[0] == "engine_unavailable"
+    decode = parse(plan.decode_params)
+    assert decode is not None and decode.receive is None and decode.ttl_s == 60
+    # Nothing is kept for a push back the prefill engine cannot take.
+    assert decode.send is None and plan.decode_send is None
+    # A long delta of a session the decode engine holds: only the new tokens are computed.
+    later = turn()
+    assert later.session is not None
+    later.session.tokens, later.session.decode = list(range(100)), placement.decode.name
+    plan = asyncio.run(mode.plan(later, placement))
+    assert plan.alone == DecodeAlone(list(range(300)), new_tokens=200, held=True)
+    # An anonymous turn too.
+    assert asyncio.run(mode.plan(turn(session=False), placement)).alone is not None
+    # Back up: a turn that is not a short delta goes through the prefill engine again.
+    ctx.pool.prefill[0].healthy = True
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)
+    plan = asyncio.run(mode.plan(turn(), placement))
+    assert plan.alone is None and plan.prefill_params is not None
+
+
+def test_a_turn_that_held_nothing_says_nothing_about_the_decode_engines_leases() -> None:
+    ctx = context(short_delta_tokens=64)
+    mode = make_mode("turnkv", ctx)
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
+    decode = placement.decode.name
+    mode._pressure[decode] = (1e9, PRESSURE_BACKOFF_S)  # type: ignore[attr-defined]
+    # A first turn computed on the decode engine (its prefill engine down) computed its whole
+    # prompt, as expected: that does not show the engine's leases are held again.
+    plan = TurnPlan(placement, prefill_params=None,
+                    alone=DecodeAlone([0] * 1000, 1000, held=False))
+    stats = TurnStats(mode="turnkv", prompt_tokens=PromptTokens(total=1000, decode_computed=1000))
+    mode.finish(turn(CacheHints(final=True)), plan, TurnEnd("complete", None, stats))
+    assert mode._under_pressure(decode)  # type: ignore[attr-defined]

@@ -52,10 +52,11 @@ class BenchOptions:
     baseline: str | None = None
     turn_timeout: float = 300.0
     stall_timeout: float = 90.0
+    repeat: int = 1
 
 
 def _check(options: BenchOptions) -> None:
-    for name in ("sessions", "concurrency", "kv_cache_bytes", "max_model_len"):
+    for name in ("sessions", "concurrency", "kv_cache_bytes", "max_model_len", "repeat"):
         value = getattr(options, name)
         if value is not None and value < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
@@ -151,10 +152,11 @@ def run_bench(options: BenchOptions, command: list[str], console: Console,
         f"workload [bold]{workload.name}[/] (seed {workload.seed}): "
         f"{len(workload.sessions)} sessions, {turns} turns, {loop}, about "
         f"{total_context_tokens(workload, count_tokens):,} context tokens; "
-        f"modes {', '.join(modes)}; "
+        f"modes {', '.join(modes)}"
+        + (f", each {options.repeat} times, interleaved; " if options.repeat > 1 else "; ") +
         f"output in {out}")
     runner = Runner(workload, settings, out, console=console)
-    result = runner.run(modes, baseline, command)
+    result = runner.run(modes, baseline, command, repeat=options.repeat)
     paths = write_outputs(result, out)
     out_console.print(report.rich_table(result))
     for path in paths:

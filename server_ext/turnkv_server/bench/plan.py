@@ -17,7 +17,7 @@ from turnkv_server.bench.trace import load_trace
 from turnkv_server.bench.workloads import Workload
 from turnkv_server.launcher import ClusterConfig
 from turnkv_server.launcher.engine import resolve_dtype
-from turnkv_server.mode_names import BENCH_MODES
+from turnkv_server.mode_names import BENCH_MODES, bench_layout
 from turnkv_server.mode_names import BENCH_VARIANTS as _LAUNCHER_MODES
 
 WORKLOADS: tuple[str, ...] = (*presets.PRESETS, "trace")
@@ -46,9 +46,10 @@ def parse_modes(text: str) -> list[str]:
 
 
 def pick_baseline(modes: list[str], baseline: str | None) -> str:
-    """The mode ratios divide by: as asked, else `standard` if it runs, else the first mode."""
+    """The mode ratios divide by: as asked, else `affinity` if it runs (what a platform runs
+    instead of P/D, on the same cores), else `standard` if it runs, else the first mode."""
     if baseline is None:
-        return "standard" if "standard" in modes else modes[0]
+        return next((m for m in ("affinity", "standard") if m in modes), modes[0])
     if baseline not in modes:
         raise PlanError(f"baseline {baseline!r} is not among the modes run ({', '.join(modes)})")
     return baseline
@@ -85,13 +86,24 @@ class BenchSettings:
         return {**asdict(self), "dtype": resolve_dtype(self.dtype)}
 
 
+def layout(mode: str) -> dict[str, int]:
+    """How many engines `mode` runs and how many cores each gets (`mode_names.bench_layout`),
+    as each run's results record it."""
+    engines, cores = bench_layout(mode)
+    return {"engine_count": engines, "cores_per_engine": cores}
+
+
 def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> ClusterConfig:
-    """The launcher's configuration for `mode`: one prefill + one decode engine (or one
-    single engine), everything else from `settings`, the same for every mode."""
+    """The launcher's configuration for `mode`: one prefill + one decode engine, two
+    aggregated engines (`affinity`) or one single engine, on the cores `layout` gives it;
+    everything else from `settings`, the same for every mode."""
     if mode not in BENCH_MODES:
         raise PlanError(f"unknown mode {mode!r}")
-    return ClusterConfig(
+    engines, cores = bench_layout(mode)
+    config = ClusterConfig(
         mode=_LAUNCHER_MODES.get(mode, mode),  # type: ignore[arg-type]
+        num_aggregated=engines,
+        cores_per_engine=cores,
         model=settings.model,
         dtype=settings.dtype,
         prefill_cache=mode != "standard-nocache",
@@ -104,6 +116,10 @@ def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> Cluster
         startup_timeout=settings.startup_timeout_s,
         run_dir=run_dir,
     )
+    # The results say `layout`: it must be what starts.
+    if len(config.roles()) != engines:
+        raise PlanError(f"{mode} starts {len(config.roles())} engines, its layout says {engines}")
+    return config
 
 
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:

@@ -1,26 +1,21 @@
-"""Rendering a `BenchResult`: PNG plots, a rich table, and the markdown table for the docs.
+"""Rendering a `BenchResult` as tables: a rich table for the terminal, markdown for
+summary.md and the docs (the plots are in `plots`).
 
-A stalled or failed mode is labelled as such everywhere; its missing numbers print as "-",
-never as 0, and its partial numbers stay marked by the status next to them.
+Each mode's row is its aggregate: with `--repeat N`, a cell is the median of the runs'
+figures followed by their range, "1,234 (1,100-1,400)", and a ratio is the ratio of the
+medians followed by the range of the per-repeat ratios. A stalled or failed mode is labelled
+as such everywhere; its missing numbers print as "-", never as 0.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
-import numpy as np
-
-# Figure objects without pyplot: no global state and no GUI backend; savefig renders with Agg.
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 from rich.table import Table
 
 from turnkv_server.bench.estimate import ESTIMATE_LABEL, MODES, ScenarioEstimate, TurnEstimate
-from turnkv_server.bench.results import BenchResult, ModeStatus, ModeSummary, TokenTotals
-
-# Stacked in this order, bottom up: reuse first, so the bar's top is what was recomputed.
-# "reused" stands for cached + received where a mode reports only their sum (bidirectional).
-SOURCES = ("cached", "received", "reused", "computed")
+from turnkv_server.bench.results import BenchResult, ModeStatus, Spread, TokenTotals
+from turnkv_server.bench.summary import STALL_FACTOR
 
 
 def status_label(status: ModeStatus) -> str:
@@ -30,216 +25,219 @@ def status_label(status: ModeStatus) -> str:
     return f"{status.state}: {status.detail}" if status.detail else status.state
 
 
-def _legend(summary: ModeSummary) -> str:
-    if summary.status.state == "ok":
-        return summary.mode
-    return f"{summary.mode} ({summary.status.state})"
+Cell = Callable[[float], str]
 
 
-def plot_ttft_by_turn(result: BenchResult, path: Path) -> Path:
-    """TTFT p50 by turn index per mode, with a band up to p90."""
-    fig = Figure(figsize=(8, 4.5))
-    ax = fig.subplots()
-    for s in result.summaries:
-        points = [
-            (t, p.p50, p.p90)
-            for t, p in sorted(s.ttft_ms_by_turn.items())
-            if p.p50 is not None and p.p90 is not None
-        ]
-        if not points:
-            continue
-        # 1-based on the axis, as in the tables of docs/benchmarks.md.
-        turns, p50, p90 = (list(col) for col in zip(*points, strict=True))
-        turns = [t + 1 for t in turns]
-        style = "-" if s.status.state == "ok" else "--"
-        (line,) = ax.plot(turns, p50, style, marker="o", label=_legend(s))
-        ax.fill_between(turns, p50, p90, alpha=0.15, color=line.get_color())
-    ax.set_xlabel("turn")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("TTFT at the client (ms); line p50, band to p90")
-    ax.set_title(f"TTFT by turn: {result.workload.name}, {result.model}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return _save(fig, path)
+def _ms(value: float) -> str:
+    return f"{value:,.0f}"
 
 
-def plot_ttft_cdf(result: BenchResult, path: Path) -> Path:
-    """Empirical CDF of TTFT per mode, over the turns that finished without error."""
-    fig = Figure(figsize=(8, 4.5))
-    ax = fig.subplots()
-    for run, s in zip(result.runs, result.summaries, strict=True):
-        ttft = np.sort([r.ttft_ms for r in run.records
-                        if r.error is None and r.ttft_ms is not None])
-        if ttft.size == 0:
-            continue
-        style = "-" if s.status.state == "ok" else "--"
-        # From 0 at the fastest turn, so that a mode with a single turn still draws its step.
-        x = np.concatenate([ttft[:1], ttft])
-        y = np.arange(ttft.size + 1) / ttft.size
-        ax.step(x, y, style, where="post", label=_legend(s))
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT at the client (ms, log scale)")
-    ax.set_ylabel("fraction of turns")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(f"TTFT CDF: {result.workload.name}, {result.model}")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    return _save(fig, path)
+def _rate(value: float) -> str:
+    return f"{value:.1f}"
 
 
-def plot_prompt_sources(result: BenchResult, path: Path) -> Path:
-    """Stacked bars per mode: prompt tokens the prefill engine found cached, received, computed.
-
-    From the engines' own counters where they exported them (every vLLM engine does), else
-    from the turns' stats; a mode with neither gets an empty slot labelled "not reported".
-    """
-    fig = Figure(figsize=(8, 4.5))
-    ax = fig.subplots()
-    modes = [_legend(s) for s in result.summaries]
-    x = np.arange(len(modes))
-    bottom = np.zeros(len(modes))
-    parts = [source_parts(s.prefill_engine_tokens or s.prompt_tokens) for s in result.summaries]
-    for source in SOURCES:
-        heights = np.array([p.get(source, 0) for p in parts], dtype=float)
-        if heights.any():
-            label = f"prefill {source}" + (" (split not reported)" if source == "reused" else "")
-            ax.bar(x, heights, bottom=bottom, label=label)
-            bottom += heights
-    for i, p in enumerate(parts):
-        if not p:
-            ax.text(i, 0, "not reported", ha="center", va="bottom", rotation=90)
-    ax.set_xticks(x, modes, rotation=20, ha="right")
-    ax.set_ylabel("prompt tokens, all turns")
-    ax.set_title("Prompt tokens by source on the prefill engine")
-    # Headroom above the tallest bar, so that the legend covers none.
-    if bottom.any():
-        ax.set_ylim(0, bottom.max() * 1.25)
-    ax.legend(loc="upper center", ncol=4)
-    return _save(fig, path)
+def _share(value: float) -> str:
+    return f"{value:.0%}"
 
 
-def source_parts(tokens: TokenTotals) -> dict[str, int]:
-    """The reported parts of the prefill engine's prompt tokens, nothing for unreported ones."""
-    parts = {k: v for k in ("cached", "received", "computed")
-             if (v := getattr(tokens, k)) is not None}
-    if "cached" not in parts and "received" not in parts and tokens.reused is not None:
-        parts["reused"] = tokens.reused
-    return parts
+def _count(value: float) -> str:
+    return f"{value:,.0f}"
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
-
-
-def write_plots(result: BenchResult, folder: Path) -> list[Path]:
-    """All three plots into `folder`, named as docs/benchmarks.md links them."""
-    return [
-        plot_ttft_by_turn(result, folder / "ttft_by_turn.png"),
-        plot_ttft_cdf(result, folder / "ttft_cdf.png"),
-        plot_prompt_sources(result, folder / "prompt_tokens_by_source.png"),
-    ]
-
-
-COLUMNS = (
-    "mode", "status", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "later TTFT p50 ms",
-    "ITL p50 ms", "e2e p50 ms",
-    "out tok/s", "recompute", "KV moved", "TTFT p50 vs base",
-)
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
-def _bytes(value: int | None) -> str:
-    if value is None:
-        return "-"
+def _bytes(value: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if value >= size:
             return f"{value / size:.1f} {unit}"
-    return f"{value} B"
+    return f"{value:.0f} B"
+
+
+def cell(spread: Spread | None, fmt: Cell) -> str:
+    """The median, then the range when more than one run reported it; "-" when none did."""
+    if spread is None or spread.median is None:
+        return "-"
+    text = fmt(spread.median)
+    if spread.n > 1 and spread.min is not None and spread.max is not None:
+        text += f" ({fmt(spread.min)}-{fmt(spread.max)})"
+    return text
+
+
+def ratio_cell(value: float | None, spread: Spread | None, unit: str = "x") -> str:
+    """A ratio of medians, then the range of the per-repeat ratios when there are several."""
+    if value is None:
+        return "-"
+    if spread is None or spread.n < 2 or spread.min is None or spread.max is None:
+        return f"{value:.2f}{unit}"
+    return f"{value:.2f}{unit} ({spread.min:.2f}-{spread.max:.2f})"
+
+
+def status_cell(status: ModeStatus, runs: int, runs_ok: int) -> str:
+    """The mode's status; with several runs, how many finished."""
+    if runs == 1:
+        return status_label(status)
+    if runs_ok == runs:
+        return f"ok, {runs} runs"
+    # The detail names each run that did not finish, and why.
+    if runs_ok:
+        return f"ok in {runs_ok} of {runs} runs ({status.detail})"
+    return f"{status.state} in all {runs} runs ({status.detail})"
+
+
+# Column -> (figure, format), in the order of the summary table.
+FIGURE_COLUMNS: dict[str, tuple[str, Cell]] = {
+    "TTFT p50 ms": ("ttft_p50", _ms),
+    "TTFT p90 ms": ("ttft_p90", _ms),
+    "TTFT p99 ms": ("ttft_p99", _ms),
+    "later TTFT p50 ms": ("ttft_later_p50", _ms),
+    "later TTFT p90 ms": ("ttft_later_p90", _ms),
+    "ITL p50 ms": ("itl_p50", _ms),
+    "ITL p99 ms": ("itl_p99", _ms),
+    "ITL stalled": ("itl_stall_share", _share),
+    "e2e p50 ms": ("e2e_p50", _ms),
+    "out tok/s": ("output_tokens_per_s", _rate),
+    "recompute": ("recompute_fraction", _share),
+    "computed, all engines": ("engines_computed", _count),
+    "KV moved": ("kv_moved_bytes", _bytes),
+}
+RATIO_COLUMNS = {"TTFT p50 vs base": "ttft_p50", "later TTFT p50 vs base": "ttft_later_p50"}
+COLUMNS = ("mode", "status", *FIGURE_COLUMNS, *RATIO_COLUMNS, "engines x cores")
+
+NOTES = (f"Later: the turns after each session's first. ITL: the gaps between output chunks at "
+         f"the client; ITL stalled: the share of them longer than {STALL_FACTOR:g}x the run's "
+         f"median gap (decode steps that waited behind prompt work). Computed, all engines: "
+         f"prompt tokens every engine computed, by its own counters.")
+
+
+def layout_cell(result: BenchResult, mode: str) -> str:
+    """"2x1": the mode's engines x cores each, as its runs recorded (`plan.layout`); "-" in
+    results from before they did."""
+    config = next((r.config for r in result.runs if r.mode == mode), {})
+    engines, cores = config.get("engine_count"), config.get("cores_per_engine")
+    return "-" if engines is None or cores is None else f"{engines}x{cores}"
 
 
 def rows(result: BenchResult) -> list[list[str]]:
-    """One row of formatted cells per mode, in COLUMNS order."""
+    """One row of formatted cells per mode (its aggregate), in COLUMNS order."""
     out = []
-    for s in result.summaries:
-        vs_base = result.ratios.get(s.mode, {}).get("ttft_p50")
+    for agg in result.aggregates:
+        ratios = result.ratios.get(agg.mode, {})
+        spreads = result.ratio_spread.get(agg.mode, {})
         out.append([
-            s.mode,
-            status_label(s.status),
-            _ms(s.ttft_ms.p50),
-            _ms(s.ttft_ms.p90),
-            _ms(s.ttft_ms.p99),
-            _ms(s.ttft_ms_later.p50),
-            _ms(s.itl_ms.p50),
-            _ms(s.e2e_ms.p50),
-            "-" if s.output_tokens_per_s is None else f"{s.output_tokens_per_s:.1f}",
-            "-" if s.recompute_fraction is None else f"{s.recompute_fraction:.0%}",
-            _bytes(s.kv_moved_bytes if s.kv_moved_bytes is not None else s.kv_to_decode_bytes),
-            "-" if vs_base is None else f"{vs_base:.2f}x",
+            agg.mode, status_cell(agg.status, agg.runs, agg.runs_ok),
+            *(cell(agg.figures.get(figure), fmt) for figure, fmt in FIGURE_COLUMNS.values()),
+            *(ratio_cell(ratios.get(metric), spreads.get(metric))
+              for metric in RATIO_COLUMNS.values()),
+            layout_cell(result, agg.mode),
         ])
     return out
 
 
 def rich_table(result: BenchResult) -> Table:
-    """The summary as a rich table; non-ok modes in red."""
+    """The summary as a rich table; modes that did not finish every run in red."""
+    runs = f", median of {result.repeats} runs (min-max)" if result.repeats > 1 else ""
     table = Table(title=f"{result.workload.name} on {result.model}"
-                  + (f" (baseline: {result.baseline})" if result.baseline else ""))
+                  + (f" (baseline: {result.baseline}{runs})" if result.baseline else runs),
+                  caption=NOTES)
     for name in COLUMNS:
         table.add_column(name, justify="left" if name in ("mode", "status") else "right")
-    for s, row in zip(result.summaries, rows(result), strict=True):
-        table.add_row(*row, style=None if s.status.state == "ok" else "red")
+    for agg, row in zip(result.aggregates, rows(result), strict=True):
+        table.add_row(*row, style=None if agg.runs_ok == agg.runs else "red")
     return table
+
+
+def _md(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
 
 
 def markdown_table(result: BenchResult) -> str:
     """The same summary as a GitHub markdown table, for docs/benchmarks.md."""
-    lines = [
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" for _ in COLUMNS) + "|",
-    ]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
-              for row in rows(result)]
-    return "\n".join(lines) + "\n"
+    return _md(list(COLUMNS), rows(result))
+
+
+def ratios_markdown(result: BenchResult) -> str:
+    """Every ratio against the baseline: the ratio of the medians, the per-repeat range."""
+    metrics = list(next(iter(result.ratios.values()), {}))
+    body = [[mode] + [ratio_cell(result.ratios[mode].get(m),
+                                 result.ratio_spread.get(mode, {}).get(m)) for m in metrics]
+            for mode in result.ratios]
+    return _md(["mode", *metrics], body)
+
+
+def runs_markdown(result: BenchResult) -> str:
+    """Every run on its own, in the order they ran: what the medians above combine."""
+    header = ["run", "mode", "status", "wall s", "TTFT p50 ms", "later TTFT p50 ms",
+              "ITL p50 ms", "ITL p99 ms", "ITL stalled", "out tok/s"]
+
+    def fmt(value: float | None, formatter: Cell) -> str:
+        return "-" if value is None else formatter(value)
+
+    body = [[str(s.repeat + 1), s.mode, status_label(s.status), fmt(s.wall_s, _ms),
+             fmt(s.ttft_ms.p50, _ms), fmt(s.ttft_ms_later.p50, _ms), fmt(s.itl_ms.p50, _ms),
+             fmt(s.itl_ms.p99, _ms), fmt(s.itl_stall_share, _share),
+             fmt(s.output_tokens_per_s, _rate)] for s in result.summaries]
+    return _md(header, body)
 
 
 def matrix_markdown(result: BenchResult) -> str:
     """Median TTFT after the first turn, each row's over each column's (below 1: row faster)."""
     modes = list(result.later_ttft_p50_matrix)
-    body = [[row] + ["-" if (v := result.later_ttft_p50_matrix[row][col]) is None else f"{v:.2f}"
-                     for col in modes] for row in modes]
-    return _md(["row / column", *modes], body)
+
+    def ratio(row: str, col: str) -> str:
+        spread = result.later_ttft_p50_matrix_spread.get(row, {}).get(col)
+        return ratio_cell(result.later_ttft_p50_matrix[row][col], spread, unit="")
+
+    return _md(["row / column", *modes], [[row] + [ratio(row, col) for col in modes]
+                                          for row in modes])
 
 
 def ttft_by_turn_markdown(result: BenchResult) -> str:
     """Median TTFT (ms) per turn index, one column per mode (turns are 1-based here)."""
-    turns = sorted({t for s in result.summaries for t in s.ttft_ms_by_turn})
-    body = [[str(t + 1)] + [_ms(s.ttft_ms_by_turn[t].p50) if t in s.ttft_ms_by_turn else "-"
-                            for s in result.summaries] for t in turns]
-    return _md(["turn", *(s.mode for s in result.summaries)], body)
+    turns = sorted({t for a in result.aggregates for t in a.ttft_p50_by_turn})
+    body = [[str(t + 1)] + [cell(a.ttft_p50_by_turn.get(t), _ms) for a in result.aggregates]
+            for t in turns]
+    return _md(["turn", *(a.mode for a in result.aggregates)], body)
+
+
+def engine_tokens_markdown(result: BenchResult) -> str:
+    """Per mode, each engine's prompt tokens by source and the engines' total."""
+    def counts(tokens: TokenTotals) -> list[str]:
+        return ["-" if (v := getattr(tokens, f)) is None else f"{v:,}"
+                for f in ("cached", "received", "computed", "total")]
+
+    body = []
+    for agg in result.aggregates:
+        body += [[agg.mode, engine, *counts(t)] for engine, t in agg.engine_tokens.items()]
+        if agg.all_engines_tokens is not None and len(agg.engine_tokens) > 1:
+            body.append([agg.mode, "all engines", *counts(agg.all_engines_tokens)])
+    return _md(["mode", "engine", "cached", "received", "computed", "total"], body)
 
 
 def summary_markdown(result: BenchResult) -> str:
-    """Everything docs/benchmarks.md shows of a run: summary, per-turn TTFT, mode matrix."""
-    status = "\n".join(f"- {s.mode}: {status_label(s.status)}" for s in result.summaries)
-    return (f"{result.workload.name} (seed {result.workload.seed}, {result.workload.sessions} "
-            f"sessions, {result.workload.turns} turns) on {result.model}, "
-            f"{result.machine.cores} cores of {result.machine.cpu_model}\n\n"
-            f"`{' '.join(result.command)}`\n\n{status}\n\n"
-            f"{markdown_table(result)}\nMedian TTFT (ms) by turn:\n\n"
-            f"{ttft_by_turn_markdown(result)}\nMedian TTFT after the first turn, row / column:"
-            f"\n\n{matrix_markdown(result)}")
-
-
-def _md(header: list[str], body: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    return "\n".join(lines) + "\n"
-
+    """Everything docs/benchmarks.md shows of a run: summary, ratios, per-turn TTFT, prompt
+    tokens per engine, mode matrix; with repeats, every run too."""
+    status = "\n".join(
+        f"- {s.mode}" + (f", run {s.repeat + 1}" if result.repeats > 1 else "")
+        + f": {status_label(s.status)}" for s in result.summaries)
+    runs = (f", each mode {result.repeats} times, interleaved: a cell is the median of the "
+            f"runs, then their range (min-max); a ratio is the ratio of the medians, then the "
+            f"range of the per-repeat ratios" if result.repeats > 1 else "")
+    parts = [
+        f"{result.workload.name} (seed {result.workload.seed}, {result.workload.sessions} "
+        f"sessions, {result.workload.turns} turns) on {result.model}, "
+        f"{result.machine.cores} cores of {result.machine.cpu_model}{runs}\n",
+        f"`{' '.join(result.command)}`\n", status + "\n", markdown_table(result), NOTES + "\n",
+    ]
+    if result.ratios:
+        parts.append(f"Against {result.baseline}:\n\n{ratios_markdown(result)}")
+    if result.repeats > 1:
+        parts.append(f"Every run, in the order they ran:\n\n{runs_markdown(result)}")
+    parts += [f"Median TTFT (ms) by turn:\n\n{ttft_by_turn_markdown(result)}",
+              "Prompt tokens by engine and source (each engine's own counters"
+              + (", median of the runs" if result.repeats > 1 else "")
+              + f"):\n\n{engine_tokens_markdown(result)}",
+              f"Median TTFT after the first turn, row / column:\n\n{matrix_markdown(result)}"]
+    return "\n".join(parts)
 
 def estimate_turns_markdown(rows: list[TurnEstimate]) -> str:
     """Per turn: prompt tokens, each mode's estimated TTFT, and its speedup over the baseline."""

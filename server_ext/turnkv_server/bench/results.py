@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -59,9 +59,12 @@ class ModeStatus(BaseModel):
 
 
 class ModeRun(BaseModel):
-    """Everything measured while one serving mode ran the workload."""
+    """Everything measured while one serving mode ran the workload (once: `--repeat N` gives a
+    mode N runs)."""
 
     mode: str
+    repeat: int = Field(default=0, ge=0, description="Which run of the mode, from 0: with "
+                        "`--repeat N` the modes run interleaved, repeat 0 of each, then 1...")
     config: dict[str, Any] = Field(default_factory=dict)
     records: list[TurnRecord] = Field(default_factory=list)
     status: ModeStatus
@@ -136,10 +139,12 @@ class TokenTotals(BaseModel):
 
 
 class ModeSummary(BaseModel):
-    """Aggregates of one mode's records, over the turns that finished without error."""
+    """Aggregates of one run's records, over the turns that finished without error."""
 
     mode: str
+    repeat: int = 0
     status: ModeStatus
+    wall_s: float | None = None
     turns_ok: int
     errors: int
     fallbacks: int
@@ -152,6 +157,13 @@ class ModeSummary(BaseModel):
     )
     prefill_phase_ms: Percentiles = Field(default_factory=Percentiles)
     itl_ms: Percentiles
+    decode_step_ms: float | None = Field(
+        default=None, description="The median gap between output chunks at the client: the "
+        "run's typical decode step as a client sees it.")
+    itl_stall_share: float | None = Field(
+        default=None, description="Share of the gaps between output chunks longer than "
+        "`summary.STALL_FACTOR` (2) x `decode_step_ms`: decode steps that waited behind "
+        "prompt work (a prefill or a delta computed in the same step) or for the cores.")
     e2e_ms: Percentiles
     output_tokens_per_s: float | None = Field(
         description="Over the mode's wall time; None for a stalled or failed mode, whose wall "
@@ -163,6 +175,12 @@ class ModeSummary(BaseModel):
         default=None, description="The prefill (or single) engines' own `/metrics` account of "
         "their prompt tokens by source over the run, failed turns included; None without it."
     )
+    engine_tokens: dict[str, TokenTotals] = Field(
+        default_factory=dict, description="Every engine's own `/metrics` account of its "
+        "prompt tokens (cached, received, computed; reused = cached + received), by engine.")
+    all_engines_tokens: TokenTotals | None = Field(
+        default=None, description="`engine_tokens` summed over the engines: all the work done "
+        "(a prompt both engines handled counts on each); None without engine counters.")
     kv_to_decode_bytes: int | None
     kv_to_prefill_bytes: int | None
     kv_moved_bytes: int | None = Field(
@@ -177,6 +195,36 @@ class ModeSummary(BaseModel):
     cpu_s: dict[str, float]
 
 
+class Spread(BaseModel):
+    """One figure over a mode's runs: the median of the runs' values and their range; `n` is
+    how many runs reported it (all `None` when none did)."""
+
+    n: int = 0
+    median: float | None = None
+    min: float | None = None
+    max: float | None = None
+
+
+class ModeAggregate(BaseModel):
+    """A mode's runs combined: each figure's median over its finished runs, and its range.
+
+    A mode none of whose runs finished is combined over all of them (partial numbers, marked
+    by `status`)."""
+
+    mode: str
+    status: ModeStatus = Field(description="ok when every run was; else which ones were not.")
+    runs: int
+    runs_ok: int
+    figures: dict[str, Spread] = Field(
+        description="Headline figures by name (`aggregate.FIGURES`): ttft_p50, ttft_later_p50, "
+        "itl_p99, itl_stall_share, output_tokens_per_s, ...")
+    ttft_p50_by_turn: dict[int, Spread] = Field(default_factory=dict)
+    ttft_p90_by_turn: dict[int, Spread] = Field(default_factory=dict)
+    engine_tokens: dict[str, TokenTotals] = Field(
+        default_factory=dict, description="Per engine, the median over the runs of each source.")
+    all_engines_tokens: TokenTotals | None = None
+
+
 class BenchResult(BaseModel):
     """The whole benchmark run: the JSON file `turnkv bench` writes."""
 
@@ -188,13 +236,24 @@ class BenchResult(BaseModel):
     command: list[str]
     runs: list[ModeRun]
     baseline: str | None = None
-    summaries: list[ModeSummary] = Field(default_factory=list)
-    ratios: dict[str, dict[str, float | None]] = Field(default_factory=dict)
+    repeats: int = Field(default=1, description="Runs per mode (`--repeat`).")
+    summaries: list[ModeSummary] = Field(
+        default_factory=list, description="One per run, in the order of `runs`.")
+    aggregates: list[ModeAggregate] = Field(
+        default_factory=list, description="One per mode, in the order the modes first ran.")
+    ratios: dict[str, dict[str, float | None]] = Field(
+        default_factory=dict, description="mode -> metric -> the ratio of the mode's median to "
+        "the baseline's.")
+    ratio_spread: dict[str, dict[str, Spread]] = Field(
+        default_factory=dict, description="mode -> metric -> the per-repeat ratios (repeat r of "
+        "the mode over repeat r of the baseline): median, min, max.")
     later_ttft_p50_matrix: dict[str, dict[str, float | None]] = Field(
         default_factory=dict,
         description="row mode -> column mode -> row's median TTFT after the first turn / "
         "column's; None where either mode did not finish.",
     )
+    later_ttft_p50_matrix_spread: dict[str, dict[str, Spread]] = Field(
+        default_factory=dict, description="The same, per repeat: median, min, max.")
 
 
 def percentiles(values: Sequence[float]) -> Percentiles:
@@ -209,145 +268,3 @@ def total(values: Iterable[int | None]) -> int | None:
     """Sum of the reported values; `None` when none was reported (never a guessed 0)."""
     known = [v for v in values if v is not None]
     return sum(known) if known else None
-
-
-def _per_second(amount: float | None, wall_s: float | None, status: ModeStatus) -> float | None:
-    if amount is None or status.state != "ok" or not wall_s:
-        return None
-    return amount / wall_s
-
-
-def _recompute_fraction(records: Sequence[TurnRecord]) -> float | None:
-    both = [
-        ((r.prefill_computed or 0) + (r.decode_computed or 0), r.prompt_tokens)
-        for r in records
-        if (r.prefill_computed is not None or r.decode_computed is not None) and r.prompt_tokens
-    ]
-    if not both:
-        return None
-    return sum(c for c, _ in both) / sum(p for _, p in both)
-
-
-def _engine_sources(run: ModeRun) -> TokenTotals | None:
-    engines = [c for name, c in run.engine_counters.items()
-               if name.startswith(("prefill", "single")) and "prompt_tokens_local_compute" in c]
-    if not engines:
-        return None
-
-    def get(key: str) -> int:
-        return round(sum(c.get(key, 0.0) for c in engines))
-
-    return TokenTotals(total=get("prompt_tokens"), cached=get("prompt_tokens_local_cache_hit"),
-                       received=get("prompt_tokens_external_kv_transfer"),
-                       computed=get("prompt_tokens_local_compute"))
-
-
-def _nixl_bytes(run: ModeRun) -> int | None:
-    # Engine-wide totals: upstream connectors do not attribute transfers to turns.
-    moved = [c[key] for c in run.engine_counters.values()
-             for key in ("nixl_bytes_transferred", "turnkv_bytes_received") if key in c]
-    return round(sum(moved)) if moved else None
-
-
-def summarize(run: ModeRun) -> ModeSummary:
-    """Aggregate one mode's records; turns with an error count only in `errors`."""
-    ok = [r for r in run.records if r.error is None]
-    by_turn: dict[int, list[float]] = {}
-    for r in ok:
-        if r.ttft_ms is not None:
-            by_turn.setdefault(r.turn, []).append(r.ttft_ms)
-
-    def values(get: Callable[[TurnRecord], float | None]) -> list[float]:
-        return [v for v in (get(r) for r in ok) if v is not None]
-
-    return ModeSummary(
-        mode=run.mode,
-        status=run.status,
-        turns_ok=len(ok),
-        errors=len(run.records) - len(ok),
-        fallbacks=sum(r.fallback is not None for r in ok),
-        prefix_breaks=sum(r.prefix_break_at is not None for r in ok),
-        ttft_ms=percentiles(values(lambda r: r.ttft_ms)),
-        ttft_ms_by_turn={t: percentiles(v) for t, v in sorted(by_turn.items())},
-        ttft_ms_later=percentiles([v for t, vs in by_turn.items() if t > 0 for v in vs]),
-        prefill_phase_ms=percentiles(values(lambda r: r.prefill_phase_ms)),
-        itl_ms=percentiles([gap for r in ok for gap in r.itl_ms]),
-        e2e_ms=percentiles(values(lambda r: r.e2e_ms)),
-        output_tokens_per_s=_per_second(
-            total(r.completion_tokens for r in ok), run.wall_s, run.status
-        ),
-        turns_per_s=_per_second(len(ok), run.wall_s, run.status),
-        prompt_tokens=TokenTotals(
-            total=total(r.prompt_tokens for r in ok),
-            cached=total(r.prefill_cached for r in ok),
-            received=total(r.prefill_received for r in ok),
-            computed=total(r.prefill_computed for r in ok),
-            reused=total(r.prefill_reused for r in ok),
-        ),
-        prefill_engine_tokens=_engine_sources(run),
-        kv_to_decode_bytes=total(r.kv_to_decode_bytes for r in ok),
-        kv_to_prefill_bytes=total(r.kv_to_prefill_bytes for r in ok),
-        kv_moved_bytes=_nixl_bytes(run),
-        recompute_fraction=_recompute_fraction(ok),
-        cpu_s=dict(run.cpu_s),
-    )
-
-
-# The metrics that get a ratio against the baseline mode: (name, getter). Lower is better for
-# latencies, higher for throughputs; a ratio is plain this/baseline either way.
-RATIO_METRICS: dict[str, Callable[[ModeSummary], float | None]] = {
-    "ttft_p50": lambda s: s.ttft_ms.p50,
-    "ttft_p90": lambda s: s.ttft_ms.p90,
-    "ttft_p99": lambda s: s.ttft_ms.p99,
-    "itl_p50": lambda s: s.itl_ms.p50,
-    "e2e_p50": lambda s: s.e2e_ms.p50,
-    "output_tokens_per_s": lambda s: s.output_tokens_per_s,
-    "recompute_fraction": lambda s: s.recompute_fraction,
-}
-
-
-def ratio(value: float | None, base: float | None) -> float | None:
-    """value / base, or `None` when either is missing or the base is 0."""
-    if value is None or not base:
-        return None
-    return value / base
-
-
-def ratios(summaries: Sequence[ModeSummary], baseline: str) -> dict[str, dict[str, float | None]]:
-    """Each mode's metrics divided by the baseline mode's (e.g. TTFT p50 of X / of `standard`).
-
-    A stalled or failed mode (or baseline) gets `None` ratios: its partial numbers describe
-    only the turns before it stopped, which a ratio would present as a like-for-like result.
-    """
-    base = next((s for s in summaries if s.mode == baseline), None)
-    if base is None:
-        raise ValueError(f"baseline mode {baseline!r} is not among the results")
-    out: dict[str, dict[str, float | None]] = {}
-    for s in summaries:
-        comparable = s.status.state == "ok" and base.status.state == "ok"
-        out[s.mode] = {
-            name: ratio(get(s), get(base)) if comparable else None
-            for name, get in RATIO_METRICS.items()
-        }
-    return out
-
-
-def later_ttft_matrix(summaries: Sequence[ModeSummary]) -> dict[str, dict[str, float | None]]:
-    """Every mode against every other: the ratio of their median TTFTs after the first turn."""
-    def p50(s: ModeSummary) -> float | None:
-        return s.ttft_ms_later.p50 if s.status.state == "ok" else None
-
-    return {a.mode: {b.mode: ratio(p50(a), p50(b)) for b in summaries} for a in summaries}
-
-
-def finalize(result: BenchResult, baseline: str | None) -> BenchResult:
-    """Fill in the summaries, the mode-by-mode matrix and, given a baseline mode, the ratios."""
-    summaries = [summarize(run) for run in result.runs]
-    return result.model_copy(
-        update={
-            "baseline": baseline,
-            "summaries": summaries,
-            "ratios": ratios(summaries, baseline) if baseline else {},
-            "later_ttft_p50_matrix": later_ttft_matrix(summaries),
-        }
-    )

@@ -1,4 +1,5 @@
-"""The benchmark runner: every requested mode, one after another, on the same workload.
+"""The benchmark runner: every requested mode, one after another, on the same workload;
+with repeats, the modes in turn again (A B C A B C), so that drift hits every mode alike.
 
 For each mode the launcher starts a fresh cluster from the same settings, the driver plays the
 workload through the SDK while counters and CPU times are taken around it, and the cluster is
@@ -15,7 +16,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from turnkv_server.bench import report
+from turnkv_server.bench import plots, report
+from turnkv_server.bench.aggregate import finalize
 from turnkv_server.bench.counters import (
     counter_deltas,
     fetch_metrics,
@@ -24,19 +26,30 @@ from turnkv_server.bench.counters import (
 )
 from turnkv_server.bench.cputime import group_deltas, snapshot_groups
 from turnkv_server.bench.driver import DriveOutcome, Driver, DriveSettings
-from turnkv_server.bench.plan import BenchSettings, cluster_config
+from turnkv_server.bench.plan import BenchSettings, cluster_config, layout
 from turnkv_server.bench.results import (
     BenchResult,
     MachineInfo,
     ModeRun,
     ModeStatus,
     WorkloadSummary,
-    finalize,
 )
 from turnkv_server.bench.workloads import Workload
 from turnkv_server.launcher import Cluster, ClusterState
 
 RESULTS_FILE = "results.json"
+
+
+def run_order(modes: list[str], repeat: int) -> list[tuple[int, str]]:
+    """(repeat, mode) in the order they run: every mode once, then every mode again.
+
+    Interleaved rather than each mode N times in a row, so that a slow drift of the machine
+    (thermal state, another tenant, a filling disk) spreads over every mode instead of
+    favouring the modes that ran first.
+    """
+    if repeat < 1:
+        raise ValueError("repeat must be at least 1")
+    return [(r, mode) for r in range(repeat) for mode in modes]
 
 
 def mode_status(outcome: DriveOutcome) -> ModeStatus:
@@ -81,25 +94,28 @@ class Runner:
         self.console = console or Console(stderr=True)
         self.total_turns = sum(len(s.turns) for s in workload.sessions)
 
-    def run(self, modes: list[str], baseline: str | None, command: list[str]) -> BenchResult:
-        """Every mode in order; returns the finalized result (also written to results.json)."""
+    def run(self, modes: list[str], baseline: str | None, command: list[str],
+            repeat: int = 1) -> BenchResult:
+        """Every mode in order, `repeat` times over (see `run_order`); returns the finalized
+        result (also written to results.json)."""
         self.out.mkdir(parents=True, exist_ok=True)
         runs: list[ModeRun] = []
         served = self.settings.model
-        for mode in modes:
-            run, name = self.run_mode(mode)
+        for index, mode in run_order(modes, repeat):
+            run, name = self.run_mode(mode, index if repeat > 1 else None)
             served = name or served
             runs.append(run)
-            self.console.print(f"{mode}: {report.status_label(run.status)}"
+            label = mode if repeat == 1 else f"{mode} (run {index + 1} of {repeat})"
+            self.console.print(f"{label}: {report.status_label(run.status)}"
                                + (f", {run.wall_s:.0f} s" if run.wall_s else ""))
             # Written after every mode, so that an interrupted run keeps what it measured.
-            partial = self._result(runs, served, baseline, command)
+            partial = self._result(runs, served, baseline, command, repeat)
             (self.out / RESULTS_FILE).write_text(partial.model_dump_json(indent=1),
                                                  encoding="utf-8")
-        return self._result(runs, served, baseline, command)
+        return self._result(runs, served, baseline, command, repeat)
 
     def _result(self, runs: list[ModeRun], served: str, baseline: str | None,
-                command: list[str]) -> BenchResult:
+                command: list[str], repeat: int) -> BenchResult:
         result = BenchResult(
             machine=MachineInfo.detect(),
             model=served,
@@ -110,27 +126,36 @@ class Runner:
                                      concurrency=self.workload.concurrency),
             command=command,
             runs=runs,
+            repeats=repeat,
         )
         usable = baseline if any(r.mode == baseline for r in runs) else None
         return finalize(result, usable)
 
-    def run_mode(self, mode: str) -> tuple[ModeRun, str | None]:
-        """One mode on a fresh cluster; (its run, the served model name if it started)."""
-        config = cluster_config(mode, self.settings, self.out / "runs" / mode)
-        described = {"mode": mode, **self.settings.describe(),
+    def run_mode(self, mode: str, repeat: int | None = None) -> tuple[ModeRun, str | None]:
+        """One mode on a fresh cluster; (its run, the served model name if it started).
+
+        `repeat`: which run of the mode this is, when it runs more than once (its engine logs
+        then go under runs/<mode>/<repeat + 1>/)."""
+        run_dir = self.out / "runs" / mode
+        if repeat is not None:
+            run_dir = run_dir / str(repeat + 1)
+        index = repeat or 0
+        config = cluster_config(mode, self.settings, run_dir)
+        described = {"mode": mode, **self.settings.describe(), **layout(mode),
                      "prefill_cache": config.prefill_cache, "run_dir": str(config.run_dir)}
-        self.console.rule(f"[bold]{mode}")
+        self.console.rule(f"[bold]{mode}" + ("" if repeat is None else f" (run {index + 1})"))
         cluster = Cluster(config, console=self.console)
         try:
             state = cluster.start()
         except Exception as exc:  # the launcher has stopped whatever it started
-            return ModeRun(mode=mode, config=described,
+            return ModeRun(mode=mode, repeat=index, config=described,
                            status=ModeStatus(state="failed",
                                              detail=f"cluster: {_first_line(exc)}")), None
         try:
             described["engines"] = [{"name": e.name, "role": e.role, "cores": e.cores}
                                     for e in state.engines]
-            return self._measure(mode, state, cluster, described), state.served_model_name
+            run = self._measure(mode, state, cluster, described)
+            return run.model_copy(update={"repeat": index}), state.served_model_name
         finally:
             cluster.stop()
 
@@ -180,4 +205,4 @@ def write_outputs(result: BenchResult, out: Path) -> list[Path]:
     path.write_text(result.model_dump_json(indent=1), encoding="utf-8")
     summary = out / "summary.md"
     summary.write_text(report.summary_markdown(result), encoding="utf-8")
-    return [path, summary, *report.write_plots(result, out)]
+    return [path, summary, *plots.write_plots(result, out)]

@@ -48,12 +48,15 @@ from turnkv_server.ports import read_report
 
 @dataclass
 class ClusterConfig:
-    """How to start a cluster. Defaults: one prefill and one decode engine, one core each."""
+    """How to start a cluster. Defaults: one prefill and one decode engine, one core each;
+    in `affinity` mode, two aggregated engines."""
 
     mode: Mode = "standard"
     model: str = "smollm2"
     num_prefill: int = 1
     num_decode: int = 1
+    # affinity: aggregated engines (plain vLLM, prefix caching on), each serving its sessions.
+    num_aggregated: int = 2
     dtype: str = "auto"
     # Turn the prefill engine's prefix cache off: the baseline of vLLM's multi-turn blog.
     prefill_cache: bool = True
@@ -83,10 +86,23 @@ class ClusterConfig:
     # None: a new random one for each cluster. Engines get it in their environment only.
     side_channel_secret: str | None = field(default=None, repr=False)
 
+    def roles(self) -> list[Role]:
+        """Each engine's role, in start order."""
+        if self.mode == "single":
+            return ["single"]
+        if self.mode == "affinity":
+            return ["engine"] * self.num_aggregated
+        prefill: list[Role] = ["prefill"] * self.num_prefill
+        decode: list[Role] = ["decode"] * self.num_decode
+        return prefill + decode
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.mode != "single" and (self.num_prefill < 1 or self.num_decode < 1):
+        if self.mode == "affinity" and self.num_aggregated < 1:
+            raise ValueError("an affinity cluster needs at least one engine")
+        if self.mode not in ("single", "affinity") and (
+                self.num_prefill < 1 or self.num_decode < 1):
             raise ValueError("a prefill/decode cluster needs at least one engine of each role")
         if self.cores_per_engine < 1:
             raise ValueError("cores_per_engine must be at least 1")
@@ -153,16 +169,14 @@ class Cluster:
 
     def _engine_specs(self, model_path: Path, served_name: str) -> list[EngineSpec]:
         cfg = self.config
-        roles: list[Role] = ["single"]
-        if cfg.mode != "single":
-            prefill: list[Role] = ["prefill"] * cfg.num_prefill
-            decode: list[Role] = ["decode"] * cfg.num_decode
-            roles = prefill + decode
+        roles = cfg.roles()
         # 0: the engine binds a free port and reports it.
         ports = cfg.engine_ports or [0] * len(roles)
         if len(ports) != len(roles):
             raise ValueError(f"{len(roles)} engines need {len(roles)} ports, got {len(ports)}")
-        nixl_ports: list[int | None] = [None if cfg.mode == "single" else 0] * len(roles)
+        # Only engines with a KV connector have a side channel.
+        nixl_ports: list[int | None] = [
+            None if role in ("single", "engine") else 0 for role in roles]
         cores = _core_sets(len(roles), cfg.cores_per_engine)
         # Unique per start: NIXL refuses a restarted peer that reuses its agent's name.
         run_tag = uuid.uuid4().hex[:8]
@@ -278,7 +292,9 @@ class Cluster:
         cmd += self.config.router_args
         for engine in self.engines:
             spec = engine.spec
-            cmd += [f"--{spec.role}", spec.url]
+            # An affinity router serves every turn on one engine, whatever role it was
+            # started in (the tests put one in front of running decode engines).
+            cmd += ["--engine" if mode == "affinity" else f"--{spec.role}", spec.url]
             if spec.kv_transfer_config and spec.nixl_port and (
                     spec.role == "prefill" or mode == "turnkv"):
                 engine_id = spec.kv_transfer_config["engine_id"]

@@ -30,7 +30,8 @@ import httpx
 from turnkv_server.launcher.processes import ProcessRef, pin_group, stop_group, unpinned_threads
 from turnkv_server.ports import SIDE_CHANNEL_REPORT_ENV, PortHold, read_report
 
-Role = Literal["single", "prefill", "decode"]
+# "engine": one of an affinity cluster's aggregated engines (plain vLLM, like "single").
+Role = Literal["single", "prefill", "decode", "engine"]
 
 LOG_TAIL_LINES = 30
 SECRET_ENV = "TURNKV_SIDE_CHANNEL_SECRET"

@@ -2,9 +2,9 @@
 
 In `turnkv` mode every engine loads this project's connector (`TURNKV_CONNECTOR_MODULE`); the
 upstream modes load vLLM's own NIXL connectors through `NIXL_CONNECTOR_MODULE`, which
-re-exports them tuned for CPU hosts. A `single` engine loads none. `Cluster` puts the result
-in each engine's spec, and names each engine's `engine_id` from it on the router's command
-line.
+re-exports them tuned for CPU hosts. A `single` engine, or an `affinity` cluster's aggregated
+engine, loads none. `Cluster` puts the result in each engine's spec, and names each engine's
+`engine_id` from it on the router's command line.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def kv_transfer_config(
     recompute_threshold: int | None = None, connector_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``."""
-    if role == "single":
+    if role in ("single", "engine"):
         return None
     if mode == "turnkv":
         # One class on both roles; a failed receive is recomputed, never served.

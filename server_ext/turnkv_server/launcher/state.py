@@ -41,6 +41,7 @@ class ClusterState(BaseModel):
             "prefill": [e.url for e in self.engines if e.role == "prefill"],
             "decode": [e.url for e in self.engines if e.role == "decode"],
             "single": [e.url for e in self.engines if e.role == "single"],
+            "engine": [e.url for e in self.engines if e.role == "engine"],
             "run_dir": self.run_dir,
         }
 

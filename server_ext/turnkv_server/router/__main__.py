@@ -13,6 +13,10 @@ from turnkv_server.router.config import add_arguments, from_args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="turnkv router", description="turnkv session router")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000,
@@ -20,12 +24,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port-file", help="write the address the router listens on, "
                         "HOST:PORT, to this file once it is bound")
     add_arguments(parser)
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    app = create_app(from_args(args))
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = from_args(args)
+    except ValueError as exc:
+        # Which engines a mode needs is checked by the settings, not by argparse: say it the
+        # same way as a missing flag.
+        parser.error(str(exc))
+    app = create_app(config)
     # Bound here rather than by uvicorn, so that with --port 0 the port it got is known and
     # reported: whoever starts a router never has to choose a port for it.
     sock = bind_listener(args.host, args.port)

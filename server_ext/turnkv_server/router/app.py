@@ -59,7 +59,7 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.pool = EnginePool.from_urls(config.prefill, config.decode)
+        self.pool = EnginePool.from_urls(config.prefill, config.decode, engines=config.engine)
         self.tenants = Tenants(config.api_keys, config.admin_key)
         self.metrics = RouterMetrics()
         self.upstream = Upstream(read_timeout=config.engine_read_timeout)
@@ -295,10 +295,15 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        ok = any(e.healthy for e in router.pool.prefill) and any(
-            e.healthy for e in router.pool.decode)
-        return JSONResponse({"status": "ok" if ok else "degraded", "mode": config.mode},
-                            status_code=200 if ok else 503)
+        pool = router.pool
+        whole = pool.aggregated or any(e.healthy for e in pool.prefill)
+        serves = any(e.healthy for e in pool.decode) and (
+            whole or router.turns.mode.serves_without_prefill)
+        # 200 while turns are served, also by the decode engines alone ("degraded"): a load
+        # balancer must not take out a router that still answers.
+        status = "ok" if serves and whole else "degraded" if serves else "unavailable"
+        return JSONResponse({"status": status, "mode": config.mode},
+                            status_code=200 if serves else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -47,8 +47,14 @@ def load_api_keys(path: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    prefill: list[str] = field(metadata=cli("a prefill engine's URL", repeat=True))
-    decode: list[str] = field(metadata=cli("a decode engine's URL", repeat=True))
+    prefill: list[str] = field(default_factory=list, metadata=cli(
+        "a prefill engine's URL", repeat=True))
+    decode: list[str] = field(default_factory=list, metadata=cli(
+        "a decode engine's URL", repeat=True))
+    # Affinity mode's engines, instead of prefill and decode ones.
+    engine: list[str] = field(default_factory=list, metadata=cli(
+        "affinity mode: an aggregated engine's URL (it serves its sessions' turns whole)",
+        repeat=True))
     mode: RouterMode = field(default=DEFAULT_MODE, metadata=cli(
         "serving mode (see docs/protocol.md)"))
     default_ttl: float = field(default=300.0, metadata=cli(
@@ -101,7 +107,13 @@ class RouterConfig:
             raise ValueError("engine_read_timeout must be positive")
         if self.short_delta_tokens < 0:
             raise ValueError("short_delta_tokens must be non-negative")
-        if not self.prefill or not self.decode:
+        if self.mode == "affinity" and (not self.engine or self.prefill or self.decode):
+            raise ValueError("affinity mode needs --engine URL (aggregated engines), and no "
+                             "--prefill or --decode")
+        if self.mode != "affinity" and self.engine:
+            raise ValueError(f"--engine is for affinity mode; {self.mode} mode needs --prefill "
+                             "and --decode")
+        if self.mode != "affinity" and (not self.prefill or not self.decode):
             raise ValueError("the router needs at least one prefill and one decode engine")
         if self.mode == "push" and len(self.prefill_nixl) != len(self.prefill):
             raise ValueError("push mode needs --prefill-nixl ENGINE_ID@HOST:PORT for every "

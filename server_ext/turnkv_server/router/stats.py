@@ -118,6 +118,9 @@ def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: in
     """The rest, once the decode engine's answer is whole: its usage, its per-request
     `metrics` and, non-streamed, its `kv_transfer_params` (`reply`)."""
     tokens = stats.prompt_tokens
+    if plan.alone is not None and plan.alone.prompt_token_ids is None and usage:
+        # The router did not tokenize the prompt (affinity): the engine's usage counts it.
+        tokens.total = int(usage.get("prompt_tokens") or 0)
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     if plan.alone is not None and cached is not None:
         # With no remote prefill, the decode engine's cached_tokens are its own prefix hits

@@ -3,6 +3,8 @@
 Placement: a session's turns stay on the pair that holds its KV while both engines are healthy
 and not overloaded; a new session goes where its prefix ID is warm, else to the least loaded
 pair. In the `standard` mode (the baseline) there is no affinity at all: plain round robin.
+An `affinity` router's pool has no prefill engines, only aggregated ones that serve turns
+whole: its "pair" is one engine in both places, placed the same way.
 
 HTTP: aiohttp rather than httpx here, for cost: on this project's 2-core test machine an
 `httpx.AsyncClient` request to a local server took 2.6 ms of CPU, aiohttp 0.5 ms
@@ -36,7 +38,8 @@ import orjson
 from turnkv_server.engine.metrics import parse_cache_config
 from turnkv_server.engine.requests import tokenize_request
 
-Role = Literal["prefill", "decode"]
+# "engine": an aggregated engine (affinity mode), which computes prompts and decodes.
+Role = Literal["prefill", "decode", "engine"]
 
 PlacementReason = Literal["affinity", "prefix_warm", "least_loaded", "round_robin", "moved"]
 
@@ -70,14 +73,31 @@ class EnginePool:
     _warm_prefixes: OrderedDict[str, tuple[str, str]] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
-            raise ValueError("the router needs at least one prefill and one decode engine")
+        if not self.decode or (not self.prefill and not self.aggregated):
+            raise ValueError("the router needs at least one prefill and one decode engine, "
+                             "or aggregated engines")
         self._prefill_rr = itertools.cycle(self.prefill)
         self._decode_rr = itertools.cycle(self.decode)
+        # Ties of least loaded aggregated engines go round: sessions that arrive while every
+        # engine is idle spread instead of piling onto the first (a session stays for good).
+        self._tie_rr = itertools.count()
+
+    @property
+    def aggregated(self) -> bool:
+        """Aggregated engines only (affinity mode): each serves its turns whole."""
+        return not self.prefill and all(e.role == "engine" for e in self.decode)
 
     @classmethod
-    def from_urls(cls, prefill: list[str], decode: list[str], max_in_flight: int = 64
-                  ) -> EnginePool:
+    def from_urls(cls, prefill: list[str], decode: list[str], max_in_flight: int = 64,
+                  engines: list[str] | None = None) -> EnginePool:
+        """`engines`: aggregated engines (affinity mode), instead of prefill and decode ones;
+        they serve turns where a decode engine serving alone would."""
+        if engines:
+            if prefill or decode:
+                raise ValueError("aggregated engines go without prefill and decode engines")
+            return cls(prefill=[], decode=[Engine(f"engine-{i}", u.rstrip("/"), "engine")
+                                           for i, u in enumerate(engines)],
+                       max_in_flight=max_in_flight)
         return cls(
             prefill=[Engine(f"prefill-{i}", u.rstrip("/"), "prefill")
                      for i, u in enumerate(prefill)],
@@ -93,6 +113,9 @@ class EnginePool:
         return next((e for e in self.engines() if e.name == name), None)
 
     def round_robin(self) -> Placement:
+        if self.aggregated:
+            engine = self._next_healthy(self._decode_rr, self.decode)
+            return Placement(engine, engine, "round_robin")
         return Placement(self._next_healthy(self._prefill_rr, self.prefill),
                          self._next_healthy(self._decode_rr, self.decode), "round_robin")
 
@@ -100,6 +123,8 @@ class EnginePool:
         self, *, prefill: str | None, decode: str | None, prefix_id: str | None
     ) -> Placement:
         """Placement for a session turn; ``prefill``/``decode`` are where it ran last."""
+        if self.aggregated:
+            return self._place_alone(decode, prefix_id)
         home_p, home_d = self.by_name(prefill), self.by_name(decode)
         if home_p and home_d and self._usable(home_p) and self._usable(home_d):
             return Placement(home_p, home_d, "affinity")
@@ -113,9 +138,28 @@ class EnginePool:
         d = self._least_loaded(self.decode, prefer=home_d)
         return Placement(p, d, "moved" if had_home else "least_loaded")
 
+    def _place_alone(self, home_name: str | None, prefix_id: str | None) -> Placement:
+        """An aggregated engine for a session turn: its home while usable (its prefix cache
+        holds the session), else where its prefix ID is warm (a new session), else the least
+        loaded engine."""
+        home = self.by_name(home_name)
+        if home is not None and self._usable(home):
+            return Placement(home, home, "affinity")
+        if home_name is None and prefix_id and prefix_id in self._warm_prefixes:
+            warm = self.by_name(self._warm_prefixes[prefix_id][1])
+            if warm is not None and self._usable(warm):
+                return Placement(warm, warm, "prefix_warm")
+        healthy = [e for e in self.decode if e.healthy] or self.decode
+        least = min(e.in_flight for e in healthy)
+        tied = [e for e in healthy if e.in_flight == least]
+        engine = tied[next(self._tie_rr) % len(tied)]
+        return Placement(engine, engine, "moved" if home_name is not None else "least_loaded")
+
     def unhealthy(self, *names: str | None) -> list[str]:
-        """Those of the named engines that are down."""
-        return [e.name for e in map(self.by_name, names) if e is not None and not e.healthy]
+        """Those of the named engines that are down, each once (an affinity session names its
+        engine twice)."""
+        return [e.name for e in map(self.by_name, dict.fromkeys(names))
+                if e is not None and not e.healthy]
 
     def remember_prefix(self, prefix_id: str, placement: Placement) -> None:
         self._warm_prefixes[prefix_id] = (placement.prefill.name, placement.decode.name)

@@ -1,11 +1,13 @@
 """The serving modes, by name (`turnkv_server.mode_names`): vLLM's own (`standard`,
-`bidirectional`, `push`) and turnkv's (`turnkv`); `base` says what a mode is."""
+`bidirectional`, `push`), turnkv's (`turnkv`) and session-affinity routing over aggregated
+engines (`affinity`, the baseline); `base` says what a mode is."""
 
 from __future__ import annotations
 
 from typing import cast
 
 from turnkv_server.mode_names import ROUTER_MODES, RouterMode
+from turnkv_server.router.modes.affinity import Affinity
 from turnkv_server.router.modes.base import Mode, ModeContext
 from turnkv_server.router.modes.bidirectional import Bidirectional
 from turnkv_server.router.modes.push import Push
@@ -19,6 +21,7 @@ MODES: dict[RouterMode, type[Mode]] = {
     "standard-nocache": Standard,
     "bidirectional": Bidirectional,
     "push": Push,
+    "affinity": Affinity,
 }
 if tuple(MODES) != ROUTER_MODES:
     raise ImportError(f"router modes {ROUTER_MODES} but classes for {tuple(MODES)}")

@@ -49,11 +49,16 @@ class Turn:
 
 @dataclass(frozen=True)
 class DecodeAlone:
-    """The decode engine serves the turn by itself: it holds the session's history and
-    computes the `new_tokens` the prompt adds, as a single engine would."""
+    """The decode engine serves the turn by itself, as a single engine would: it computes the
+    `new_tokens` the prompt adds to the session's history it holds (a short delta), or, when no
+    prefill engine is up, every token it does not hold."""
 
-    prompt_token_ids: list[int]
+    # None: the router did not tokenize the prompt (affinity); the engine's usage counts it.
+    prompt_token_ids: list[int] | None
     new_tokens: int
+    # Whether it was meant to hold the session's history: only then does what it computed
+    # tell whether its lease was lost (a first turn computes everything, and that says nothing).
+    held: bool = True
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,8 @@ class Mode:
 
     # Whether a session's turns stick to the pair that served it.
     affinity = False
+    # Whether the decode engines serve turns alone while no prefill engine is up.
+    serves_without_prefill = False
 
     def __init__(self, ctx: ModeContext) -> None:
         self.ctx = ctx

@@ -23,7 +23,9 @@ A short delta skips step 1: when a turn adds at most `short_delta_tokens` tokens
 session's history (counted with the decode engine's /tokenize), the decode engine, which holds
 that history, computes them itself and no prefill request is sent. Step 2 brings the prefill
 engine up to date as usual, so a later long turn still prefills only its new tokens. A decode
-engine that turns out to have lost the history backs off short deltas for a while.
+engine that turns out to have lost the history backs off short deltas for a while. While no
+prefill engine is up, the decode engine serves every turn that way (computing whatever it does
+not hold, `fallback: engine_unavailable`) and keeps nothing for a push back.
 
 Everything reaches the engines as `kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`).
 """
@@ -37,7 +39,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from turnkv.protocol import CacheHints
+from turnkv.protocol import CacheHints, FallbackReason
 from turnkv_server.engine.protocol import KEY, Receive, Send, TurnParams
 from turnkv_server.engine.requests import one_token_request
 from turnkv_server.router.modes.base import (
@@ -91,6 +93,7 @@ def lost_history(computed: int | None, delta: int) -> bool:
 
 class Turnkv(Mode):
     affinity = True
+    serves_without_prefill = True
 
     def __init__(self, ctx: ModeContext) -> None:
         super().__init__(ctx)
@@ -112,14 +115,20 @@ class Turnkv(Mode):
         if session is not None:
             # Releasing the session's leases when it ends takes a request of its model.
             session.mode_state[MODEL] = turn.body.get("model")
-        # The decode engine keeps the turn for the push back, unless there is nothing to keep.
-        keep = session is not None and not _hints(turn).final
+        # The decode engine keeps the turn for the push back, unless there is nothing to keep,
+        # or nobody to keep it for: a push back to a prefill engine that is down is refused.
+        keep = session is not None and not _hints(turn).final and placement.prefill.healthy
         decode_send = _transfer_id(turn, "d2p") if keep else None
         alone = await self._short_delta(turn, placement)
+        note: tuple[FallbackReason, str] | None = None
+        if alone is None and not placement.prefill.healthy:
+            alone = await self._without_prefill(turn, placement)
+            note = ("engine_unavailable", f"{placement.prefill.name} is down: "
+                    f"{placement.decode.name} computed the prompt alone")
         if alone is not None:
             return TurnPlan(placement, prefill_params=None, alone=alone,
                             decode_params=self._params(turn, send=_send(decode_send)),
-                            decode_send=decode_send)
+                            decode_send=decode_send, reuse_note=note)
         await self._settle_push_back(session)
         p2d = _transfer_id(turn, "p2d")
         # Streamed: the decode engine registers within milliseconds, so the prefill's KV can be
@@ -143,6 +152,18 @@ class Turnkv(Mode):
         if delta > self.ctx.short_delta_tokens:
             return None
         return DecodeAlone(prompt_ids, delta)
+
+    async def _without_prefill(self, turn: Turn, placement: Placement) -> DecodeAlone:
+        """No prefill engine is up (placement names a healthy one whenever there is one): the
+        decode engine computes the prompt, but for what it holds of the session, as a single
+        engine would. Otherwise every turn that is not a short delta (every session's first)
+        would get 503 until a prefill engine is back, while the decode engine sits idle."""
+        session = turn.session
+        held = bool(session is not None and session.tokens
+                    and session.decode == placement.decode.name)
+        prompt_ids = await self.ctx.upstream.tokenize(placement.decode, turn.body)
+        history = session.tokens if session is not None and held else []
+        return DecodeAlone(prompt_ids, new_tokens(prompt_ids, history), held=held)
 
     async def _settle_push_back(self, session: Session | None) -> None:
         task = session.mode_state.pop(PUSH_BACK, None) if session is not None else None
@@ -182,7 +203,7 @@ class Turnkv(Mode):
                 # prefill engine's send (a request dropped before it reached the engine).
                 self._abandon(prefill, model, plan.prefill_send)
             return
-        if plan.alone is not None and end.stats is not None:
+        if plan.alone is not None and plan.alone.held and end.stats is not None:
             self._judge_short_delta(decode.name, plan.alone.new_tokens,
                                     end.stats.prompt_tokens.decode_computed)
         if plan.decode_send is None or turn.session is None:

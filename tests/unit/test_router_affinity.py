@@ -1,0 +1,310 @@
+"""The `affinity` mode: aggregated engines behind the router, each session kept on one engine.
+
+Placement and plan are pure logic; the turn itself runs through the router (under uvicorn, as
+deployed) in front of two stand-in engines (aiohttp servers answering like vLLM where the
+router looks). The launcher's and the benchmark's side are checked without starting anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+from aiohttp import web
+
+from turnkv_server.bench.plan import BenchSettings, cluster_config, layout, pick_baseline
+from turnkv_server.launcher import Cluster, ClusterConfig
+from turnkv_server.launcher.engine import EngineProcess
+from turnkv_server.launcher.kv_transfer import kv_transfer_config
+from turnkv_server.mode_names import BENCH_MODES, describe_bench_modes
+from turnkv_server.router.app import Router, create_app
+from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.modes import make_mode
+from turnkv_server.router.modes.base import ModeContext, Turn
+from turnkv_server.router.upstream import EnginePool, Upstream
+
+# -- placement -------------------------------------------------------------------------------
+
+
+def pool(count: int = 2) -> EnginePool:
+    return EnginePool.from_urls([], [], engines=[f"http://e{i}" for i in range(count)])
+
+
+def test_an_aggregated_pool_pairs_each_engine_with_itself() -> None:
+    engines = pool()
+    assert engines.aggregated and [e.name for e in engines.engines()] == ["engine-0", "engine-1"]
+    assert {e.role for e in engines.engines()} == {"engine"}
+    for _ in range(3):
+        placement = engines.round_robin()
+        assert placement.prefill is placement.decode
+    with pytest.raises(ValueError, match="aggregated"):
+        EnginePool.from_urls(["http://p"], [], engines=["http://e"])
+    assert not EnginePool.from_urls(["http://p"], ["http://d"]).aggregated
+
+
+def test_new_sessions_spread_and_each_stays_on_its_engine() -> None:
+    engines = pool()
+    # Both idle: ties go round, so two new sessions land on different engines.
+    first = engines.place(prefill=None, decode=None, prefix_id=None)
+    second = engines.place(prefill=None, decode=None, prefix_id=None)
+    assert {first.decode.name, second.decode.name} == {"engine-0", "engine-1"}
+    assert first.reason == second.reason == "least_loaded"
+    # A busy engine gets no new session while another is idle...
+    first.decode.in_flight = 3
+    third = engines.place(prefill=None, decode=None, prefix_id=None)
+    assert third.decode is second.decode
+    # ...but keeps its own sessions, however busy the other is not.
+    home = first.decode.name
+    again = engines.place(prefill=home, decode=home, prefix_id=None)
+    assert (again.prefill.name, again.decode.name, again.reason) == (home, home, "affinity")
+
+
+def test_a_session_whose_engine_fails_or_overflows_moves() -> None:
+    engines = pool()
+    down = engines.by_name("engine-0")
+    assert down is not None
+    down.healthy = False
+    moved = engines.place(prefill="engine-0", decode="engine-0", prefix_id=None)
+    assert (moved.decode.name, moved.prefill.name, moved.reason) == (
+        "engine-1", "engine-1", "moved")
+    assert engines.unhealthy("engine-0", "engine-0") == ["engine-0"]
+    down.healthy = True
+    down.in_flight = engines.max_in_flight
+    assert engines.place(prefill="engine-0", decode="engine-0",
+                         prefix_id=None).decode.name == "engine-1"
+
+
+def test_a_new_session_goes_where_its_prefix_is_warm() -> None:
+    engines = pool()
+    warm = engines.place(prefill=None, decode=None, prefix_id="agent-v1")
+    engines.remember_prefix("agent-v1", warm)
+    engines.place(prefill=None, decode=None, prefix_id=None)  # moves the tie-break on
+    again = engines.place(prefill=None, decode=None, prefix_id="agent-v1")
+    assert (again.decode, again.reason) == (warm.decode, "prefix_warm")
+
+
+# -- settings and plan -----------------------------------------------------------------------
+
+
+def test_affinity_takes_engines_and_no_prefill_or_decode_engines() -> None:
+    config = RouterConfig(mode="affinity", engine=["http://a", "http://b"])
+    assert config.prefill == [] and config.decode == []
+    with pytest.raises(ValueError, match="--engine"):
+        RouterConfig(mode="affinity")
+    with pytest.raises(ValueError, match="no --prefill"):
+        RouterConfig(mode="affinity", engine=["http://a"], prefill=["http://p"])
+    with pytest.raises(ValueError, match="affinity mode"):
+        RouterConfig(mode="standard", prefill=["p"], decode=["d"], engine=["e"])
+    with pytest.raises(ValueError, match="one prefill and one decode"):
+        RouterConfig(mode="standard", decode=["d"])
+
+
+def test_the_command_line_names_affinity_engines_and_refuses_a_mode_without_its_engines(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from turnkv_server.router.__main__ import main, parse_args
+    from turnkv_server.router.config import from_args
+
+    config = from_args(parse_args(["--mode", "affinity", "--engine", "http://a",
+                                   "--engine", "http://b"]))
+    assert config.engine == ["http://a", "http://b"] and config.mode == "affinity"
+    with pytest.raises(SystemExit):
+        main(["--mode", "standard", "--decode", "http://d"])
+    assert "one prefill and one decode" in capsys.readouterr().err
+
+
+def test_the_plan_serves_every_turn_on_one_engine_with_no_kv_transfer() -> None:
+    engines = pool()
+    mode = make_mode("affinity", ModeContext(upstream=Upstream(), prefill_peers={},
+                                             decoder_kv_ttl=120.0, pool=engines))
+    placement = engines.place(prefill=None, decode=None, prefix_id=None)
+    turn = Turn(path="/v1/chat/completions", body={"messages": []}, tag=None, session=None,
+                want_token_ids=False, stream=False)
+    plan = asyncio.run(mode.plan(turn, placement))
+    assert plan.prefill_params is None and plan.decode_params is None
+    assert plan.alone is not None and plan.alone.prompt_token_ids is None
+    assert not plan.concurrent and plan.prefill_send is None and plan.decode_send is None
+    assert mode.affinity
+
+
+# -- turns through the router -----------------------------------------------------------------
+
+
+@dataclass
+class StandIn:
+    """An aggregated engine: answers chat completions as vLLM does with prefix caching on
+    (`cached` of the prompt's `prompt` tokens), records what it was sent."""
+
+    prompt: int = 300
+    cached: int = 256
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    url: str = ""
+    runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", _health)
+        app.router.add_post("/{path:.*}", self._handle)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        self.paths.append(request.path)
+        self.seen.append(body)
+        usage = {"prompt_tokens": self.prompt, "completion_tokens": 2,
+                 "prompt_tokens_details": {"cached_tokens": self.cached}}
+        if not body.get("stream"):
+            return web.json_response({
+                "choices": [{"index": 0, "message": {"content": "a b"}, "token_ids": [1, 2]}],
+                "prompt_token_ids": list(range(self.prompt)), "usage": usage})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in ({"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [1]}]},
+                      {"choices": [{"index": 0, "delta": {"content": " b"}, "token_ids": [2]}]},
+                      {"choices": [], "usage": usage}):
+            await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.json_response({})
+
+
+@contextlib.asynccontextmanager
+async def affinity_router(engines: list[StandIn]) -> AsyncIterator[tuple[Router, str]]:
+    for engine in engines:
+        await engine.start()
+    app = create_app(RouterConfig(mode="affinity", engine=[e.url for e in engines],
+                                  health_interval=60.0))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            assert not serving.done(), "the router did not start"
+            await asyncio.sleep(0.01)
+        yield app.state.router, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await serving
+        for engine in engines:
+            await engine.stop()
+
+
+def turn(session: str, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 2, "stream": stream, "turnkv": {"session_id": session}}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def stats_of(client: httpx.AsyncClient, url: str, session: str, stream: bool
+                   ) -> dict[str, Any]:
+    reply = await client.post(f"{url}/v1/chat/completions", json=turn(session, stream))
+    assert reply.status_code == 200, reply.text
+    if not stream:
+        return dict(reply.json()["turnkv"])
+    events = [orjson.loads(line[6:]) for line in reply.text.splitlines()
+              if line.startswith("data: {")]
+    assert [e for e in events if e.get("choices")], events  # the answer itself came through
+    return dict(next(e["turnkv"] for e in events if "turnkv" in e))
+
+
+def test_turns_stay_on_their_engine_alone_and_move_when_it_fails() -> None:
+    async def main() -> None:
+        engines = [StandIn(), StandIn()]
+        async with affinity_router(engines) as (router, url), \
+                httpx.AsyncClient(timeout=30) as client:
+            assert (await client.get(f"{url}/health")).json()["mode"] == "affinity"
+            homes: dict[str, str] = {}
+            for session in ("a", "b"):
+                for number, stream in ((1, False), (2, True), (3, False)):
+                    stats = await stats_of(client, url, session, stream)
+                    assert stats["mode"] == "affinity" and stats["turn"] == number
+                    # One engine computed the prompt and decoded: no prefill request.
+                    assert stats["prefill_node"] is None, stats
+                    homes.setdefault(session, stats["decode_node"])
+                    assert stats["decode_node"] == homes[session] and not stats["moved"]
+                    tokens = stats["prompt_tokens"]
+                    assert (tokens["total"], tokens["decode_cached"],
+                            tokens["decode_computed"]) == (300, 256, 44), tokens
+                    assert tokens["prefill_computed"] is None
+                    assert stats["kv"]["to_decode_tokens"] is None
+                    assert stats["fallback"] is None and stats["prefix_break_at"] is None
+            # Two sessions that started on idle engines: one each.
+            assert sorted(homes.values()) == ["engine-0", "engine-1"]
+            for engine in engines:
+                # No tokenize, no one-token requests, no KV params: chat turns only.
+                assert set(engine.paths) == {"/v1/chat/completions"} and len(engine.seen) == 3
+                assert all(body.get("kv_transfer_params") is None for body in engine.seen)
+                assert all("turnkv" not in body for body in engine.seen)
+            # An engine that fails: its session's next turn moves to the other one, and stays.
+            lost = engines[int(homes["a"][-1])]
+            await lost.stop()
+            moved = await stats_of(client, url, "a", False)
+            assert moved["decode_node"] == homes["b"] and moved["moved"]
+            assert moved["fallback"] == "engine_unavailable"
+            after = await stats_of(client, url, "a", True)
+            assert after["decode_node"] == homes["b"] and not after["moved"]
+            assert all(e.in_flight == 0 for e in router.pool.engines())
+
+    asyncio.run(main())
+
+
+# -- launcher and benchmark ------------------------------------------------------------------
+
+
+def test_an_affinity_cluster_is_plain_engines_behind_an_affinity_router(tmp_path: Path) -> None:
+    config = ClusterConfig(mode="affinity", run_dir=tmp_path)
+    assert config.roles() == ["engine", "engine"]
+    assert ClusterConfig(mode="affinity", num_aggregated=3).roles() == ["engine"] * 3
+    with pytest.raises(ValueError, match="affinity"):
+        ClusterConfig(mode="affinity", num_aggregated=0)
+    assert kv_transfer_config("affinity", "engine", "e0") is None
+    cluster = Cluster(config)
+    specs = cluster._engine_specs(tmp_path / "model", "m")
+    assert [s.name for s in specs] == ["engine-0", "engine-1"]
+    # One core each, their own where the machine has two.
+    assert [len(s.cores) for s in specs] == [1, 1]
+    assert len({s.cores for s in specs}) == min(2, len(os.sched_getaffinity(0)))
+    assert all(s.kv_transfer_config is None and s.nixl_port is None and s.prefix_caching
+               and s.side_channel_secret is None for s in specs)
+    cluster.engines = [EngineProcess(s, tmp_path) for s in specs]
+    command = cluster.router_command()
+    assert command[command.index("--mode") + 1] == "affinity"
+    assert command.count("--engine") == 2 and "--decode" not in command
+    assert not any(arg.endswith("-nixl") for arg in command)
+
+
+def test_the_benchmark_records_engines_and_cores_of_every_mode(tmp_path: Path) -> None:
+    assert {"affinity", "single-2core"} <= set(BENCH_MODES)
+    expected = {"single": (1, 1), "single-2core": (1, 2), "affinity": (2, 1),
+                "standard": (2, 1), "turnkv": (2, 1)}
+    for mode, (engines, cores) in expected.items():
+        config = cluster_config(mode, BenchSettings(), tmp_path)
+        assert (len(config.roles()), config.cores_per_engine) == (engines, cores), mode
+        assert layout(mode) == {"engine_count": engines, "cores_per_engine": cores}
+        assert f"{mode} ({engines}x{cores})" in describe_bench_modes()
+    assert cluster_config("single-2core", BenchSettings(), tmp_path).mode == "single"
+    # Affinity is what P/D is compared with first, when it runs.
+    assert pick_baseline(["single", "standard", "affinity"], None) == "affinity"
+    assert pick_baseline(["single", "standard"], None) == "standard"
