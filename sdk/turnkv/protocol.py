@@ -148,8 +148,10 @@ class TurnStats(BaseModel):
     prefix_break_at: int | None = None
     fallback: FallbackReason | None = None
     fallback_detail: str | None = None
-    # Why the turn reused none of the history it shares with its session when that is no
-    # fallback: reuse comes in whole KV blocks, and that history was under one.
+    # What the other fields do not say, when it is no fallback: why the turn reused none of
+    # the history it shares with its session (reuse comes in whole KV blocks, and that history
+    # was under one), or why a short delta went to the prefill engine (the router's ITL
+    # target).
     note: str | None = None
 
 

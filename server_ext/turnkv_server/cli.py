@@ -17,11 +17,12 @@ from rich.table import Table
 
 from turnkv_server import extras
 from turnkv_server.mode_names import CLUSTER_MODES, DEFAULT_MODE, describe_bench_modes
-from turnkv_server.router.config import SHORT_DELTA_TOKENS, help_for
+from turnkv_server.router.config import SHORT_DELTA_TOKENS, help_for, itl_target_args
 
 # `turnkv up` and `turnkv bench` pass it to the router only when given.
 SHORT_DELTA_HELP = (help_for("short_delta_tokens")
                     + f" (default: the router's, {SHORT_DELTA_TOKENS})")
+ITL_TARGET_HELP = help_for("itl_target_ms")
 
 app = typer.Typer(help="turnkv: session KV reuse for multi-turn agents on disaggregated vLLM.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -89,6 +90,7 @@ def up(
     decoder_kv_ttl: Annotated[float, typer.Option(help=help_for("decoder_kv_ttl"))] = 120.0,
     short_delta_tokens: Annotated[int | None, typer.Option(
         help=SHORT_DELTA_HELP)] = None,
+    itl_target_ms: Annotated[float | None, typer.Option(help=ITL_TARGET_HELP, min=0.0)] = None,
     port: Annotated[int | None, typer.Option(
         help="router port (default: a free one, which the router binds itself)")] = None,
     redis: Annotated[str | None, typer.Option(
@@ -118,7 +120,8 @@ def up(
             prefill_cache=prefill_cache, kv_cache_bytes=kv_cache_bytes,
             cores_per_engine=cores_per_engine, router_port=port, run_dir=run_dir,
             decoder_kv_ttl=decoder_kv_ttl, short_delta_tokens=short_delta_tokens,
-            router_args=("--redis", redis) if redis else (),
+            router_args=(*(("--redis", redis) if redis else ()),
+                         *itl_target_args(itl_target_ms)),
             register_as_current=True,
         )
     except ValueError as exc:
@@ -218,6 +221,7 @@ def bench(
         help="bidirectional: read back only if this many tokens are missing (vLLM: 64)")] = None,
     short_delta_tokens: Annotated[int | None, typer.Option(
         help=SHORT_DELTA_HELP)] = None,
+    itl_target_ms: Annotated[float | None, typer.Option(help=ITL_TARGET_HELP, min=0.0)] = None,
     out_dir: Annotated[Path | None, typer.Option(
         "--out", help="output folder (default: turnkv-bench/<workload>-<time>)")] = None,
     baseline: Annotated[str | None, typer.Option(
@@ -239,7 +243,8 @@ def bench(
         workload=workload, trace=trace, modes=modes, model=model, dtype=dtype,
         sessions=sessions, seed=seed, concurrency=concurrency, kv_cache_bytes=kv_cache_bytes,
         max_model_len=max_model_len, kv_recompute_threshold=kv_recompute_threshold,
-        short_delta_tokens=short_delta_tokens, out=out_dir, baseline=baseline,
+        short_delta_tokens=short_delta_tokens, itl_target_ms=itl_target_ms, out=out_dir,
+        baseline=baseline,
         turn_timeout=turn_timeout, stall_timeout=stall_timeout, repeat=repeat,
     )
     # Run in the background, a job ignores SIGINT: SIGTERM must also stop the engines.

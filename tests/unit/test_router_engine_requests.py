@@ -178,7 +178,8 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def cluster(prefill: dict[str, Handler] | None, decode: dict[str, Handler],
-                  short_delta_tokens: int = 0) -> AsyncIterator[Cluster]:
+                  short_delta_tokens: int = 0, itl_target_ms: float | None = None
+                  ) -> AsyncIterator[Cluster]:
     """Stand-in engines (`prefill` None: nothing listens there) behind a `turnkv` router."""
     # (A prompt of three tokens, as `prefill_ok` renders it.)
     p, d = StandIn(prefill or {}), StandIn({"/tokenize": tokenize_ok, **decode})
@@ -187,7 +188,8 @@ async def cluster(prefill: dict[str, Handler] | None, decode: dict[str, Handler]
     p_url = await p.start() if prefill is not None else f"http://127.0.0.1:{free_port()}"
     config = RouterConfig(prefill=[p_url], decode=[d_url], mode="turnkv",
                           prefill_nixl=["p@127.0.0.1:5601"], decode_nixl=["d@127.0.0.1:5602"],
-                          short_delta_tokens=short_delta_tokens, health_interval=60.0)
+                          short_delta_tokens=short_delta_tokens, itl_target_ms=itl_target_ms,
+                          health_interval=60.0)
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.create_task(server.serve())
@@ -556,5 +558,102 @@ def test_a_prompt_the_engine_cannot_tokenize_is_the_clients_error() -> None:
             assert "empty prompt" in reply.text
             assert all(e.healthy for e in c.router.pool.engines())
             await settle(c, lambda: all(e.in_flight == 0 for e in c.router.pool.engines()))
+
+    asyncio.run(main())
+
+
+# -- the ITL target: a short delta the decode engine's other requests would wait too long on --
+
+def conversation_tokens(body: dict[str, Any]) -> list[int]:
+    """How the stand-ins render a conversation: "hi" is 3 tokens, a reply the 3 the decode
+    stand-in answers, "<n> new" n tokens."""
+    tokens: list[int] = []
+    for message in body.get("messages") or []:
+        content = str(message.get("content"))
+        if message.get("role") == "assistant":
+            tokens += [1, 2, 3]
+        elif content.endswith(" new"):
+            tokens += [5] * int(content.split()[0])
+        else:
+            tokens += [7, 8, 9]
+    return tokens
+
+
+async def tokenize_conversation(engine: StandIn, request: web.Request, body: dict[str, Any]
+                                ) -> web.StreamResponse:
+    return _ok({"tokens": conversation_tokens(body)})
+
+
+async def prefill_conversation(engine: StandIn, request: web.Request, body: dict[str, Any]
+                               ) -> web.StreamResponse:
+    tokens = conversation_tokens(body)
+    return _ok({"choices": [{"index": 0, "message": {"content": "t1"}, "token_ids": [1]}],
+                "prompt_token_ids": tokens,
+                "usage": {"prompt_tokens": len(tokens),
+                          "prompt_tokens_details": {"cached_tokens": 0}}})
+
+
+async def timed_decode(engine: StandIn, request: web.Request, body: dict[str, Any]
+                       ) -> web.StreamResponse:
+    """`slow_decode`, with the usage and per-request metrics of an engine that holds the
+    history up to the last user message and computes that message at 1 ms a token."""
+    if body.get("stream"):
+        return await slow_decode(engine, request, body)
+    _seen(engine, request).ended = True
+    messages = body.get("messages") or []
+    total = len(conversation_tokens(body))
+    computed = len(conversation_tokens({"messages": messages[-1:]}))
+    return _ok({"choices": [{"index": 0, "message": {"content": "t1 t2 t3"},
+                             "token_ids": [1, 2, 3]}],
+                "usage": {"prompt_tokens": total, "completion_tokens": 3,
+                          "prompt_tokens_details": {"cached_tokens": total - computed}},
+                "metrics": {"time_to_first_token_ms": float(computed), "queue_time_ms": 0.0}})
+
+
+def test_the_itl_target_sends_a_long_enough_delta_to_the_prefill_engine() -> None:
+    """With a 50 ms target and a decode engine measured at 1 ms a token: while another turn
+    is decoding there, a delta of 100 tokens (100 ms of its steps) is computed by the prefill
+    engine, one of 20 by the decode engine; with the decode engine idle again, 100 stay."""
+
+    async def main() -> None:
+        prefill = {"/v1/chat/completions": prefill_conversation}
+        decode = {"/v1/chat/completions": timed_decode, "/tokenize": tokenize_conversation}
+        async with cluster(prefill, decode, short_delta_tokens=512, itl_target_ms=50.0) as c, \
+                httpx.AsyncClient(timeout=30) as client:
+            messages: list[dict[str, str]] = []
+
+            async def turn(content: str) -> dict[str, Any]:
+                messages.append({"role": "user", "content": content})
+                body = {**chat(stream=False, session="s"), "messages": messages}
+                reply = await client.post(f"{c.url}/v1/chat/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                messages.append({"role": "assistant", "content": "t1 t2 t3"})
+                stats: dict[str, Any] = reply.json()["turnkv"]
+                return stats
+
+            assert (await turn("hi"))["prefill_node"] == "prefill-0"  # a first turn
+            # The decode engine is idle: its delta stays, and teaches it 1 ms a token.
+            taught = await turn("20 new")
+            assert taught["prefill_node"] is None and taught["note"] is None, taught
+            assert taught["times"]["engine_prefill_ms"] == 20.0
+            async with client.stream("POST", f"{c.url}/v1/chat/completions",
+                                     json=chat(stream=True)) as busy:
+                # Another turn is decoding on the decode engine. (Its lines are read from one
+                # iterator, kept: an iterator left behind is closed, and the stream with it.)
+                lines = busy.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):
+                    pass
+                prefills = len(c.prefill.requests("/v1/chat/completions"))
+                long = await turn("100 new")
+                assert long["prefill_node"] == "prefill-0", long
+                assert "ITL target 50 ms" in long["note"] and "100 tokens" in long["note"]
+                assert len(c.prefill.requests("/v1/chat/completions")) == prefills + 1
+                short = await turn("20 new")
+                assert short["prefill_node"] is None and short["note"] is None, short
+            await settle(c, all_over(c))
+            idle = await turn("100 new")
+            assert idle["prefill_node"] is None and idle["note"] is None, idle
+            assert len(c.prefill.requests("/v1/chat/completions")) == prefills + 1
+            await settle(c, all_over(c))
 
     asyncio.run(main())

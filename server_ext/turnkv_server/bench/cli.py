@@ -48,6 +48,7 @@ class BenchOptions:
     max_model_len: int | None = None
     kv_recompute_threshold: int | None = None
     short_delta_tokens: int | None = None
+    itl_target_ms: float | None = None
     out: Path | None = None
     baseline: str | None = None
     turn_timeout: float = 300.0
@@ -66,6 +67,8 @@ def _check(options: BenchOptions) -> None:
         raise PlanError("--kv-recompute-threshold must be non-negative")
     if options.short_delta_tokens is not None and options.short_delta_tokens < 0:
         raise PlanError("--short-delta-tokens must be non-negative")
+    if options.itl_target_ms is not None and not options.itl_target_ms >= 0:
+        raise PlanError("--itl-target-ms must be non-negative")
 
 
 def _model_dir(options: BenchOptions) -> Path:
@@ -138,6 +141,7 @@ def run_bench(options: BenchOptions, command: list[str], console: Console,
                              max_model_len=_max_model_len(options, model_dir, kv_tokens),
                              kv_recompute_threshold=options.kv_recompute_threshold,
                              short_delta_tokens=options.short_delta_tokens,
+                             itl_target_ms=options.itl_target_ms,
                              turn_timeout_s=options.turn_timeout,
                              stall_timeout_s=options.stall_timeout)
     workload = build_workload(options.workload, seed=options.seed, sessions=options.sessions,

@@ -19,6 +19,7 @@ from turnkv_server.launcher import ClusterConfig
 from turnkv_server.launcher.engine import resolve_dtype
 from turnkv_server.mode_names import BENCH_MODES, bench_layout
 from turnkv_server.mode_names import BENCH_VARIANTS as _LAUNCHER_MODES
+from turnkv_server.router.config import itl_target_args
 
 WORKLOADS: tuple[str, ...] = (*presets.PRESETS, "trace")
 
@@ -70,6 +71,8 @@ class BenchSettings:
     # turnkv: turns adding at most this many tokens run on the decode engine alone (None: the
     # router's default).
     short_delta_tokens: int | None = None
+    # turnkv: the router's --itl-target-ms (None: off).
+    itl_target_ms: float | None = None
     turn_timeout_s: float = 300.0
     stall_timeout_s: float = 90.0
     startup_timeout_s: float = 300.0
@@ -112,6 +115,7 @@ def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> Cluster
         decoder_kv_ttl=settings.decoder_kv_ttl,
         kv_recompute_threshold=settings.kv_recompute_threshold,
         short_delta_tokens=settings.short_delta_tokens,
+        router_args=itl_target_args(settings.itl_target_ms),
         connector_settings={"layer_writes": False} if mode == "turnkv-end-write" else {},
         startup_timeout=settings.startup_timeout_s,
         run_dir=run_dir,

@@ -93,6 +93,13 @@ class RouterConfig:
     short_delta_tokens: int = field(default=SHORT_DELTA_TOKENS, metadata=cli(
         "turnkv mode: a turn adding at most this many tokens to its session is computed on "
         "the decode engine alone (0: never)"))
+    # None: short deltas stay on the decode engine whatever its load (router/modes/itl.py).
+    itl_target_ms: float | None = field(default=None, metadata=cli(
+        "turnkv mode: a target for the decode engine's inter-token latency, in ms: while that "
+        "engine has other requests in flight, a short delta estimated to stall them longer "
+        "(its tokens x the engine's measured prefill cost per token; before a measurement, "
+        "any) is computed by the prefill engine instead; 0: short deltas on an idle decode "
+        "engine only (default: off)", load=float))
     # None: this router's memory only.
     redis_url: str | None = field(default=None, metadata=cli(
         "share sessions with other routers through this Redis server, redis://HOST:PORT/DB "
@@ -107,6 +114,8 @@ class RouterConfig:
             raise ValueError("engine_read_timeout must be positive")
         if self.short_delta_tokens < 0:
             raise ValueError("short_delta_tokens must be non-negative")
+        if self.itl_target_ms is not None and not self.itl_target_ms >= 0:
+            raise ValueError("itl_target_ms must be non-negative")
         if self.mode == "affinity" and (not self.engine or self.prefill or self.decode):
             raise ValueError("affinity mode needs --engine URL (aggregated engines), and no "
                              "--prefill or --decode")
@@ -122,6 +131,12 @@ class RouterConfig:
                                       or len(self.decode_nixl) != len(self.decode)):
             raise ValueError("turnkv mode needs --prefill-nixl and --decode-nixl "
                              "ENGINE_ID@HOST:PORT for every engine")
+
+
+def itl_target_args(target_ms: float | None) -> tuple[str, ...]:
+    """The router's arguments for `itl_target_ms` (`turnkv up` and `turnkv bench` pass it on
+    in `ClusterConfig.router_args`); none for None, which is off."""
+    return () if target_ms is None else ("--itl-target-ms", repr(float(target_ms)))
 
 
 def _options() -> list[tuple[Field[Any], Option]]:

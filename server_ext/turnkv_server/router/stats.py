@@ -131,7 +131,8 @@ def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: in
         # It computed the prompt itself: its timing is the turn's prefill. (In P/D it computed
         # at most a token: the prefill engine's timing stays.)
         stats.times.engine_prefill_ms, stats.times.queue_ms = engine_times(metrics)
-    stats.note = block_note(turn, plan, stats)
+    # The plan's own note first (a short delta the ITL target sent to the prefill engine).
+    stats.note = "; ".join(n for n in (plan.note, block_note(turn, plan, stats)) if n) or None
     figures = parse_reply(reply)
     if figures is not None and plan.alone is None:
         tokens.decode_cached, tokens.decode_received = (figures.local_tokens,

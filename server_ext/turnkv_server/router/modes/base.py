@@ -87,6 +87,9 @@ class TurnPlan:
     # `finish` gives up those no receiver will register for.
     prefill_send: str | None = None
     decode_send: str | None = None
+    # Why the turn went where it did when that is no fallback (the stats' `note`): a short
+    # delta the ITL target sent to the prefill engine.
+    note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,9 @@ class ModeContext:
     # turnkv: a turn adding at most this many tokens to a session is computed on its decode
     # engine alone (0: never).
     short_delta_tokens: int = 0
+    # turnkv: the ITL a short delta may stall the decode engine's other requests by, in ms
+    # (None: no target).
+    itl_target_ms: float | None = None
 
     @classmethod
     def of(cls, config: RouterConfig, upstream: Upstream, pool: EnginePool,
@@ -142,7 +148,8 @@ class ModeContext:
                          for name, peer in {**peers, **decode_peers}.items()}
         return cls(upstream=upstream, prefill_peers=peers, decoder_kv_ttl=config.decoder_kv_ttl,
                    clock=clock, side_channels=side_channels, pool=pool,
-                   short_delta_tokens=config.short_delta_tokens)
+                   short_delta_tokens=config.short_delta_tokens,
+                   itl_target_ms=config.itl_target_ms)
 
 
 class Mode:

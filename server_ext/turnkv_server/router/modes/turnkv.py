@@ -23,9 +23,11 @@ A short delta skips step 1: when a turn adds at most `short_delta_tokens` tokens
 session's history (counted with the decode engine's /tokenize), the decode engine, which holds
 that history, computes them itself and no prefill request is sent. Step 2 brings the prefill
 engine up to date as usual, so a later long turn still prefills only its new tokens. A decode
-engine that turns out to have lost the history backs off short deltas for a while. While no
-prefill engine is up, the decode engine serves every turn that way (computing whatever it does
-not hold, `fallback: engine_unavailable`) and keeps nothing for a push back.
+engine that turns out to have lost the history backs off short deltas for a while. With an ITL
+target (`itl_target_ms`, `modes.itl`), a short delta that would stall the decode engine's other
+requests longer than the target goes through step 1 instead. While no prefill engine is up,
+the decode engine serves every turn that way (computing whatever it does not hold,
+`fallback: engine_unavailable`) and keeps nothing for a push back.
 
 Everything reaches the engines as `kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`).
 """
@@ -50,6 +52,7 @@ from turnkv_server.router.modes.base import (
     TurnEnd,
     TurnPlan,
 )
+from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
 from turnkv_server.router.sessions import Session, common_prefix_len
 from turnkv_server.router.upstream import Engine, EngineConnectionError, Placement
 
@@ -102,6 +105,7 @@ class Turnkv(Mode):
         self._background: set[asyncio.Task[None]] = set()
         # Decode engine name -> (until when its turns skip short deltas, the current backoff).
         self._pressure: dict[str, tuple[float, float]] = {}
+        self._itl = ItlTarget(ctx.itl_target_ms)
         names = [e.name for e in ctx.pool.engines()] if ctx.pool is not None else []
         missing = [name for name in names if name not in ctx.side_channels]
         if missing:
@@ -119,7 +123,7 @@ class Turnkv(Mode):
         # or nobody to keep it for: a push back to a prefill engine that is down is refused.
         keep = session is not None and not _hints(turn).final and placement.prefill.healthy
         decode_send = _transfer_id(turn, "d2p") if keep else None
-        alone = await self._short_delta(turn, placement)
+        alone, diverted = await self._short_delta(turn, placement)
         note: tuple[FallbackReason, str] | None = None
         if alone is None and not placement.prefill.healthy:
             alone = await self._without_prefill(turn, placement)
@@ -137,21 +141,33 @@ class Turnkv(Mode):
         decode = self._params(turn, send=_send(decode_send), receive=Receive(
             p2d, self.ctx.side_channels[placement.prefill.name]))
         return TurnPlan(placement, prefill_params=prefill, concurrent=True,
-                        decode_params=decode, prefill_send=p2d, decode_send=decode_send)
+                        decode_params=decode, prefill_send=p2d, decode_send=decode_send,
+                        note=diverted)
 
-    async def _short_delta(self, turn: Turn, placement: Placement) -> DecodeAlone | None:
-        """The decode engine serves the turn alone if it holds the session's history and the
-        prompt adds at most `short_delta_tokens` to it."""
+    async def _short_delta(self, turn: Turn, placement: Placement
+                           ) -> tuple[DecodeAlone | None, str | None]:
+        """The decode engine serves the turn alone if it holds the session's history, the
+        prompt adds at most `short_delta_tokens` to it and, with an ITL target, computing
+        them there keeps its other requests within it (else: why not, for the stats)."""
         session = turn.session
-        decode = placement.decode.name
+        decode = placement.decode
         if (self.ctx.short_delta_tokens <= 0 or session is None or not session.tokens
-                or session.decode != decode or self._under_pressure(decode)):
-            return None
-        prompt_ids = await self.ctx.upstream.tokenize(placement.decode, turn.body)
+                or session.decode != decode.name or self._under_pressure(decode.name)):
+            return None, None
+        prompt_ids = await self.ctx.upstream.tokenize(decode, turn.body)
         delta = new_tokens(prompt_ids, session.tokens)
         if delta > self.ctx.short_delta_tokens:
-            return None
-        return DecodeAlone(prompt_ids, delta)
+            return None, None
+        # Read after /tokenize has ended: this turn's own requests are not in the count. (Only
+        # a prefill engine that is up can take the delta instead.) Without a target the
+        # policy's module is never entered: a default turn reads in six router files.
+        if self.ctx.itl_target_ms is not None and placement.prefill.healthy:
+            tokens = tokens_to_compute(len(prompt_ids), len(prompt_ids) - delta,
+                                       decode.block_size)
+            diverted = self._itl.divert(decode.name, tokens, others=decode.in_flight)
+            if diverted is not None:
+                return None, diverted
+        return DecodeAlone(prompt_ids, delta), None
 
     async def _without_prefill(self, turn: Turn, placement: Placement) -> DecodeAlone:
         """No prefill engine is up (placement names a healthy one whenever there is one): the
@@ -204,8 +220,15 @@ class Turnkv(Mode):
                 self._abandon(prefill, model, plan.prefill_send)
             return
         if plan.alone is not None and plan.alone.held and end.stats is not None:
-            self._judge_short_delta(decode.name, plan.alone.new_tokens,
-                                    end.stats.prompt_tokens.decode_computed)
+            computed = end.stats.prompt_tokens.decode_computed
+            self._judge_short_delta(decode.name, plan.alone.new_tokens, computed)
+            if (self.ctx.itl_target_ms is not None
+                    and plan.alone.new_tokens <= self.ctx.short_delta_tokens
+                    and not lost_history(computed, plan.alone.new_tokens)):
+                # A short delta that found its history: what the ITL target's estimate is
+                # about (a recomputed history, or a long delta while the prefill engine was
+                # down, would count a long prompt's cost per token).
+                self._itl.observe(decode.name, end.stats.times.engine_prefill_ms, computed)
         if plan.decode_send is None or turn.session is None:
             return  # the decode request had nothing to send
         if turn.prompt_token_ids is None or not turn.output_token_ids:
