@@ -16,7 +16,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from turnkv_server import extras
-from turnkv_server.mode_names import CLUSTER_MODES, DEFAULT_MODE, describe_bench_modes
+from turnkv_server.mode_names import (
+    CLUSTER_MODES,
+    DEFAULT_BENCH_MODES,
+    DEFAULT_MODE,
+    describe_bench_modes,
+)
 from turnkv_server.router.config import SHORT_DELTA_TOKENS, help_for, itl_target_args
 
 # `turnkv up` and `turnkv bench` pass it to the router only when given.
@@ -196,14 +201,16 @@ def down(
 @app.command()
 def bench(
     workload: Annotated[str, typer.Option(
-        help="agent | chat | conversation | smoke | memory-pressure | trace")] = "agent",
+        help="agent | chat | conversation | smoke | memory-pressure | agent-pressure | trace")] = (
+        "agent"),
     trace: Annotated[Path | None, typer.Option(help="JSONL trace for --workload trace")] = None,
     modes: Annotated[str, typer.Option(
         help="comma-separated, run in this order; engines x cores each: "
              f"{describe_bench_modes()} (affinity: aggregated engines behind the router, "
-             "sessions kept on one; single-2core: one engine on both cores; turnkv-end-write: "
-             "turnkv without layer-by-layer writes)")] = (
-        "single,standard,bidirectional,push,turnkv"),
+             "sessions kept on one; bound: affinity with caches that hold every session; "
+             "single-2core: one engine on both cores; turnkv-end-write: turnkv without "
+             "layer-by-layer writes; turnkv-itl<ms>: turnkv with an ITL target of <ms>)")] = (
+        DEFAULT_BENCH_MODES),
     model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
         "smollm2"
     ),
@@ -215,7 +222,8 @@ def bench(
     concurrency: Annotated[int | None, typer.Option(
         help="closed loop: sessions at once (default: the preset's)")] = None,
     kv_cache_bytes: Annotated[int | None, typer.Option(
-        help="KV cache per engine (memory-pressure default: 4,096 tokens' worth)")] = None,
+        help="KV cache per engine (memory-pressure default: 4,096 tokens' worth; "
+             "agent-pressure: 3,072)")] = None,
     max_model_len: Annotated[int | None, typer.Option(help="engines' max_model_len")] = None,
     kv_recompute_threshold: Annotated[int | None, typer.Option(
         help="bidirectional: read back only if this many tokens are missing (vLLM: 64)")] = None,
@@ -225,7 +233,8 @@ def bench(
     out_dir: Annotated[Path | None, typer.Option(
         "--out", help="output folder (default: turnkv-bench/<workload>-<time>)")] = None,
     baseline: Annotated[str | None, typer.Option(
-        help="mode the ratios divide by (default: standard if run, else the first)")] = None,
+        help="mode the ratios divide by (default: affinity if run, else standard if run, "
+             "else the first)")] = None,
     turn_timeout: Annotated[float, typer.Option(help="seconds one turn may take")] = 300.0,
     stall_timeout: Annotated[float, typer.Option(
         help="seconds without any output token (turns in flight) before a mode is stalled")] = (

@@ -11,6 +11,7 @@ mode with one setting changed.
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
 RouterMode = Literal["turnkv", "standard", "standard-nocache", "bidirectional", "push",
@@ -25,14 +26,44 @@ CLUSTER_MODES: tuple[ClusterMode, ...] = get_args(ClusterMode)
 # Benchmark variant -> the cluster mode it changes: `standard-nocache` turns the prefill
 # engines' prefix cache off (vLLM's multi-turn blog baseline); `turnkv-end-write` sends a
 # prefill's KV in one write when it ends instead of layer by layer (that design choice, measured);
-# `single-2core` gives the one engine both cores the P/D modes share (equal resources).
+# `single-2core` gives the one engine both cores the P/D modes share (equal resources); `bound`
+# is `affinity` with caches that hold every session (the no-pressure bound of a pressure preset).
 BENCH_VARIANTS: dict[str, ClusterMode] = {"standard-nocache": "standard",
                                           "turnkv-end-write": "turnkv",
-                                          "single-2core": "single"}
+                                          "single-2core": "single",
+                                          "bound": "affinity"}
 # In the order the benchmark's help lists them.
 BENCH_MODES: tuple[str, ...] = (
-    "single", "single-2core", "affinity", "standard", "standard-nocache", "bidirectional",
-    "push", "turnkv", "turnkv-end-write")
+    "single", "single-2core", "affinity", "bound", "standard", "standard-nocache",
+    "bidirectional", "push", "turnkv", "turnkv-end-write")
+# `turnkv bench`'s default: the P/D modes beside what a platform would run instead on the same
+# two cores (aggregated engines with session affinity; one engine on both cores).
+DEFAULT_BENCH_MODES = "affinity,single-2core,standard,bidirectional,turnkv"
+# `turnkv-itl<ms>`: turnkv with the router's inter-token-latency target at <ms> milliseconds,
+# so that one run can place turnkv at several points of the TTFT/ITL frontier.
+ITL_VARIANT = re.compile(r"turnkv-itl(\d{1,6})")
+
+
+def itl_variant_target(mode: str) -> float | None:
+    """The ITL target of a `turnkv-itl<ms>` mode in milliseconds; None for any other name."""
+    match = ITL_VARIANT.fullmatch(mode)
+    return float(match.group(1)) if match else None
+
+
+def is_bench_mode(mode: str) -> bool:
+    """Whether the benchmark knows `mode`: one of `BENCH_MODES` or a `turnkv-itl<ms>`."""
+    return mode in BENCH_MODES or itl_variant_target(mode) is not None
+
+
+def cluster_mode(mode: str) -> ClusterMode:
+    """The cluster mode a benchmark mode starts."""
+    if itl_variant_target(mode) is not None:
+        return "turnkv"
+    if mode in BENCH_VARIANTS:
+        return BENCH_VARIANTS[mode]
+    if mode not in CLUSTER_MODES:
+        raise ValueError(f"unknown benchmark mode {mode!r}")
+    return mode
 
 # How many engines each benchmark mode starts, and how many cores each gets: ratios between
 # modes mean something only where the cores are equal. Every mode not named here runs two
@@ -48,4 +79,5 @@ def bench_layout(mode: str) -> tuple[int, int]:
 
 def describe_bench_modes() -> str:
     """Each benchmark mode with its engines x cores each, for the command line's help."""
-    return ", ".join("{} ({}x{})".format(mode, *bench_layout(mode)) for mode in BENCH_MODES)
+    named = ", ".join("{} ({}x{})".format(mode, *bench_layout(mode)) for mode in BENCH_MODES)
+    return named + ", turnkv-itl<ms> ({}x{})".format(*PAIR)

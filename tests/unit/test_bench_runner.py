@@ -9,7 +9,13 @@ import pytest
 
 import turnkv
 from turnkv.protocol import KvMoved, PromptTokens
-from turnkv_server.bench.cli import BLOCK_TOKENS, BenchOptions, _kv_cache_bytes, _max_model_len
+from turnkv_server.bench.cli import (
+    BLOCK_TOKENS,
+    BenchOptions,
+    _bound_kv_cache_bytes,
+    _kv_cache_bytes,
+    _max_model_len,
+)
 from turnkv_server.bench.counters import counter_deltas, parse_counters, parse_kv_cache_tokens
 from turnkv_server.bench.cputime import cpu_delta, group_deltas
 from turnkv_server.bench.driver import DriveOutcome, gaps_ms, record_turn, turn_message
@@ -19,6 +25,7 @@ from turnkv_server.bench.plan import (
     build_workload,
     cluster_config,
     kv_bytes_per_token,
+    mode_settings,
     parse_modes,
     pick_baseline,
 )
@@ -26,7 +33,8 @@ from turnkv_server.bench.results import TurnRecord
 from turnkv_server.bench.runner import mode_status
 from turnkv_server.bench.trace import write_trace
 from turnkv_server.bench.watchdog import Watchdog
-from turnkv_server.bench.workloads import TurnSpec
+from turnkv_server.bench.sizing import approx_tokens
+from turnkv_server.bench.workloads import TurnSpec, total_context_tokens
 
 # --- the plan -------------------------------------------------------------------------------
 
@@ -65,6 +73,47 @@ def test_cluster_config_is_the_same_for_every_mode_but_the_mode(tmp_path: Path) 
                 config.kv_recompute_threshold) == ("tiny", "float32", 2**26, 2048, 0)
     with pytest.raises(PlanError):
         cluster_config("mooncake", settings, tmp_path)
+
+
+def test_itl_target_modes_are_turnkv_at_their_own_target(tmp_path: Path) -> None:
+    assert parse_modes("turnkv-itl100,turnkv,turnkv-itl400") == [
+        "turnkv-itl100", "turnkv", "turnkv-itl400"]
+    for bad in ("turnkv-itl", "turnkv-itl1.5", "turnkv-itl-5", "standard-itl100"):
+        with pytest.raises(PlanError, match="unknown mode"):
+            parse_modes(bad)
+    settings = BenchSettings(model="tiny", itl_target_ms=50.0)
+    assert mode_settings("turnkv-itl250", settings).itl_target_ms == 250.0
+    assert mode_settings("turnkv", settings).itl_target_ms == 50.0
+    config = cluster_config("turnkv-itl250", settings, tmp_path)
+    assert config.mode == "turnkv" and len(config.roles()) == 2
+    args = list(config.router_args)
+    assert args[args.index("--itl-target-ms") + 1] == "250.0"
+    plain = cluster_config("turnkv", BenchSettings(model="tiny"), tmp_path)
+    assert "--itl-target-ms" not in plain.router_args
+
+
+def test_bound_is_affinity_with_the_cache_that_holds_every_session(tmp_path: Path) -> None:
+    settings = BenchSettings(model="tiny", kv_cache_bytes=2**20, bound_kv_cache_bytes=2**24)
+    bound = cluster_config("bound", settings, tmp_path)
+    affinity = cluster_config("affinity", settings, tmp_path)
+    assert (bound.mode, bound.num_aggregated, bound.kv_cache_bytes) == ("affinity", 2, 2**24)
+    assert (affinity.mode, affinity.kv_cache_bytes) == ("affinity", 2**20)
+    # Sized from the workload: every session's context, a spare block each and the null block.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+        "num_hidden_layers": 30, "torch_dtype": "float32"}))
+    per_token = 30 * 2 * 3 * 64 * 4
+    options = BenchOptions(workload="agent-pressure", dtype="float32")
+    small, tokens = _kv_cache_bytes(options, tmp_path)
+    assert tokens == 3072
+    workload = build_workload("agent-pressure", kv_cache_tokens=tokens)
+    size = _bound_kv_cache_bytes(options, tmp_path, small, workload, approx_tokens)
+    assert size is not None and size % (BLOCK_TOKENS * per_token) == 0
+    blocks = size // (BLOCK_TOKENS * per_token)
+    assert (blocks - len(workload.sessions) - 1) * BLOCK_TOKENS >= total_context_tokens(workload)
+    assert size > 3 * small
+    # Without a cache size (a workload without pressure) bound keeps the engines' default.
+    assert _bound_kv_cache_bytes(options, tmp_path, None, workload, approx_tokens) is None
 
 
 def test_settings_reject_nonpositive_limits() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from turnkv_server.bench.corpus import Corpus, load_corpus
-from turnkv_server.bench.presets import PRESETS, build_workload, preset_params
+from turnkv_server.bench.presets import PRESETS, PRESSURE, build_workload, preset_params
 from turnkv_server.bench.prompts import TOOL_SCHEMAS
 from turnkv_server.bench.sizing import MESSAGE_OVERHEAD_TOKENS, approx_tokens, take_tokens
 from turnkv_server.bench.trace import TraceError, load_trace, write_trace
@@ -183,6 +183,25 @@ def test_memory_pressure_just_exceeds_the_cache(corpus: Corpus) -> None:
     thinks = sorted(t.think_time_s for s in w.sessions for t in s.turns[1:])
     assert thinks[len(thinks) // 2] >= 1.0
     assert w.concurrency is None and w.sessions[-1].start_s > 0
+
+
+def test_agent_pressure_has_room_long_histories_small_deltas_heavy_tailed_tools(
+        corpus: Corpus) -> None:
+    cache = PRESSURE["agent-pressure"].cache_tokens
+    w = build_workload("agent-pressure", corpus=corpus)
+    assert total_context_tokens(w) > 3 * cache
+    assert total_context_tokens(w.model_copy(update={"sessions": w.sessions[:-1]})) <= 3 * cache
+    for s in w.sessions:
+        # Several thousand tokens of own history by the end, within one engine's cache.
+        assert 2000 < session_context(s) <= cache
+        # Each later turn adds a few hundred tokens.
+        assert all(100 <= approx_tokens(t.user) <= 1000 for t in s.turns[1:])
+    thinks = sorted(t.think_time_s for s in w.sessions for t in s.turns[1:])
+    median = thinks[len(thinks) // 2]
+    assert 2.0 <= median <= 8.0 and thinks[-1] <= 60.0
+    assert thinks[0] < median / 3 and thinks[-1] > 3 * median
+    # All sessions live at once: the last starts long before the first could end.
+    assert w.concurrency is None and w.sessions[-1].start_s < 30.0
 
 
 def test_memory_pressure_that_cannot_be_reached_is_an_error(corpus: Corpus) -> None:

@@ -22,10 +22,11 @@ from turnkv_server.bench.plan import (
     parse_modes,
     pick_baseline,
 )
-from turnkv_server.bench.presets import DEFAULT_KV_CACHE_TOKENS
+from turnkv_server.bench.presets import PRESSURE
 from turnkv_server.bench.runner import Runner, write_outputs
 from turnkv_server.bench.sizing import TokenCounter, tokenizer_counter
-from turnkv_server.bench.workloads import total_context_tokens
+from turnkv_server.bench.workloads import Workload, total_context_tokens
+from turnkv_server.mode_names import DEFAULT_BENCH_MODES
 
 # vLLM's CPU backend allocates KV in blocks of 128 tokens (GPU backends use smaller blocks,
 # for which this is a conservative estimate).
@@ -38,7 +39,7 @@ class BenchOptions:
 
     workload: str = "agent"
     trace: Path | None = None
-    modes: str = "single,standard,bidirectional,push,turnkv"
+    modes: str = DEFAULT_BENCH_MODES
     model: str = "smollm2"
     dtype: str = "auto"
     sessions: int | None = None
@@ -88,12 +89,13 @@ def _token_counter(model_dir: Path) -> TokenCounter:
 
 
 def _kv_cache_bytes(options: BenchOptions, model_dir: Path) -> tuple[int | None, int | None]:
-    """(bytes per engine, tokens that is) for memory-pressure; as given for other workloads.
+    """(bytes per engine, tokens that is) for the pressure presets; as given for other
+    workloads.
 
     Memory pressure needs a known, small cache: without --kv-cache-bytes it gets
-    `presets.DEFAULT_KV_CACHE_TOKENS` tokens' worth at the engines' dtype.
+    the preset's `presets.Pressure.cache_tokens` tokens' worth at the engines' dtype.
     """
-    if options.workload != "memory-pressure":
+    if options.workload not in PRESSURE:
         return options.kv_cache_bytes, None
     try:
         per_token = kv_bytes_per_token(model_dir, options.dtype)
@@ -101,7 +103,8 @@ def _kv_cache_bytes(options: BenchOptions, model_dir: Path) -> tuple[int | None,
         raise PlanError(f"cannot size the KV cache of {options.model!r}: {exc}") from exc
     # vLLM keeps one block of every cache as its null block: requests get the rest.
     if options.kv_cache_bytes is None:
-        return (DEFAULT_KV_CACHE_TOKENS + BLOCK_TOKENS) * per_token, DEFAULT_KV_CACHE_TOKENS
+        tokens = PRESSURE[options.workload].cache_tokens
+        return (tokens + BLOCK_TOKENS) * per_token, tokens
     usable = (options.kv_cache_bytes // per_token // BLOCK_TOKENS - 1) * BLOCK_TOKENS
     if usable < BLOCK_TOKENS:
         raise PlanError(f"--kv-cache-bytes {options.kv_cache_bytes} holds less than two "
@@ -109,11 +112,23 @@ def _kv_cache_bytes(options: BenchOptions, model_dir: Path) -> tuple[int | None,
     return options.kv_cache_bytes, usable
 
 
+def _bound_kv_cache_bytes(options: BenchOptions, model_dir: Path, kv_bytes: int | None,
+                          workload: Workload, count_tokens: TokenCounter) -> int | None:
+    """`bound`'s cache per engine: every session's whole context with a block to spare for
+    each (and vLLM's null block), or the engines' default where no cache size was set."""
+    if kv_bytes is None:
+        return None
+    per_token = kv_bytes_per_token(model_dir, options.dtype)
+    tokens = total_context_tokens(workload, count_tokens)
+    blocks = -(-tokens // BLOCK_TOKENS) + len(workload.sessions) + 1
+    return max(kv_bytes, blocks * BLOCK_TOKENS * per_token)
+
+
 def _max_model_len(options: BenchOptions, model_dir: Path, kv_tokens: int | None) -> int | None:
     """As given; for a cache smaller than the model's context, the cache's size.
 
     vLLM refuses to start when one request of the model's full length would not fit in the KV
-    cache, which the memory-pressure cache is made too small for on purpose.
+    cache, which the pressure presets' cache is made too small for on purpose.
     """
     if options.max_model_len is not None or kv_tokens is None:
         return options.max_model_len
@@ -137,16 +152,19 @@ def run_bench(options: BenchOptions, command: list[str], console: Console,
     model_dir = _model_dir(options)
     count_tokens = _token_counter(model_dir)
     kv_bytes, kv_tokens = _kv_cache_bytes(options, model_dir)
+    workload = build_workload(options.workload, seed=options.seed, sessions=options.sessions,
+                              concurrency=options.concurrency, trace=options.trace,
+                              kv_cache_tokens=kv_tokens, count_tokens=count_tokens)
+    bound_bytes = (_bound_kv_cache_bytes(options, model_dir, kv_bytes, workload, count_tokens)
+                   if "bound" in modes else None)
     settings = BenchSettings(model=options.model, dtype=options.dtype, kv_cache_bytes=kv_bytes,
                              max_model_len=_max_model_len(options, model_dir, kv_tokens),
                              kv_recompute_threshold=options.kv_recompute_threshold,
                              short_delta_tokens=options.short_delta_tokens,
                              itl_target_ms=options.itl_target_ms,
+                             bound_kv_cache_bytes=bound_bytes,
                              turn_timeout_s=options.turn_timeout,
                              stall_timeout_s=options.stall_timeout)
-    workload = build_workload(options.workload, seed=options.seed, sessions=options.sessions,
-                              concurrency=options.concurrency, trace=options.trace,
-                              kv_cache_tokens=kv_tokens, count_tokens=count_tokens)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = options.out or Path("turnkv-bench") / f"{workload.name}-{stamp}"
     turns = sum(len(s.turns) for s in workload.sessions)

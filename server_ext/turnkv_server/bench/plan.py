@@ -7,7 +7,7 @@ message, not after the first mode's engines took a minute to start.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,13 @@ from turnkv_server.bench.trace import load_trace
 from turnkv_server.bench.workloads import Workload
 from turnkv_server.launcher import ClusterConfig
 from turnkv_server.launcher.engine import resolve_dtype
-from turnkv_server.mode_names import BENCH_MODES, bench_layout
-from turnkv_server.mode_names import BENCH_VARIANTS as _LAUNCHER_MODES
+from turnkv_server.mode_names import (
+    bench_layout,
+    cluster_mode,
+    describe_bench_modes,
+    is_bench_mode,
+    itl_variant_target,
+)
 from turnkv_server.router.config import itl_target_args
 
 WORKLOADS: tuple[str, ...] = (*presets.PRESETS, "trace")
@@ -37,12 +42,12 @@ def parse_modes(text: str) -> list[str]:
         name = raw.strip()
         if not name:
             continue
-        if name not in BENCH_MODES:
-            raise PlanError(f"unknown mode {name!r}; choose from {', '.join(BENCH_MODES)}")
+        if not is_bench_mode(name):
+            raise PlanError(f"unknown mode {name!r}; choose from {describe_bench_modes()}")
         if name not in modes:
             modes.append(name)
     if not modes:
-        raise PlanError(f"no mode given; choose from {', '.join(BENCH_MODES)}")
+        raise PlanError(f"no mode given; choose from {describe_bench_modes()}")
     return modes
 
 
@@ -71,8 +76,10 @@ class BenchSettings:
     # turnkv: turns adding at most this many tokens run on the decode engine alone (None: the
     # router's default).
     short_delta_tokens: int | None = None
-    # turnkv: the router's --itl-target-ms (None: off).
+    # turnkv: the router's --itl-target-ms (None: off; a `turnkv-itl<ms>` mode sets its own).
     itl_target_ms: float | None = None
+    # bound: each engine's KV cache, enough to hold every session (None: the engines' default).
+    bound_kv_cache_bytes: int | None = None
     turn_timeout_s: float = 300.0
     stall_timeout_s: float = 90.0
     startup_timeout_s: float = 300.0
@@ -96,15 +103,27 @@ def layout(mode: str) -> dict[str, int]:
     return {"engine_count": engines, "cores_per_engine": cores}
 
 
+def mode_settings(mode: str, settings: BenchSettings) -> BenchSettings:
+    """`settings` as `mode` runs them: a `turnkv-itl<ms>` mode with its own ITL target,
+    `bound` with caches that hold every session; every other mode as given."""
+    target = itl_variant_target(mode)
+    if target is not None:
+        return replace(settings, itl_target_ms=target)
+    if mode == "bound":
+        return replace(settings, kv_cache_bytes=settings.bound_kv_cache_bytes)
+    return settings
+
+
 def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> ClusterConfig:
     """The launcher's configuration for `mode`: one prefill + one decode engine, two
-    aggregated engines (`affinity`) or one single engine, on the cores `layout` gives it;
-    everything else from `settings`, the same for every mode."""
-    if mode not in BENCH_MODES:
+    aggregated engines (`affinity`, `bound`) or one single engine, on the cores `layout` gives
+    it; everything else from `mode_settings`, the same for every mode but what it changes."""
+    if not is_bench_mode(mode):
         raise PlanError(f"unknown mode {mode!r}")
     engines, cores = bench_layout(mode)
+    settings = mode_settings(mode, settings)
     config = ClusterConfig(
-        mode=_LAUNCHER_MODES.get(mode, mode),  # type: ignore[arg-type]
+        mode=cluster_mode(mode),
         num_aggregated=engines,
         cores_per_engine=cores,
         model=settings.model,
@@ -148,9 +167,10 @@ def build_workload(name: str, *, seed: int = 0, sessions: int | None = None,
                    count_tokens: TokenCounter = approx_tokens) -> Workload:
     """The workload of a preset (with overrides) or a trace file.
 
-    `kv_cache_tokens` sizes `memory-pressure` (its sessions are added until their context is
-    twice the cache); `sessions` caps how many it may add. `count_tokens` sizes generated text:
-    pass the served model's (`sizing.tokenizer_counter`) so contexts fit it.
+    `kv_cache_tokens` sizes the presets in `presets.PRESSURE` (their sessions are added until
+    their context is a multiple of the cache); `sessions` caps how many it may add.
+    `count_tokens` sizes generated text: pass the served model's (`sizing.tokenizer_counter`)
+    so contexts fit it.
     """
     if name == "trace":
         if trace is None:
@@ -171,10 +191,9 @@ def build_workload(name: str, *, seed: int = 0, sessions: int | None = None,
     if concurrency is not None:
         overrides["concurrency"] = concurrency
     try:
-        if name == "memory-pressure":
-            tokens = kv_cache_tokens or presets.DEFAULT_KV_CACHE_TOKENS
-            return presets.build_workload(name, seed, count_tokens, kv_cache_tokens=tokens,
-                                          **overrides)
+        if name in presets.PRESSURE:
+            return presets.build_workload(name, seed, count_tokens,
+                                          kv_cache_tokens=kv_cache_tokens, **overrides)
         return presets.build_workload(name, seed, count_tokens, **overrides)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc

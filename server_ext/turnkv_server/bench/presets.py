@@ -1,4 +1,5 @@
-"""Named workloads: `agent`, `chat`, `conversation`, `smoke` and `memory-pressure`.
+"""Named workloads: `agent`, `chat`, `conversation`, `smoke`, `memory-pressure` and
+`agent-pressure`.
 
 The shapes follow real agents and chats; the sizes are what a 2-core CPU machine runs in
 minutes. SmolLM2 in float32 prefills about 150 tokens a second there at short contexts and
@@ -9,6 +10,7 @@ served model's tokenizer (see `sizing`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from turnkv_server.bench.corpus import Corpus
@@ -21,15 +23,29 @@ from turnkv_server.bench.workloads import (
     total_context_tokens,
 )
 
-PRESETS = ("agent", "chat", "conversation", "smoke", "memory-pressure")
+PRESETS = ("agent", "chat", "conversation", "smoke", "memory-pressure", "agent-pressure")
 
-# The memory-pressure cache: 4,096 tokens per engine (32 blocks of 128), small enough that a
-# handful of sessions outgrows it. An earlier measurement (10 sessions, SmolLM2 in bf16, one
-# core per engine) used a cache of 20,864 tokens and 47k tokens of context on a machine that
-# prefilled about 10x faster; `--kv-cache-bytes` reproduces that cache.
-DEFAULT_KV_CACHE_TOKENS = 4_096
-# Generated sessions stop being added once their total context is this multiple of the cache.
-DEFAULT_PRESSURE = 2.0
+
+@dataclass(frozen=True)
+class Pressure:
+    """How a pressure preset is sized: against one engine's KV cache of `cache_tokens` (unless
+    `--kv-cache-bytes` gives another), sessions are added until their total context is more
+    than `factor` times it."""
+
+    cache_tokens: int
+    factor: float
+
+
+# memory-pressure: 4,096 tokens per engine (32 blocks of 128), small enough that a handful of
+# sessions outgrows it. An earlier measurement (10 sessions, SmolLM2 in bf16, one core per
+# engine) used a cache of 20,864 tokens and 47k tokens of context on a machine that prefilled
+# about 10x faster; `--kv-cache-bytes` reproduces that cache.
+# agent-pressure: 3,072 tokens, just above its sessions' longest context (vLLM refuses a cache
+# that cannot hold one request), and three times that in live sessions.
+PRESSURE: dict[str, Pressure] = {"memory-pressure": Pressure(4_096, 2.0),
+                                 "agent-pressure": Pressure(3_072, 3.0)}
+DEFAULT_KV_CACHE_TOKENS = PRESSURE["memory-pressure"].cache_tokens
+DEFAULT_PRESSURE = PRESSURE["memory-pressure"].factor
 # A cap so that a huge cache cannot make the memory-pressure workload endless.
 MAX_PRESSURE_SESSIONS = 500
 
@@ -69,6 +85,20 @@ _BASE: dict[str, dict[str, Any]] = {
                             tool_result_sigma=0.2, user_tokens=(200, 300), follow_up_prob=0.0,
                             output_tokens=(32, 32), think_time_median_s=2.0,
                             think_time_sigma=0.3, max_context_tokens=4096),
+    # Agents under memory pressure, with room between the modes: each session's own history
+    # grows past 3,000 tokens, a few hundred per turn (a short shared head, so that most of what
+    # is held is the session's own), and the tool times are heavy-tailed (median 4 s, from
+    # under a second to a minute) and sent ahead as `next_turn_in` hints. Sessions are added
+    # until their context is 3x one engine's cache, starting about 2 s apart: all of them live
+    # at once. Losing a session's KV then costs recomputing thousands of tokens where keeping
+    # it costs a few hundred, which on this machine is several times the turn's time.
+    "agent-pressure": dict(kind="agent", sessions=MAX_PRESSURE_SESSIONS, arrival_rate=0.5,
+                           turns=(6, 8), system_tokens=300, tool_count=3,
+                           tool_result_tokens=(150, 900), tool_result_median=320.0,
+                           tool_result_sigma=0.4, user_tokens=(150, 300), follow_up_prob=0.15,
+                           output_tokens=(24, 40), think_time_median_s=4.0,
+                           think_time_sigma=1.3, think_time_max_s=60.0,
+                           max_context_tokens=3000),
 }
 
 
@@ -87,12 +117,15 @@ def preset_params(name: str, seed: int = 0, **overrides: Any) -> WorkloadParams:
 
 def build_workload(name: str, seed: int = 0, count_tokens: TokenCounter = approx_tokens,
                    corpus: Corpus | None = None,
-                   kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
-                   pressure: float = DEFAULT_PRESSURE, **overrides: Any) -> Workload:
-    """Preset `name` generated; `kv_cache_tokens` and `pressure` apply to memory-pressure."""
+                   kv_cache_tokens: int | None = None,
+                   pressure: float | None = None, **overrides: Any) -> Workload:
+    """Preset `name` generated; `kv_cache_tokens` and `pressure` (default: the preset's
+    `Pressure`) apply to the presets in `PRESSURE`."""
     params = preset_params(name, seed, **overrides)
-    if name == "memory-pressure":
-        return memory_pressure(params, kv_cache_tokens, pressure, count_tokens, corpus)
+    if name in PRESSURE:
+        sizing = PRESSURE[name]
+        return memory_pressure(params, kv_cache_tokens or sizing.cache_tokens,
+                               pressure or sizing.factor, count_tokens, corpus)
     return generate(params, count_tokens, corpus)
 
 
