@@ -12,7 +12,7 @@ from rich.console import Console
 from turnkv_server.bench.aggregate import aggregate_mode, finalize, paired_ratio, spread
 from turnkv_server.bench.cli import BenchOptions, _check
 from turnkv_server.bench.plan import BenchSettings, PlanError, build_workload
-from turnkv_server.bench.plots import PLOTS, write_plots
+from turnkv_server.bench.plots import PLOTS, frontier, plot_ttft_vs_itl, write_plots
 from turnkv_server.bench.report import COLUMNS, cell, rows, summary_markdown
 from turnkv_server.bench.results import (
     BenchResult,
@@ -230,6 +230,22 @@ def test_report_of_repeats_shows_ranges_every_run_and_plots(tmp_path: Path) -> N
     paths = write_plots(result, tmp_path)
     assert [p.name for p in paths] == list(PLOTS)
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_the_frontier_joins_turnkv_at_every_itl_target(tmp_path: Path) -> None:
+    gaps = {"affinity": 900.0, "turnkv": 1000.0, "turnkv-itl500": 300.0,
+            "turnkv-itl1500": 600.0}
+    # TTFT after the first turn: turns 1-2; a lower target leaves more to the prefill engine.
+    later = {"affinity": 200.0, "turnkv": 100.0, "turnkv-itl500": 400.0,
+             "turnkv-itl1500": 250.0}
+    runs = [mode_run(mode, 0, [5000.0, later[mode], later[mode]], itl=[100.0] * 98 + [gap] * 2)
+            for mode, gap in gaps.items()]
+    result = bench(runs, baseline="affinity")
+    assert frontier(result) == [(300.0, 400.0), (600.0, 250.0), (1000.0, 100.0)]
+    # A stalled target is no point of the frontier.
+    runs[3] = mode_run("turnkv-itl1500", 0, [5000.0], status=STALLED)
+    assert frontier(bench(runs, baseline="affinity")) == [(300.0, 400.0), (1000.0, 100.0)]
+    assert plot_ttft_vs_itl(result, tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_repeat_must_be_at_least_one() -> None:

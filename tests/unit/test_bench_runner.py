@@ -31,9 +31,9 @@ from turnkv_server.bench.plan import (
 )
 from turnkv_server.bench.results import TurnRecord
 from turnkv_server.bench.runner import mode_status
+from turnkv_server.bench.sizing import approx_tokens
 from turnkv_server.bench.trace import write_trace
 from turnkv_server.bench.watchdog import Watchdog
-from turnkv_server.bench.sizing import approx_tokens
 from turnkv_server.bench.workloads import TurnSpec, total_context_tokens
 
 # --- the plan -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from turnkv_server.bench.results import BenchResult, ModeAggregate, Spread, TokenTotals
+from turnkv_server.mode_names import itl_variant_target
 
 # Stacked in this order, bottom up: reuse first, so the bar's top is what was computed.
 # "reused" stands for cached + received where a mode reports only their sum (bidirectional's
@@ -158,19 +159,43 @@ def plot_prompt_sources(result: BenchResult, path: Path) -> Path:
     return _save(fig, path)
 
 
+def frontier(result: BenchResult) -> list[tuple[float, float]]:
+    """turnkv's (ITL p99, TTFT p50 after the first turn) points in ITL order: `turnkv` and
+    every `turnkv-itl<ms>` that ran to the end, the frontier its ITL target moves it along."""
+    points = []
+    for agg in result.aggregates:
+        ttft, itl = agg.figures["ttft_later_p50"], agg.figures["itl_p99"]
+        turnkv = agg.mode == "turnkv" or itl_variant_target(agg.mode) is not None
+        if turnkv and agg.status.state == "ok" and ttft.median is not None \
+                and itl.median is not None:
+            points.append((itl.median, ttft.median))
+    return sorted(points)
+
+
 def plot_ttft_vs_itl(result: BenchResult, path: Path) -> Path:
     """Each mode as a point: median TTFT after the first turn against ITL p99, the trade-off
-    a deployment chooses from (lower left is better on both)."""
-    fig = Figure(figsize=(7, 5))
+    a deployment chooses from (lower left is better on both), with turnkv's `frontier`."""
+    fig = Figure(figsize=(8, 5.5))
     ax = fig.subplots()
+    itls: list[float] = []
     for agg in result.aggregates:
         ttft, itl = agg.figures["ttft_later_p50"], agg.figures["itl_p99"]
         if ttft.median is None or itl.median is None:
             continue
         ax.errorbar([itl.median], [ttft.median], xerr=_errors([itl]), yerr=_errors([ttft]),
                     fmt="o" if agg.status.state == "ok" else "x", capsize=3, label=legend(agg))
+        ax.annotate(agg.mode, (itl.median, ttft.median), textcoords="offset points",
+                    xytext=(5, 5), fontsize=8)
+        itls.append(itl.median)
+    line = frontier(result)
+    if len(line) > 1:
+        ax.plot(*zip(*line, strict=True), ":", color="grey", label="turnkv by ITL target")
+    # ITL p99 spans decode-only engines (a step) to engines stalled by prefills (seconds).
+    if itls and min(itls) > 0 and max(itls) / min(itls) > 10:
+        ax.set_xscale("log")
     ax.set_xlabel("ITL p99 at the client (ms)")
     ax.set_ylabel("TTFT p50 after the first turn (ms)")
+    ax.set_ylim(bottom=0)
     ax.set_title(f"TTFT against ITL: {result.workload.name}{_runs_note(result)}", fontsize=10)
     ax.grid(alpha=0.3)
     _legend_if_any(ax)
