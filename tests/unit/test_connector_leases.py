@@ -176,3 +176,155 @@ def test_picking_victims_is_logarithmic_not_a_scan() -> None:
     # A scan compares every remaining lease per victim (n * n / 2 = 2,000,000 here); a heap
     # about 2 log2(n) per victim.
     assert Priority.compared < 30 * n * math.log2(n) / 2
+
+
+# -- hints: the session expected back last goes first ----------------------------------------
+
+def victims(leases: LeaseTable, keep: tuple[str, ...] = ()) -> list[str]:
+    """Every lease but `keep`, in the order evictions end them."""
+    order = []
+    while (gone := leases.evict(keep=keep)).leases:
+        order.append(gone.leases[0].session_id)
+    return order
+
+
+def test_the_session_back_last_goes_first_whatever_the_lru_order() -> None:
+    leases, clock = table(total=20, fraction=1.0)
+    leases.pin("back-in-2s", [1], next_turn_in_s=2)  # the least recently used
+    clock.now += 1
+    leases.pin("back-in-60s", [2], next_turn_in_s=60)
+    clock.now += 1
+    leases.pin("back-in-10s", [3], next_turn_in_s=10)
+    assert leases.get("back-in-60s").expected_back == 1001 + 60
+    assert victims(leases) == ["back-in-60s", "back-in-10s", "back-in-2s"]
+    assert leases.released_total["pressure"] == 3
+
+
+def test_over_the_cap_the_session_back_last_goes_and_the_new_lease_stays() -> None:
+    leases, clock = table(total=10, fraction=0.4)  # cap: 4 blocks
+    leases.pin("soon", [1, 2], next_turn_in_s=2)
+    clock.now += 1
+    leases.pin("later", [3, 4], next_turn_in_s=60)
+    clock.now += 1
+    # The newest is back even later, but it is the one being pinned.
+    released = leases.pin("newest", [5, 6], next_turn_in_s=300)
+    assert [lease.session_id for lease in released.leases] == ["later"]
+    assert sorted(leases) == ["newest", "soon"]
+
+
+def test_an_unhinted_lease_counts_as_back_at_its_deadline() -> None:
+    leases, clock = table(total=20, fraction=1.0, default_ttl_s=100, max_ttl_s=1000)
+    leases.pin("plain-old", [1], ttl_s=30)  # deadline 1030
+    clock.now += 1
+    leases.pin("plain-new", [2], ttl_s=500)  # deadline 1501
+    clock.now += 1
+    leases.pin("back-at-1202", [3], next_turn_in_s=200)
+    leases.pin("back-at-1012", [4], next_turn_in_s=10)
+    # The un-hinted candidate is the least recently used (plain-old, deadline 1030), set
+    # against the hinted one back last (1202): the hinted one goes. Then plain-old (1030)
+    # against 1012: plain-old. Then plain-new (1501) against 1012: plain-new.
+    assert victims(leases) == ["back-at-1202", "plain-old", "plain-new", "back-at-1012"]
+
+
+def test_a_tie_between_a_deadline_and_a_return_goes_by_priority_then_to_the_unhinted() -> None:
+    leases, clock = table(total=20, fraction=1.0, default_ttl_s=100, max_ttl_s=1000)
+    leases.pin("plain", [1], ttl_s=50, priority=1)  # deadline 1050
+    leases.pin("hinted", [2], next_turn_in_s=50, priority=0)  # back at 1050
+    assert victims(leases) == ["hinted", "plain"]
+    leases.pin("plain", [1], ttl_s=50)
+    leases.pin("hinted", [2], next_turn_in_s=50)
+    assert victims(leases) == ["plain", "hinted"]  # "at or after": the un-hinted goes
+
+
+def test_priority_breaks_ties_between_equal_returns_then_least_recent_use() -> None:
+    leases, clock = table(total=20, fraction=1.0)
+    leases.pin("low-old", [1], next_turn_in_s=30, priority=0)  # all back at 1030
+    clock.now += 10
+    leases.pin("high", [2], next_turn_in_s=20, priority=3)
+    clock.now += 10
+    leases.pin("low-new", [3], next_turn_in_s=10, priority=0)
+    assert victims(leases) == ["low-old", "low-new", "high"]
+    # A return expected later still goes before a lower priority: the hint comes first.
+    leases.pin("vip", [1], next_turn_in_s=100, priority=10)
+    leases.pin("cheap", [2], next_turn_in_s=5, priority=-10)
+    assert victims(leases) == ["vip", "cheap"]
+
+
+def test_without_hints_eviction_is_exactly_lru_within_priority() -> None:
+    # Equal TTLs: by deadline, the most recently used would go first. It must not.
+    leases, clock = table(total=50, fraction=1.0)
+    for i in range(10):
+        leases.pin(f"s{i}", [i], priority=1 if i % 3 == 0 else 0)
+        clock.now += 1
+    leases.renew("s4")
+    assert victims(leases) == ["s1", "s2", "s5", "s7", "s8", "s4", "s0", "s3", "s6", "s9"]
+
+
+def test_renewal_updates_the_expected_return_and_can_drop_it() -> None:
+    leases, clock = table(total=20, fraction=1.0)
+    leases.pin("a", [1], next_turn_in_s=5)
+    leases.pin("b", [2], next_turn_in_s=60)
+    clock.now += 1
+    assert leases.renew("b", next_turn_in_s=0)  # b's turn came: it is back now
+    assert leases.get("b").expected_back == clock.now
+    assert victims(leases, keep=()) == ["a", "b"]
+    leases.pin("a", [1], next_turn_in_s=5)
+    leases.pin("b", [2], next_turn_in_s=60)
+    assert leases.renew("b")  # no hint this time: back to today's order, at its deadline
+    assert leases.get("b").expected_back is None
+    assert victims(leases) == ["b", "a"]
+    leases.pin("a", [1], next_turn_in_s=5)
+    with pytest.raises(ValueError):
+        leases.pin("a", [1, 2], next_turn_in_s=-1)
+    with pytest.raises(ValueError):
+        leases.renew("a", next_turn_in_s=math.nan)
+    assert leases.get("a").blocks == (1,)  # a refused hint leaves the lease as it was
+
+
+def test_hinted_leases_spare_keep_and_expire_on_their_deadline() -> None:
+    leases, clock = table(total=20, fraction=1.0, default_ttl_s=100, max_ttl_s=1000)
+    leases.pin("admitted", [1], next_turn_in_s=600)
+    leases.pin("other", [2], next_turn_in_s=1)
+    assert victims(leases, keep=("admitted",)) == ["other"]
+    # A return announced past the TTL changes nothing about when the lease ends.
+    assert leases.next_expiry() == clock.now + 100
+    clock.now += 100
+    assert [lease.session_id for lease in leases.expire().leases] == ["admitted"]
+
+
+def test_switching_between_hinted_and_unhinted_keeps_the_heaps_bounded() -> None:
+    n = 50
+    leases, clock = table(total=10 * n, fraction=1.0)
+    for i in range(n):
+        leases.pin(f"s{i}", [i])
+    for round_ in range(200):
+        clock.now += 1
+        for i in range(n):
+            leases.renew(f"s{i}", next_turn_in_s=None if (round_ + i) % 2 else i)
+    heaps = (leases._by_deadline, leases._by_value, leases._by_return)  # type: ignore[attr-defined]
+    assert all(len(heap) <= 2 * n + 65 for heap in heaps)
+    # Last round (199): odd i hinted (back at now + i), even i un-hinted (deadline now + 300):
+    # those go first, in renewal order (all used at once), then the hinted, back last first.
+    odd = [f"s{i}" for i in range(n - 1, 0, -2)]
+    even = [f"s{i}" for i in range(0, n, 2)]
+    assert victims(leases) == even + odd
+
+
+def test_picking_hinted_victims_is_logarithmic_not_a_scan() -> None:
+    n = 2000
+    leases, clock = table(total=10 * n, fraction=1.0, default_ttl_s=10 * n, max_ttl_s=10 * n)
+    for i in range(n):
+        # Everyone back at the same moment, so each comparison in the hinted heap reaches the
+        # priority; every other lease is un-hinted, set against the hinted top per victim.
+        if i % 2:
+            leases.pin(f"s{i}", [i], priority=Priority(0), next_turn_in_s=5 * n - i)
+        else:
+            leases.pin(f"s{i}", [i], priority=Priority(0))
+        clock.now += 1
+    Priority.compared = 0
+    order = [leases.evict().leases[0].session_id for _ in range(n)]
+    # Un-hinted deadlines (1000 + 10 n and later) are after the hinted return (1000 + 5 n):
+    # they go first, least recent first, then the hinted ones, all back at once, least recent
+    # first.
+    assert order == [f"s{i}" for i in range(0, n, 2)] + [f"s{i}" for i in range(1, n, 2)]
+    assert Priority.compared < 30 * n * math.log2(n) / 2

@@ -151,6 +151,26 @@ def test_room_is_made_for_a_waiting_request_and_a_growing_one() -> None:
     assert pool.get_num_free_blocks() == BLOCKS - 1
 
 
+def test_room_is_made_from_the_session_expected_back_last() -> None:
+    pool, side = setup()
+    leases = side.holder.leases  # type: ignore[union-attr]
+    for n, (session, hint) in enumerate((("soon", 2.0), ("later", 60.0), ("mid", 30.0))):
+        req = request(f"r{n}", 160, session=session, next_turn_in_s=hint)
+        side.on_new_request(req)
+        finish(pool, side, req, allocate(pool, 10))
+    assert leases.get("later").expected_back == pytest.approx(time.monotonic() + 60, abs=5)
+    # The session back in a minute has its turn early: this request needs its lease now.
+    back = request("r3", 170, session="later", next_turn_in_s=60.0)
+    side.on_new_request(back)
+    assert leases.get("later").expected_back <= time.monotonic()
+    # Another session needs 9 blocks: the one expected back last (mid) goes, not the least
+    # recently used (soon) nor the one whose turn is here.
+    newcomer = request("r9", 128, session="new")
+    side.on_new_request(newcomer)
+    side.get_num_new_matched_tokens(newcomer, 0)
+    assert sorted(leases) == ["later", "soon"]
+
+
 def test_malformed_params_leave_the_request_alone() -> None:
     pool, side = setup()
     req = raw_request("r1", 40, {"turnkv": {"ttl_s": -1}})

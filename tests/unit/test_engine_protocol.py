@@ -23,6 +23,17 @@ def test_round_trip() -> None:
     assert parse({"turnkv": TurnParams(release=True).to_wire()}) == TurnParams(release=True)
 
 
+@pytest.mark.parametrize("hint", [0.0, 2.5, 600.0])
+def test_the_next_turn_hint_round_trips_and_is_left_out_when_unset(hint: float) -> None:
+    params = TurnParams(session="s", ttl_s=30.0, next_turn_in_s=hint)
+    wire = params.to_wire()
+    assert wire["next_turn_in_s"] == hint  # "back at once" (0) is a hint too
+    assert parse({"turnkv": wire}) == params
+    assert "next_turn_in_s" not in TurnParams(session="s").to_wire()
+    assert parse({"turnkv": {"session": "s", "next_turn_in_s": 8}}) == TurnParams(
+        session="s", next_turn_in_s=8.0)
+
+
 def test_other_connectors_params_are_not_ours() -> None:
     assert parse(None) is None
     assert parse({"do_remote_decode": True}) is None
@@ -34,6 +45,11 @@ def test_other_connectors_params_are_not_ours() -> None:
     ({"session": 3}, "session"),
     ({"ttl_s": 0}, "ttl_s"),
     ({"ttl_s": True}, "ttl_s"),
+    ({"next_turn_in_s": -1}, "next_turn_in_s"),
+    ({"next_turn_in_s": True}, "next_turn_in_s"),
+    ({"next_turn_in_s": "8"}, "next_turn_in_s"),
+    ({"next_turn_in_s": float("nan")}, "next_turn_in_s"),
+    ({"next_turn_in_s": float("inf")}, "next_turn_in_s"),
     ({"priority": "high"}, "priority"),
     ({"release": "yes"}, "release"),
     ({"receive": {"transfer_id": "t", "peer": "nohost"}}, "peer"),

@@ -414,6 +414,43 @@ def test_a_push_back_that_lands_or_a_final_turn_gives_nothing_up() -> None:
     asyncio.run(main())
 
 
+def test_the_next_turn_hint_reaches_every_engine_that_keeps_the_session() -> None:
+    """`next_turn_in`, in the body or a header, goes to both engines in the turn's
+    `kv_transfer_params` (prefill, decode, push back): each orders its evictions by it."""
+
+    def hints_sent(engine: StandIn) -> list[float | None]:
+        return [s.body["kv_transfer_params"]["turnkv"].get("next_turn_in_s")
+                for s in engine.seen if s.path in ("/v1/chat/completions", "/v1/completions")]
+
+    async def main() -> None:
+        async with cluster(*turnkv_pair("200")) as c, httpx.AsyncClient(timeout=30) as client:
+            body = chat(stream=False)
+            body["turnkv"] = {"session_id": "s", "hints": {"next_turn_in": 12}}
+            reply = await client.post(f"{c.url}/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            await settle(c, lambda: len(c.prefill.requests("/v1/completions")) == 1)
+            await settle(c, all_over(c))
+            assert hints_sent(c.prefill) == [12, 12]  # the prefill, then the push back
+            assert hints_sent(c.decode) == [12]
+            reply = await client.post(f"{c.url}/v1/chat/completions",
+                                      json=chat(stream=False, session="s"),
+                                      headers={"X-TurnKV-Next-Turn-In": "2.5"})
+            assert reply.status_code == 200, reply.text
+            await settle(c, lambda: len(c.prefill.requests("/v1/completions")) == 2)
+            await settle(c, all_over(c))
+            assert hints_sent(c.prefill)[2:] == [2.5, 2.5] and hints_sent(c.decode)[1:] == [2.5]
+            # Without a hint, none is sent.
+            reply = await client.post(f"{c.url}/v1/chat/completions",
+                                      json=chat(stream=False, session="s"))
+            assert reply.status_code == 200, reply.text
+            await settle(c, lambda: len(c.prefill.requests("/v1/completions")) == 3)
+            await settle(c, all_over(c))
+            assert hints_sent(c.prefill)[4:] == [None, None]
+            assert hints_sent(c.decode)[2:] == [None]
+
+    asyncio.run(main())
+
+
 def test_a_cut_stream_gives_the_decode_engines_send_up() -> None:
     """The client leaves mid-stream: no whole reply, no push back."""
 

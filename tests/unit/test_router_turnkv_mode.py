@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -20,12 +21,13 @@ from turnkv_server.router.modes.base import (
 )
 from turnkv_server.router.modes.turnkv import (
     PRESSURE_BACKOFF_S,
+    PUSH_BACK,
     lease_key,
     lost_history,
     new_tokens,
 )
 from turnkv_server.router.sessions import Session, SessionKey
-from turnkv_server.router.upstream import Engine, EnginePool, Upstream
+from turnkv_server.router.upstream import Engine, EnginePool, Reply, Upstream
 
 PREFILL, DECODE = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
@@ -236,3 +238,66 @@ def test_a_turn_that_held_nothing_says_nothing_about_the_decode_engines_leases()
     stats = TurnStats(mode="turnkv", prompt_tokens=PromptTokens(total=1000, decode_computed=1000))
     mode.finish(turn(CacheHints(final=True)), plan, TurnEnd("complete", None, stats))
     assert mode._under_pressure(decode)  # type: ignore[attr-defined]
+
+
+class Recorder(Upstream):
+    """An upstream that answers every POST with 200 and keeps the bodies, by engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.posted: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def post(self, engine: Engine, path: str, body: dict[str, Any], *,
+                   headers: dict[str, str] | None = None, timeout: float | None = None) -> Reply:
+        self.posted.append((engine.name, path, body))
+        return Reply(200, b"{}")
+
+
+def test_the_next_turn_hint_goes_to_every_engine_that_keeps_the_session() -> None:
+    ctx = context()
+    recorder = Recorder()
+    ctx.upstream = recorder
+    mode = make_mode("turnkv", ctx)
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
+
+    async def one_turn(t: Turn) -> TurnPlan:
+        plan = await mode.plan(t, placement)
+        t.prompt_token_ids, t.output_token_ids = [7, 8, 9], [1, 2]
+        mode.finish(t, plan, TurnEnd("complete", None, None))
+        assert t.session is not None
+        await t.session.mode_state[PUSH_BACK]  # spawned by finish: it posts its request
+        return plan
+
+    plan = asyncio.run(one_turn(turn(CacheHints(ttl=60, next_turn_in=8.5))))
+    prefill, decode = parse(plan.prefill_params), parse(plan.decode_params)
+    assert prefill is not None and decode is not None
+    assert prefill.next_turn_in_s == decode.next_turn_in_s == 8.5
+    # The push back leaves the session's lease on the prefill engine: the hint rides with it.
+    [(engine, path, body)] = recorder.posted
+    assert (engine, path) == (placement.prefill.name, "/v1/completions")
+    push = parse(body["kv_transfer_params"])
+    assert push is not None and push.receive is not None and push.next_turn_in_s == 8.5
+    # No hint, no expectation: the engines keep their LRU order for this session.
+    recorder.posted.clear()
+    plan = asyncio.run(one_turn(turn(CacheHints(ttl=60))))
+    for params in (plan.prefill_params, plan.decode_params,
+                   recorder.posted[0][2]["kv_transfer_params"]):
+        assert "next_turn_in_s" not in params["turnkv"]
+    # A final turn holds nothing, so a hint would mean nothing.
+    decode = parse(asyncio.run(mode.plan(turn(CacheHints(final=True, next_turn_in=5)),
+                                         placement)).decode_params)
+    assert decode is not None and decode.release and decode.next_turn_in_s is None
+
+
+def test_a_turn_served_by_decode_alone_carries_the_hint_too() -> None:
+    ctx = context(short_delta_tokens=64)
+    ctx.upstream = Tokenizer([1, 2, 3, 4, 5])
+    mode = make_mode("turnkv", ctx)
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
+    t = turn(CacheHints(next_turn_in=0))
+    assert t.session is not None
+    t.session.tokens, t.session.decode = [1, 2, 3], placement.decode.name
+    plan = asyncio.run(mode.plan(t, placement))
+    assert plan.alone is not None
+    decode = parse(plan.decode_params)
+    assert decode is not None and decode.next_turn_in_s == 0.0

@@ -47,15 +47,17 @@ class BlockHolder:
         self.freed_total = 0
 
     def hold(self, session_id: str, block_ids: Sequence[int], *, ttl_s: float | None = None,
-             priority: int = 0) -> int:
-        """Keep a finished turn's blocks for its session; returns how many it now holds.
+             priority: int = 0, next_turn_in_s: float | None = None) -> int:
+        """Keep a finished turn's blocks for its session (expected back in `next_turn_in_s`,
+        when its client said); returns how many it now holds.
 
         The new references are taken before the previous lease's are dropped, so blocks the
         two turns share never reach a reference count of 0 on the way.
         """
         ids = [i for i in block_ids if not self.pool.blocks[i].is_null]
         self.pool.touch([self.pool.blocks[i] for i in ids])
-        self._free(self.leases.pin(session_id, ids, ttl_s=ttl_s, priority=priority))
+        self._free(self.leases.pin(session_id, ids, ttl_s=ttl_s, priority=priority,
+                                   next_turn_in_s=next_turn_in_s))
         lease = self.leases.get(session_id)
         return len(lease.blocks) if lease else 0
 

@@ -149,10 +149,13 @@ class SchedulerSide:
         holder = self._holder()
         self._expire()
         if params.session is not None:
+            # A hinted session is back now: this request needs its lease, and the hinted time
+            # counts from the request's end (`hold` sets it then). Un-hinted: LRU as ever.
+            back_now = None if params.next_turn_in_s is None else 0.0
             if params.release:
                 holder.release(params.session)
             elif holder.leases.renew(params.session, ttl_s=params.ttl_s,
-                                     priority=params.priority):
+                                     priority=params.priority, next_turn_in_s=back_now):
                 self._count("lease_hits")
             else:
                 self._count("lease_misses")
@@ -263,7 +266,7 @@ class SchedulerSide:
         # computed tokens, so the next turn can hit only KV of its own tokens.
         if params.session is not None and not params.release and block_ids:
             held = holder.hold(params.session, block_ids, ttl_s=params.ttl_s,
-                               priority=params.priority)
+                               priority=params.priority, next_turn_in_s=params.next_turn_in_s)
             self._count("blocks_held", held)
         self._gauges()
         self._arm()

@@ -10,7 +10,9 @@ imports the other. Standard library only.
 
 One request may carry (`TurnParams`):
 - ``session``: the lease key. After the request the engine keeps its blocks for the session,
-  for ``ttl_s`` seconds at most (the engine's operator caps it), at ``priority``;
+  for ``ttl_s`` seconds at most (the engine's operator caps it), at ``priority``; with
+  ``next_turn_in_s`` (the client's hint: seconds until the session's next turn), the lease
+  records when the session is expected back, which orders evictions under memory pressure;
 - ``release``: the session has ended (``final`` or DELETE): hold nothing, drop its lease;
 - ``receive``: the request's missing KV arrives from ``peer`` (a side-channel address) under
   ``transfer_id``; the peer holds ``peer_tokens`` tokens of this prompt (``None``: all of it);
@@ -29,6 +31,7 @@ prompt's tokens came from: its own prefix hit, written by the peer, or (what is 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -67,10 +70,14 @@ class TurnParams:
     receive: Receive | None = None
     send: Send | None = None
     abandon: tuple[str, ...] = ()
+    next_turn_in_s: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The dict to put under ``kv_transfer_params["turnkv"]``; unset fields left out."""
         wire = {k: v for k, v in asdict(self).items() if v not in (None, False, ())}
+        if self.next_turn_in_s is not None:
+            # 0.0 == False: the filter above drops "back at once", which is a hint.
+            wire["next_turn_in_s"] = self.next_turn_in_s
         if self.priority == 0:
             wire.pop("priority", None)
         if self.send is not None and not self.send.stream:
@@ -92,6 +99,12 @@ def parse(kv_transfer_params: dict[str, Any] | None) -> TurnParams | None:
     if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
                             or ttl <= 0):
         raise BadParams(f"{KEY}.ttl_s must be a positive number")
+    next_turn_in = raw.get("next_turn_in_s")
+    if next_turn_in is not None and (not isinstance(next_turn_in, (int, float))
+                                     or isinstance(next_turn_in, bool)
+                                     or not 0 <= next_turn_in < math.inf):
+        # (`not 0 <= x` refuses NaN too: it would make every comparison of leases false.)
+        raise BadParams(f"{KEY}.next_turn_in_s must be a non-negative number")
     priority = raw.get("priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise BadParams(f"{KEY}.priority must be an integer")
@@ -101,7 +114,8 @@ def parse(kv_transfer_params: dict[str, Any] | None) -> TurnParams | None:
     return TurnParams(session=session, ttl_s=None if ttl is None else float(ttl),
                       priority=priority, release=release,
                       receive=_receive(raw.get("receive")), send=_send(raw.get("send")),
-                      abandon=_abandon(raw.get("abandon", ())))
+                      abandon=_abandon(raw.get("abandon", ())),
+                      next_turn_in_s=None if next_turn_in is None else float(next_turn_in))
 
 
 def _receive(raw: Any) -> Receive | None:

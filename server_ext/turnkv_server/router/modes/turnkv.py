@@ -9,8 +9,9 @@ Per turn (see docs/architecture.md for the picture):
    over the session's whole history, during the agent's tool time. The prefill engine
    registers what it lacks (the generated tokens), the decode engine writes it, and the next
    turn's prefill computes only the new message.
-3. Both engines hold the session's blocks under a lease: the client's TTL and priority hints
-   ride along, the engines cap them; `final` and DELETE release them.
+3. Both engines hold the session's blocks under a lease: the client's TTL, priority and
+   `next_turn_in` hints ride along (the engines cap the TTL, and evict the session expected
+   back last first); `final` and DELETE release them.
 
 The engines keep a send for a receiver that registers later (the plan names both:
 `prefill_send`, `decode_send`). Whenever the router knows that receiver will not come (the
@@ -195,9 +196,12 @@ class Turnkv(Mode):
             params = TurnParams(receive=receive, send=send)
         else:
             hints = _hints(turn)
+            # The hint rides on every request of the turn that leaves a lease behind (prefill,
+            # decode, push back): each engine orders its evictions by it.
             params = TurnParams(session=lease_key(session), ttl_s=hints.ttl,
                                 priority=hints.priority or 0, release=hints.final,
-                                receive=receive, send=send)
+                                receive=receive, send=send,
+                                next_turn_in_s=None if hints.final else hints.next_turn_in)
         return {KEY: params.to_wire()}
 
     # -- after it ----------------------------------------------------------------------------
