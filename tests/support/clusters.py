@@ -280,6 +280,19 @@ SMOLLM2_TURNKV = ClusterSpec("connector", EngineSet("smollm2-turnkv", lambda run
                   run_dir=run_dir, connector_settings={"lease_ttl_s": SMOLLM2_LEASE_S},
                   short_delta_tokens=SMOLLM2_SHORT_DELTA_TOKENS))))
 
+# test_lease_eviction.py's pair: one prefill and one decode engine (tiny model, float32) whose
+# KV caches hold LEASE_EVICTION_BLOCKS blocks each (and vLLM's null block: the tiny model's KV
+# takes 2,048 bytes a token, 128 tokens a block), 4,096 tokens, one prompt at the model's
+# length. Room, and room only, ends leases there: they may pin the whole cache (no pin cap),
+# and every turn goes through the prefill engine (no short deltas served by the decode engine
+# alone). Its one user talks to the launcher's router.
+LEASE_EVICTION_BLOCKS = 32
+TINY_BLOCK_BYTES = 128 * 2048
+LEASE_EVICTION = ClusterSpec("lease-eviction", EngineSet(
+    "tiny-turnkv-1p1d-32-blocks", lambda run_dir: _tiny(
+        "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,
+        connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0)))
+
 # The SDK, adapter and example tests: one prefill and one decode engine behind the router in
 # `bidirectional` mode, where a session's turns reuse its KV. `state.router` is the router's
 # URL; clients use `state.router + "/v1"`.
