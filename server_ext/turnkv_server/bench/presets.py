@@ -41,9 +41,10 @@ class Pressure:
 # engine) used a cache of 20,864 tokens and 47k tokens of context on a machine that prefilled
 # about 10x faster; `--kv-cache-bytes` reproduces that cache.
 # agent-pressure: 3,072 tokens, just above its sessions' longest context (vLLM refuses a cache
-# that cannot hold one request), and three times that in live sessions.
+# that cannot hold one request), and three times what two engines' caches hold together (a P/D
+# pair, or two aggregated engines) in live sessions.
 PRESSURE: dict[str, Pressure] = {"memory-pressure": Pressure(4_096, 2.0),
-                                 "agent-pressure": Pressure(3_072, 3.0)}
+                                 "agent-pressure": Pressure(3_072, 6.0)}
 DEFAULT_KV_CACHE_TOKENS = PRESSURE["memory-pressure"].cache_tokens
 DEFAULT_PRESSURE = PRESSURE["memory-pressure"].factor
 # A cap so that a huge cache cannot make the memory-pressure workload endless.
@@ -89,7 +90,7 @@ _BASE: dict[str, dict[str, Any]] = {
     # grows past 3,000 tokens, a few hundred per turn (a short shared head, so that most of what
     # is held is the session's own), and the tool times are heavy-tailed (median 4 s, from
     # under a second to a minute) and sent ahead as `next_turn_in` hints. Sessions are added
-    # until their context is 3x one engine's cache, starting about 2 s apart: all of them live
+    # until their context is 3x two engines' caches, starting about 2 s apart: all of them live
     # at once. Losing a session's KV then costs recomputing thousands of tokens where keeping
     # it costs a few hundred, which on this machine is several times the turn's time.
     "agent-pressure": dict(kind="agent", sessions=MAX_PRESSURE_SESSIONS, arrival_rate=0.5,
