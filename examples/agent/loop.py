@@ -113,8 +113,9 @@ class ToolTimer:
 def next_turn_hint(tool_s: float) -> float:
     """The `next_turn_in` hint sent before a tool run: the tool's expected run time, in whole
     seconds and at least 1. The next turn also waits for the agent's own work and the request
-    itself, and the hint only sets how long the router keeps the session (it keeps it for
-    minutes anyway): "0.3 ms" would claim a precision that means nothing there."""
+    itself, and the hint only sets how long the router and its engines keep the session (for
+    minutes anyway) and which sessions' KV an engine gives up first under memory pressure:
+    "0.3 ms" would claim a precision that means nothing there."""
     return float(max(1, math.ceil(tool_s)))
 
 

@@ -171,6 +171,60 @@ def test_room_is_made_from_the_session_expected_back_last() -> None:
     assert sorted(leases) == ["later", "soon"]
 
 
+def test_a_renew_only_request_renews_the_lease_and_holds_nothing_of_its_own() -> None:
+    """A hint sent between turns (a long tool run ahead) reaches the engine as a one-token
+    request: the session's lease takes the new TTL, priority and expected return, and keeps
+    the turn's blocks; the request's own block is not held in their place."""
+    pool, side = setup()
+    leases = side.holder.leases  # type: ignore[union-attr]
+    free = pool.get_num_free_blocks()
+    turn = request("r1", 40, session="s", ttl_s=10, next_turn_in_s=2.0)
+    side.on_new_request(turn)
+    ids = allocate(pool, 3)
+    finish(pool, side, turn, ids)
+    hint = request("r2", 1, session="s", renew_only=True, ttl_s=90, priority=3,
+                   next_turn_in_s=60.0)
+    side.on_new_request(hint)
+    now = time.monotonic()
+    lease = leases.get("s")
+    assert lease is not None and lease.blocks == tuple(ids)
+    assert lease.expires_at == pytest.approx(now + 90, abs=5)
+    assert lease.expected_back == pytest.approx(now + 60, abs=5)  # not "back now"
+    assert lease.priority == 3
+    side.get_num_new_matched_tokens(hint, 0)
+    _, reply = finish(pool, side, hint, allocate(pool, 1))
+    assert reply is not None and reply["turnkv"]["held_blocks"] == 0
+    assert leases.get("s") == lease  # the turn's blocks, under the renewed terms
+    assert pool.get_num_free_blocks() == free - 3
+    stats = side.take_stats()
+    assert stats["leases_renewed"] == 1 and stats["pinned_blocks"] == 3
+    assert "lease_hits" not in stats  # a hint is no turn
+
+
+def test_a_renew_only_request_without_a_live_lease_does_nothing() -> None:
+    """No lease here (never held, released, expired): nothing is renewed or revived, and
+    the request's block is not held either."""
+    pool, side = setup()
+    leases = side.holder.leases  # type: ignore[union-attr]
+    free = pool.get_num_free_blocks()
+    other = request("r0", 40, session="other")
+    side.on_new_request(other)
+    finish(pool, side, other, allocate(pool, 3))
+    short = request("r1", 40, session="short", ttl_s=0.05)
+    side.on_new_request(short)
+    finish(pool, side, short, allocate(pool, 3))
+    time.sleep(0.1)
+    for n, session in enumerate(("never", "short")):
+        hint = request(f"h{n}", 1, session=session, renew_only=True, next_turn_in_s=60.0)
+        side.on_new_request(hint)
+        side.get_num_new_matched_tokens(hint, 0)
+        _, reply = finish(pool, side, hint, allocate(pool, 1))
+        assert reply is not None and reply["turnkv"]["held_blocks"] == 0
+    assert sorted(leases) == ["other"]
+    assert pool.get_num_free_blocks() == free - 3
+    assert side.take_stats()["renewals_missed"] == 2
+
+
 def test_malformed_params_leave_the_request_alone() -> None:
     pool, side = setup()
     req = raw_request("r1", 40, {"turnkv": {"ttl_s": -1}})

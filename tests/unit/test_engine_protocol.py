@@ -34,6 +34,32 @@ def test_the_next_turn_hint_round_trips_and_is_left_out_when_unset(hint: float) 
         session="s", next_turn_in_s=8.0)
 
 
+def test_a_renew_only_request_round_trips_and_is_left_out_when_unset() -> None:
+    """A hint sent between turns: renew the session's lease, hold nothing of the request."""
+    params = TurnParams(session="s", ttl_s=90.0, priority=1, next_turn_in_s=60.0,
+                        renew_only=True)
+    wire = params.to_wire()
+    assert wire == {"session": "s", "ttl_s": 90.0, "priority": 1, "next_turn_in_s": 60.0,
+                    "renew_only": True}
+    assert parse({"turnkv": wire}) == params
+    assert "renew_only" not in TurnParams(session="s").to_wire()
+    assert parse({"turnkv": {"session": "s"}}) == TurnParams(session="s")
+
+
+@pytest.mark.parametrize("raw", [
+    {"session": "s", "renew_only": "yes"},
+    {"session": "s", "renew_only": 1},
+    {"session": "s", "renew_only": None},
+    {"renew_only": True},  # whose lease?
+    {"session": "s", "renew_only": True, "release": True},
+    {"session": "s", "renew_only": True, "send": {"transfer_id": "t"}},
+    {"session": "s", "renew_only": True, "receive": {"transfer_id": "t", "peer": "h:1"}},
+])
+def test_malformed_renew_only_is_refused(raw: object) -> None:
+    with pytest.raises(BadParams, match="renew_only"):
+        parse({"turnkv": raw})
+
+
 def test_other_connectors_params_are_not_ours() -> None:
     assert parse(None) is None
     assert parse({"do_remote_decode": True}) is None

@@ -20,7 +20,8 @@ block pool); it owns the block pool's extra references (`holds`) and decides, pe
   computes them, if the receiver has registered already (`StreamOrder`);
 - lease: when the request ends its blocks are held for its session (the router's
   tenant-scoped key, never vLLM's own `session_id`) by reference, which costs the engine no
-  steps; the next turn's prompt hits them as ordinary prefix-cache blocks.
+  steps; the next turn's prompt hits them as ordinary prefix-cache blocks. A `renew_only`
+  request (a hint sent between turns) renews the session's lease and holds nothing.
 
 Held blocks are invisible to vLLM's admission, so room is made here: before a waiting request
 is matched (`make_room` for its missing blocks) and when a running request cannot grow
@@ -154,6 +155,13 @@ class SchedulerSide:
             back_now = None if params.next_turn_in_s is None else 0.0
             if params.release:
                 holder.release(params.session)
+            elif params.renew_only:
+                # A hint between turns: the lease takes its TTL, priority and expected return
+                # (counted from now); this request's blocks are not held (`request_finished`).
+                renewed = holder.leases.renew(params.session, ttl_s=params.ttl_s,
+                                              priority=params.priority,
+                                              next_turn_in_s=params.next_turn_in_s)
+                self._count("leases_renewed" if renewed else "renewals_missed")
             elif holder.leases.renew(params.session, ttl_s=params.ttl_s,
                                      priority=params.priority, next_turn_in_s=back_now):
                 self._count("lease_hits")
@@ -264,7 +272,7 @@ class SchedulerSide:
         held = 0
         # Holding an aborted request's blocks is safe: vLLM hashes only full blocks of
         # computed tokens, so the next turn can hit only KV of its own tokens.
-        if params.session is not None and not params.release and block_ids:
+        if params.session is not None and not (params.release or params.renew_only) and block_ids:
             held = holder.hold(params.session, block_ids, ttl_s=params.ttl_s,
                                priority=params.priority, next_turn_in_s=params.next_turn_in_s)
             self._count("blocks_held", held)

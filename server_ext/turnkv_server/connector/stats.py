@@ -45,7 +45,7 @@ class TransferCounters:
 COUNTERS = (
     *(f.name for f in fields(TransferCounters)),
     "tokens_requested", "transfers_declined",
-    "lease_hits", "lease_misses", "blocks_held",
+    "lease_hits", "lease_misses", "blocks_held", "leases_renewed", "renewals_missed",
     "leases_released", "leases_expired", "leases_over_cap", "leases_pressure",
 )
 GAUGES = ("pinned_blocks", "leases")
@@ -77,6 +77,8 @@ HELP = {
     "lease_hits": "Requests whose session still held a lease here",
     "lease_misses": "Requests of a session with no lease here (new, expired or released)",
     "blocks_held": "Blocks held under a lease when a turn ended",
+    "leases_renewed": "Leases renewed by a hint sent between turns (a renew-only request)",
+    "renewals_missed": "Renew-only requests for a session with no lease here",
     "leases_released": "Leases ended by final or DELETE",
     "leases_expired": "Leases ended by their TTL",
     "leases_over_cap": "Leases ended because pinned blocks passed the cap",

@@ -14,6 +14,9 @@ One request may carry (`TurnParams`):
   ``next_turn_in_s`` (the client's hint: seconds until the session's next turn), the lease
   records when the session is expected back, which orders evictions under memory pressure;
 - ``release``: the session has ended (``final`` or DELETE): hold nothing, drop its lease;
+- ``renew_only``: a hint sent between turns: renew the session's lease (``ttl_s``,
+  ``priority``, ``next_turn_in_s``) and hold nothing of this request (a one-token control
+  request, which would otherwise replace the lease with its own blocks); no lease, no effect;
 - ``receive``: the request's missing KV arrives from ``peer`` (a side-channel address) under
   ``transfer_id``; the peer holds ``peer_tokens`` tokens of this prompt (``None``: all of it);
   after ``timeout_s`` (at most the engine's own limit) the blocks are recomputed instead;
@@ -71,6 +74,7 @@ class TurnParams:
     send: Send | None = None
     abandon: tuple[str, ...] = ()
     next_turn_in_s: float | None = None
+    renew_only: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         """The dict to put under ``kv_transfer_params["turnkv"]``; unset fields left out."""
@@ -108,14 +112,19 @@ def parse(kv_transfer_params: dict[str, Any] | None) -> TurnParams | None:
     priority = raw.get("priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise BadParams(f"{KEY}.priority must be an integer")
-    release = raw.get("release", False)
+    release, renew_only = raw.get("release", False), raw.get("renew_only", False)
     if not isinstance(release, bool):
         raise BadParams(f"{KEY}.release must be true or false")
+    if not isinstance(renew_only, bool):
+        raise BadParams(f"{KEY}.renew_only must be true or false")
+    receive, send = _receive(raw.get("receive")), _send(raw.get("send"))
+    if renew_only and (session is None or release or receive or send):
+        raise BadParams(f"{KEY}.renew_only needs a session, and no release, receive or send")
     return TurnParams(session=session, ttl_s=None if ttl is None else float(ttl),
-                      priority=priority, release=release,
-                      receive=_receive(raw.get("receive")), send=_send(raw.get("send")),
+                      priority=priority, release=release, receive=receive, send=send,
                       abandon=_abandon(raw.get("abandon", ())),
-                      next_turn_in_s=None if next_turn_in is None else float(next_turn_in))
+                      next_turn_in_s=None if next_turn_in is None else float(next_turn_in),
+                      renew_only=renew_only)
 
 
 def _receive(raw: Any) -> Receive | None:

@@ -65,8 +65,9 @@ class Router:
         self.upstream = Upstream(read_timeout=config.engine_read_timeout)
         table = SessionTable(LeasePolicy(config.default_ttl, config.max_ttl),
                              max_sessions=config.max_sessions)
-        self.mode = make_mode(config.mode, ModeContext.of(config, self.upstream, self.pool,
-                                                          clock=table.clock))
+        self.mode = make_mode(config.mode, ModeContext.of(
+            config, self.upstream, self.pool, clock=table.clock,
+            count_renewal=self.metrics.count_renewal))
         store = RedisStore(config.redis_url) if config.redis_url else None
         self.sessions = SessionService(table, store, on_end=self.mode.drop_session)
         self.turns = Turns(pool=self.pool, mode=self.mode, mode_name=config.mode,
@@ -374,6 +375,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             await router.sessions.release(found)
             return JSONResponse({"session_id": session_id, "released": True})
         await router.sessions.renew(found, hints)
+        router.mode.hinted(found, hints)  # the engines' leases too, in the background
         return JSONResponse(router.sessions.view(found))
 
     @app.get("/v1/turnkv/stats")

@@ -250,6 +250,12 @@ class RouterMetrics:
         self.sessions = Gauge("turnkv_sessions", "Sessions in the table", registry=r)
         self.engine_healthy = Gauge("turnkv_engine_healthy", "1 if the engine answers /health",
                                     ["engine"], registry=r)
+        self.hint_renewals = Counter("turnkv_hint_renewals", "Renew-only requests sent to "
+                                     "engines for hints between turns, by outcome",
+                                     ["outcome"], registry=r)
+
+    def count_renewal(self, outcome: str) -> None:
+        self.hint_renewals.labels(outcome).inc()
 
     def record(self, stats: p.TurnStats, tagged: bool) -> None:
         self.turns.labels(stats.mode, str(tagged).lower()).inc()

@@ -12,7 +12,8 @@
 
 The pipeline owns everything else: the engine requests, their ends, the stats, the session's
 history. A mode's state per session (a push back in flight, an offer of held KV) lives in
-`Session.mode_state`; `drop_session` releases it when the session ends.
+`Session.mode_state`; `drop_session` releases it when the session ends, and `hinted` passes
+on the hints a client sends between turns.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from turnkv.protocol import FallbackReason, TurnStats, TurnTag
+from turnkv.protocol import CacheHints, FallbackReason, TurnStats, TurnTag
 from turnkv_server.router.config import RouterConfig
-from turnkv_server.router.sessions import Session
+from turnkv_server.router.sessions import LeasePolicy, Session
 from turnkv_server.router.upstream import EnginePool, Placement, Upstream
 
 
@@ -135,10 +136,16 @@ class ModeContext:
     # turnkv: the ITL a short delta may stall the decode engine's other requests by, in ms
     # (None: no target).
     itl_target_ms: float | None = None
+    # The router's session TTLs (turnkv passes the engines the TTL a session's hints give it).
+    session_policy: LeasePolicy = field(default_factory=LeasePolicy)
+    # Counts each renew-only request sent for a hint between turns, by outcome ("sent",
+    # "refused", "failed"): the router's metrics.
+    count_renewal: Callable[[str], None] = lambda outcome: None
 
     @classmethod
     def of(cls, config: RouterConfig, upstream: Upstream, pool: EnginePool,
-           clock: Callable[[], float]) -> ModeContext:
+           clock: Callable[[], float],
+           count_renewal: Callable[[str], None] = lambda outcome: None) -> ModeContext:
         """The context of a router's mode, from its settings."""
         peers = {engine.name: NixlPeer.parse(spec)
                  for engine, spec in zip(pool.prefill, config.prefill_nixl, strict=False)}
@@ -149,7 +156,9 @@ class ModeContext:
         return cls(upstream=upstream, prefill_peers=peers, decoder_kv_ttl=config.decoder_kv_ttl,
                    clock=clock, side_channels=side_channels, pool=pool,
                    short_delta_tokens=config.short_delta_tokens,
-                   itl_target_ms=config.itl_target_ms)
+                   itl_target_ms=config.itl_target_ms,
+                   session_policy=LeasePolicy(config.default_ttl, config.max_ttl),
+                   count_renewal=count_renewal)
 
 
 class Mode:
@@ -171,3 +180,8 @@ class Mode:
 
     def drop_session(self, session: Session) -> None:
         """The session ended; release whatever the mode holds for it."""
+
+    def hinted(self, session: Session, hints: CacheHints) -> None:
+        """The client sent `hints` between turns (`POST .../hints`; not `final`, which ends
+        the session) and the router renewed the session with them: a mode whose engines hold
+        the session's KV under leases passes them on. Advisory: it never fails the call."""

@@ -11,7 +11,9 @@ Per turn (see docs/architecture.md for the picture):
    turn's prefill computes only the new message.
 3. Both engines hold the session's blocks under a lease: the client's TTL, priority and
    `next_turn_in` hints ride along (the engines cap the TTL, and evict the session expected
-   back last first); `final` and DELETE release them.
+   back last first); the TTL is the router's own for the session (`next_turn_in` stretches
+   it), so the engines keep the KV as long as the router keeps the session. `final` and
+   DELETE release the leases; hints sent between turns renew them (`hinted`).
 
 The engines keep a send for a receiver that registers later (the plan names both:
 `prefill_send`, `decode_send`). Whenever the router knows that receiver will not come (the
@@ -75,6 +77,9 @@ HELD_TAIL_TOKENS = 256
 # (which moves them the history back), doubling while misses go on.
 PRESSURE_BACKOFF_S = 30.0
 PRESSURE_BACKOFF_MAX_S = 600.0
+# An instruction that is not part of a turn (release, abandon, renew) waits this long for its
+# one-token request.
+CONTROL_TIMEOUT_S = 30.0
 
 
 def lease_key(session: Session) -> str:
@@ -198,7 +203,8 @@ class Turnkv(Mode):
             hints = _hints(turn)
             # The hint rides on every request of the turn that leaves a lease behind (prefill,
             # decode, push back): each engine orders its evictions by it.
-            params = TurnParams(session=lease_key(session), ttl_s=hints.ttl,
+            params = TurnParams(session=lease_key(session),
+                                ttl_s=self.ctx.session_policy.engine_ttl(hints),
                                 priority=hints.priority or 0, release=hints.final,
                                 receive=receive, send=send,
                                 next_turn_in_s=None if hints.final else hints.next_turn_in)
@@ -264,6 +270,48 @@ class Turnkv(Mode):
                   if engine.name in (session.prefill, session.decode) and engine.healthy]
         self._spawn(self._tell(model, orders))
 
+    def hinted(self, session: Session, hints: CacheHints) -> None:
+        """Hints between turns: each engine holding the session's lease renews it (the
+        session's TTL, priority and expected return) with a renew-only request: the decode
+        engine now, the prefill engine once the push back in flight has landed (it replaces
+        that engine's lease with the turn's, hints and all). A turn in flight pins new
+        leases with its own hints when it ends: nothing to renew."""
+        model, pool = session.mode_state.get(MODEL), self.ctx.pool
+        if hints.final or session.in_flight or model is None or pool is None:
+            return
+        params = TurnParams(session=lease_key(session), renew_only=True,
+                            ttl_s=self.ctx.session_policy.engine_ttl(hints),
+                            priority=session.priority, next_turn_in_s=hints.next_turn_in)
+        push_back = session.mode_state.get(PUSH_BACK)
+        landing = push_back if isinstance(push_back, asyncio.Task) else None
+        for engine in pool.engines():
+            if engine.healthy and engine.name in (session.prefill, session.decode):
+                after = landing if engine.name == session.prefill else None
+                self._spawn(self._renew(engine, model, params, after))
+
+    async def _renew(self, engine: Engine, model: str, params: TurnParams,
+                     after: asyncio.Task[None] | None) -> None:
+        """Send `engine` the renew-only request, once `after` (a push back) has ended; a
+        failure is logged and counted, never raised: a hint is advisory."""
+        if after is not None:
+            await asyncio.wait([after], timeout=PUSH_BACK_TIMEOUT_S)
+            if after.cancelled():
+                return  # the session ended: its leases are being released
+        request = one_token_request(model, [0], {KEY: params.to_wire()})
+        outcome = "sent"
+        try:
+            reply = await self.ctx.upstream.post(engine, "/v1/completions", request,
+                                                 timeout=CONTROL_TIMEOUT_S)
+            if not reply.ok:
+                outcome = "refused"
+                log.warning("renewing a session's lease on %s for a hint: answered %s: %s",
+                            engine.name, reply.status, reply.content[:200])
+        except EngineConnectionError as exc:
+            outcome = "failed"
+            log.warning("renewing a session's lease on %s for a hint failed: %s",
+                        engine.name, exc)
+        self.ctx.count_renewal(outcome)
+
     def _under_pressure(self, decode: str) -> bool:
         until, _ = self._pressure.get(decode, (0.0, 0.0))
         return self.ctx.clock() < until
@@ -321,7 +369,8 @@ class Turnkv(Mode):
         for engine, params in orders:
             request = one_token_request(model, [0], {KEY: params.to_wire()})
             with contextlib.suppress(EngineConnectionError):
-                await self.ctx.upstream.post(engine, "/v1/completions", request, timeout=30.0)
+                await self.ctx.upstream.post(engine, "/v1/completions", request,
+                                             timeout=CONTROL_TIMEOUT_S)
 
 
 def _send(transfer_id: str | None) -> Send | None:
