@@ -7,6 +7,10 @@ the prefill engine's prefix hits for a P/D turn, the decode engine's own hits fo
 it served alone. Each turn is checked three ways: the body's (or the usage chunk's) figure, the
 router's own stats (`turnkv`, as the SDK reads them), and what the engines counted in their
 `/metrics` (`vllm:prompt_tokens_by_source`).
+
+On the same engines: a hint sent between turns (`POST .../hints`, the SDK's `hint_now`) renews
+the session's leases on both engines with a renew-only request (`turnkv:leases_renewed`, and
+`turnkv_hint_renewals_total` on the router), and the next turn reuses the history.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import pytest
 import turnkv
 from tests.support.clusters import IDLE_ROUTER, TINY_ENGINES, ClusterPool, ClusterSpec, RouterView
 from tests.support.conversation import SYSTEM, USER_TURNS
-from tests.support.oracle import RoutedCompletion, routed_chat
+from tests.support.oracle import RoutedCompletion, compare, routed_chat
+from tests.support.reference import SHORT_SCRIPT, Reference, References
 from turnkv_server.engine.metrics import (
     PromptTokenSources,
     fetch_connector_counters,
     fetch_prompt_token_sources,
+    sum_samples,
 )
 from turnkv_server.launcher import Cluster, ClusterState
 
@@ -39,6 +45,13 @@ TURNS = 3
 CLUSTER = ClusterSpec("usage-turnkv", TINY_ENGINES["turnkv"], RouterView(
     prefill=1, decode=1, args=IDLE_ROUTER, short_delta_tokens=SHORT_DELTA_TOKENS))
 pytestmark = pytest.mark.cluster(CLUSTER)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_references: References) -> Reference:
+    """The single engine's answers to the hint test's conversation (played, in the whole
+    suite, before these engines started: module-scoped, so asked for before `cluster`)."""
+    return tiny_references[SHORT_SCRIPT]
 
 
 @pytest.fixture
@@ -152,3 +165,102 @@ def test_a_history_under_one_block_reuses_nothing_and_the_stats_say_why(
     assert stats.note is not None and "whole KV blocks of" in stats.note, stats
     assert client.delete(f"{state.router}/v1/turnkv/sessions/{session['session_id']}"
                          ).status_code == 200
+
+
+# What the hint test reads: each engine's lease counters, the router's renew-only requests.
+RENEWALS = ("leases_renewed", "renewals_missed")
+ROUTER_RENEWALS = {"sent": ("turnkv_hint_renewals", "_total", ("outcome", "sent")),
+                   "all": ("turnkv_hint_renewals", "_total", None)}
+
+
+def test_a_hint_between_turns_renews_the_leases_on_both_engines(
+    reference: Reference, cluster: tuple[Cluster, ClusterState], client: httpx.Client
+) -> None:
+    _, state = cluster
+    endpoints = state.endpoints()
+    engines = {"prefill": endpoints["prefill"][0], "decode": endpoints["decode"][0]}
+    session_id = "hint-between-turns"
+    sessions = f"{state.router}/v1/turnkv/sessions"
+    block = int(fetch_connector_counters(engines["decode"])["block_size"])
+
+    def counters() -> dict[str, dict[str, float]]:
+        return {role: fetch_connector_counters(url) for role, url in engines.items()}
+
+    def renewals() -> dict[str, dict[str, float]]:
+        """Each engine's renewal counters and the router's renew-only requests."""
+        now = {role: {name: c.get(name, 0.0) for name in RENEWALS}
+               for role, c in counters().items()}
+        text = client.get(f"{state.router}/metrics").text
+        now["router"] = {name: 0.0 for name in ROUTER_RENEWALS} | sum_samples(
+            text, ROUTER_RENEWALS)
+        return now
+
+    def change(now: dict[str, dict[str, float]], before: dict[str, dict[str, float]]
+               ) -> dict[str, dict[str, float]]:
+        return {who: {name: value - before[who][name] for name, value in values.items()}
+                for who, values in now.items()}
+
+    def turn(n: int) -> RoutedCompletion:
+        """Turn `n` of the conversation, equal to the single engine's; returns once its push
+        back has landed on the prefill engine (the lease there is then the turn's)."""
+        pushed = fetch_connector_counters(engines["prefill"]).get("receives_done", 0.0)
+        out = routed_chat(state.router, state.served_model_name, reference.messages[n - 1],
+                          SHORT_SCRIPT.max_tokens, session={"session_id": session_id},
+                          stream=False, client=client, extra={"cache_salt": session_id})
+        verdict = compare(reference.turns[n - 1], out.completion)
+        print(f"turn {n}: {verdict.describe()}; stats {out.stats['prompt_tokens']}")
+        assert verdict.acceptable, f"turn {n}: {verdict.describe()}"
+        assert out.completion.token_ids, f"turn {n}: no reply, so no push back to wait for"
+        wait_for(lambda: fetch_connector_counters(engines["prefill"]).get(
+            "receives_done", 0.0) > pushed, f"turn {n}'s push back", timeout=60)
+        return out
+
+    first = turn(1)
+    assert first.stats["prefill_node"] is not None and first.stats["decode_node"] is not None
+
+    # The hint, on its own between turns: the router renews the session's lease on each
+    # engine holding it (the decode engine at once, the prefill engine after the push back).
+    before = renewals()
+    reply = client.post(f"{sessions}/{session_id}/hints", json={"next_turn_in": 5, "ttl": 60})
+    assert reply.status_code == 200, reply.text
+    assert 0 < reply.json()["expires_in_s"] <= 60, reply.json()
+    want = {"prefill": 1.0, "decode": 1.0, "router": 2.0}
+    deadline = time.monotonic() + 60
+    while True:
+        moved = change(renewals(), before)
+        got = {"prefill": moved["prefill"]["leases_renewed"],
+               "decode": moved["decode"]["leases_renewed"], "router": moved["router"]["all"]}
+        if all(got[who] >= want[who] for who in want):
+            break
+        assert time.monotonic() < deadline, (
+            f"the hint's renewals did not all arrive within 60 s: wanted {want}, changes "
+            f"{moved} (router outcomes other than 'sent': see its log)")
+        time.sleep(0.2)
+    assert moved["router"] == {"sent": 2.0, "all": 2.0}, moved
+    for role in ("prefill", "decode"):
+        assert moved[role] == {"leases_renewed": 1.0, "renewals_missed": 0.0}, (role, moved)
+
+    # The next turn finds the history the renewed leases kept, and equals the single engine.
+    second = turn(2)
+    stats = turnkv.TurnStats.from_wire(second.stats)
+    assert second.stats["decode_node"] == first.stats["decode_node"]
+    assert stats.reused_tokens > 0 and stats.reused_tokens % block == 0, stats
+    assert second.completion.usage["prompt_tokens_details"]["cached_tokens"] \
+        == stats.reused_tokens
+    assert change(renewals(), before) == moved  # a turn renews no lease of this kind
+
+    # `final`, sent on its own, ends the session: its leases are released, none renewed;
+    # a hint for the ended session renews nothing anywhere.
+    before = renewals()
+    released = {role: c.get("leases_released", 0.0) for role, c in counters().items()}
+    reply = client.post(f"{sessions}/{session_id}/hints", json={"final": True})
+    assert reply.status_code == 200 and reply.json()["released"] is True, reply.text
+    wait_for(lambda: all(c.get("leases_released", 0.0) > released[role]
+                         for role, c in counters().items()),
+             "the session's leases released on both engines", timeout=60)
+    reply = client.post(f"{sessions}/{session_id}/hints", json={"next_turn_in": 5, "ttl": 60})
+    assert reply.status_code == 404, reply.text
+    # Nothing to wait for: give a renewal the router should not have sent time to land.
+    time.sleep(2.0)
+    moved = change(renewals(), before)
+    assert all(value == 0 for values in moved.values() for value in values.values()), moved

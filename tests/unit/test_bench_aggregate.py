@@ -241,10 +241,14 @@ def test_the_frontier_joins_turnkv_at_every_itl_target(tmp_path: Path) -> None:
     runs = [mode_run(mode, 0, [5000.0, later[mode], later[mode]], itl=[100.0] * 98 + [gap] * 2)
             for mode, gap in gaps.items()]
     result = bench(runs, baseline="affinity")
+    # From the tightest target to none, whatever their ITL order.
     assert frontier(result) == [(300.0, 400.0), (600.0, 250.0), (1000.0, 100.0)]
+    runs[1] = mode_run("turnkv", 0, [5000.0, 100.0, 100.0], itl=[100.0] * 98 + [450.0] * 2)
+    assert frontier(bench(runs, baseline="affinity")) == [
+        (300.0, 400.0), (600.0, 250.0), (450.0, 100.0)]
     # A stalled target is no point of the frontier.
     runs[3] = mode_run("turnkv-itl1500", 0, [5000.0], status=STALLED)
-    assert frontier(bench(runs, baseline="affinity")) == [(300.0, 400.0), (1000.0, 100.0)]
+    assert frontier(bench(runs, baseline="affinity")) == [(300.0, 400.0), (450.0, 100.0)]
     assert plot_ttft_vs_itl(result, tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -7,6 +7,7 @@ failed mode is drawn dashed and labelled with its state.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -160,16 +161,18 @@ def plot_prompt_sources(result: BenchResult, path: Path) -> Path:
 
 
 def frontier(result: BenchResult) -> list[tuple[float, float]]:
-    """turnkv's (ITL p99, TTFT p50 after the first turn) points in ITL order: `turnkv` and
-    every `turnkv-itl<ms>` that ran to the end, the frontier its ITL target moves it along."""
+    """turnkv's (ITL p99, TTFT p50 after the first turn) points from the tightest ITL target
+    to none: every `turnkv-itl<ms>` and `turnkv` that ran to the end, the path its
+    `--itl-target-ms` moves it along."""
     points = []
     for agg in result.aggregates:
         ttft, itl = agg.figures["ttft_later_p50"], agg.figures["itl_p99"]
-        turnkv = agg.mode == "turnkv" or itl_variant_target(agg.mode) is not None
-        if turnkv and agg.status.state == "ok" and ttft.median is not None \
-                and itl.median is not None:
-            points.append((itl.median, ttft.median))
-    return sorted(points)
+        target = itl_variant_target(agg.mode)
+        if agg.mode != "turnkv" and target is None:
+            continue
+        if agg.status.state == "ok" and ttft.median is not None and itl.median is not None:
+            points.append((math.inf if target is None else target, itl.median, ttft.median))
+    return [(itl, ttft) for _, itl, ttft in sorted(points)]
 
 
 def plot_ttft_vs_itl(result: BenchResult, path: Path) -> Path:
@@ -189,7 +192,8 @@ def plot_ttft_vs_itl(result: BenchResult, path: Path) -> Path:
         itls.append(itl.median)
     line = frontier(result)
     if len(line) > 1:
-        ax.plot(*zip(*line, strict=True), ":", color="grey", label="turnkv by ITL target")
+        ax.plot(*zip(*line, strict=True), ":", color="grey",
+                label="turnkv, ITL target tightest to none")
     # ITL p99 spans decode-only engines (a step) to engines stalled by prefills (seconds).
     if itls and min(itls) > 0 and max(itls) / min(itls) > 10:
         ax.set_xscale("log")
