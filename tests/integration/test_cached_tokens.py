@@ -16,7 +16,8 @@ the session's leases on both engines with a renew-only request (`turnkv:leases_r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -27,6 +28,7 @@ from tests.support.clusters import IDLE_ROUTER, TINY_ENGINES, ClusterPool, Clust
 from tests.support.conversation import SYSTEM, USER_TURNS
 from tests.support.oracle import RoutedCompletion, compare, routed_chat
 from tests.support.reference import SHORT_SCRIPT, Reference, References
+from tests.support.waiting import wait_for as wait_for_condition
 from turnkv_server.engine.metrics import (
     PromptTokenSources,
     fetch_connector_counters,
@@ -65,11 +67,8 @@ def client() -> Iterator[httpx.Client]:
         yield c
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
-        time.sleep(0.1)
+# This module's pace: its waits are for what takes about this long.
+wait_for = partial(wait_for_condition, timeout=30.0, interval=0.1)
 
 
 def user_message(kind: str, turn: int) -> str:

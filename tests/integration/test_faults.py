@@ -24,6 +24,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -32,6 +33,7 @@ import pytest
 from tests.support.clusters import TINY_ENGINES, ClusterPool, ClusterSpec, RouterView
 from tests.support.oracle import Completion, compare, routed_chat
 from tests.support.reference import SHORT_SCRIPT, References
+from tests.support.waiting import wait_for as wait_for_condition
 from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterState
 from turnkv_server.launcher.processes import group_members
@@ -68,12 +70,8 @@ def client() -> Iterator[httpx.Client]:
         yield c
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(0.5)
+# This module's pace: its waits are for what takes about this long.
+wait_for = partial(wait_for_condition, timeout=300.0, interval=0.5)
 
 
 def engine(launched: Cluster, role: str) -> Any:
@@ -237,7 +235,7 @@ def test_a_transfer_that_times_out(
             now = fetch_connector_counters(decode.spec.url)
             return now["receives_failed"] > before["receives_failed"] and \
                 now["kv_cache_usage"] == before["kv_cache_usage"]
-        wait_for(given_up, "the decode engine's receive timed out, its blocks free", 60)
+        wait_for(given_up, "the decode engine's receive timed out, its blocks free", timeout=60)
     finally:
         os.killpg(prefill.ref.pid, signal.SIGCONT)
     wait_for(lambda: all(e["healthy"] for e in client.get(

@@ -19,7 +19,6 @@ single engine's greedy output. Nothing here is timed.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from tests.support.clusters import LEASE_EVICTION, LEASE_EVICTION_BLOCKS, SINGLE
 from tests.support.conversation import SYSTEM, USER_TURNS
 from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_chat, routed_chat
 from tests.support.reference import SHORT_SCRIPT, Reference, References
+from tests.support.waiting import wait_for
 from turnkv.protocol import CacheHints, TurnTag
 from turnkv.tagging import tag_headers
 from turnkv_server.engine.metrics import fetch_connector_counters
@@ -60,12 +60,6 @@ def reference(tiny_references: References) -> Reference:
     return tiny_references[SHORT_SCRIPT]
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(0.2)
 
 
 # -- sizing ----------------------------------------------------------------------------------

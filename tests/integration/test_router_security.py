@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from tests.support.router_fuzz import (
     auth,
     check,
 )
+from tests.support.waiting import wait_for as wait_for_condition
 from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
 
@@ -77,12 +79,8 @@ def chat(state: ClusterState, client: httpx.Client, key: str, content: str,
     return client.post(f"{state.router}/v1/chat/completions", json=body, headers=auth(key))
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(0.3)
+# This module's pace: its waits are for what takes about this long.
+wait_for = partial(wait_for_condition, timeout=60.0, interval=0.3)
 
 
 def test_keys_are_required_and_admin_routes_need_the_admin_key(

@@ -16,7 +16,7 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -30,6 +30,7 @@ from tests.support.clusters import (
 )
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
 from tests.support.reference import SMOLLM2_SCRIPT, Reference, References
+from tests.support.waiting import wait_for
 from turnkv_server.engine.metrics import fetch_connector_counters, fetch_prompt_token_sources
 from turnkv_server.launcher import Cluster, ClusterState, ProcessRef
 from turnkv_server.launcher.processes import group_members, unpinned_threads
@@ -79,12 +80,6 @@ class Engines:
         return fetch_connector_counters(self.prefill), fetch_connector_counters(self.decode)
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(0.2)
 
 
 def _turn(state: ClusterState, client: httpx.Client, messages: list[dict[str, Any]],
