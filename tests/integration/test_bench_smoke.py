@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.clusters import TINY_CACHE_BYTES
 from turnkv_server.bench.aggregate import finalize
 from turnkv_server.bench.plots import PLOTS
 from turnkv_server.bench.results import BenchResult, ModeRun, ModeSummary, TurnRecord
@@ -41,7 +42,10 @@ def test_bench_smoke(tiny_model: Path, tmp_path: Path) -> None:
                "--model", str(tiny_model), "--dtype", "float32", "--modes", ",".join(MODES),
                # Read back however few tokens are missing: the smoke prompts are short.
                "--kv-recompute-threshold", "0", "--turn-timeout", "120",
-               "--stall-timeout", "60", "--repeat", str(REPEAT), "--out", str(out)]
+               "--stall-timeout", "60", "--repeat", str(REPEAT), "--out", str(out),
+               # A small cache: vLLM's CPU default (1 GiB) takes each engine seconds to
+               # register with NIXL, at every one of the four cluster starts.
+               "--kv-cache-bytes", str(TINY_CACHE_BYTES)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     print(done.stdout[-4000:], done.stderr[-4000:])
     assert done.returncode == 0

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.clusters import TINY_CACHE_BYTES
 from tests.support.router_fuzz import (
     ADMIN_KEY,
     CHAT,
@@ -58,7 +59,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
     config = ClusterConfig(mode="turnkv", model=str(tiny_model), dtype="float32",
                            run_dir=run_dir,
                            router_args=("--api-keys", str(keys_file), "--admin-key", ADMIN_KEY),
-                           connector_settings={"lease_ttl_s": ENGINE_LEASE_S})
+                           connector_settings={"lease_ttl_s": ENGINE_LEASE_S},
+                           kv_cache_bytes=TINY_CACHE_BYTES)
     with Cluster(config) as state:
         yield state
 

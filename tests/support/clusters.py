@@ -241,6 +241,15 @@ def redis_store(run_dir: Path) -> Iterator[tuple[str, ...]]:
 
 # -- the engine sets -------------------------------------------------------------------------
 
+# The tiny model's KV takes 2,048 bytes a token in float32, 128 tokens a block; vLLM keeps one
+# block back (its null block).
+TINY_BLOCK_BYTES = 128 * 2048
+# KV caches of the tiny engines with a connector: 512 blocks (65,536 tokens, 128 MiB), far
+# more than the suite's conversations hold. vLLM's CPU default (1 GiB) made each of them
+# spend 5-10 s of its start registering the cache with NIXL, three engines at once.
+TINY_CACHE_BLOCKS = 512
+TINY_CACHE_BYTES = (TINY_CACHE_BLOCKS + 1) * TINY_BLOCK_BYTES
+
 
 def _tiny(mode: Any, run_dir: Path, **settings: Any) -> ClusterConfig:
     return ClusterConfig(mode=mode, model=str(build_tiny()), dtype="float32", run_dir=run_dir,
@@ -248,13 +257,15 @@ def _tiny(mode: Any, run_dir: Path, **settings: Any) -> ClusterConfig:
 
 
 def _tiny_pair_set(mode: str) -> EngineSet:
-    """One prefill and two decode engines (tiny model, float32). Bidirectional engines read
-    back however few tokens are missing (`kv_recompute_threshold=0`): exact stats to
-    assert. turnkv engines give up a receive after RECEIVE_TIMEOUT_S."""
+    """One prefill and two decode engines (tiny model, float32) with TINY_CACHE_BLOCKS blocks
+    each. Bidirectional engines read back however few tokens are missing
+    (`kv_recompute_threshold=0`): exact stats to assert. turnkv engines give up a receive
+    after RECEIVE_TIMEOUT_S."""
     connector = {"receive_timeout_s": RECEIVE_TIMEOUT_S} if mode == "turnkv" else {}
     return EngineSet(f"tiny-{mode}-1p2d", lambda run_dir: _tiny(
         mode, run_dir, num_prefill=1, num_decode=2, kv_recompute_threshold=0,
-        connector_settings=connector, router_args=IDLE_ROUTER))
+        kv_cache_bytes=TINY_CACHE_BYTES, connector_settings=connector,
+        router_args=IDLE_ROUTER))
 
 
 MODES = ("turnkv", "standard", "bidirectional", "push")
@@ -287,7 +298,6 @@ SMOLLM2_TURNKV = ClusterSpec("connector", EngineSet("smollm2-turnkv", lambda run
 # and every turn goes through the prefill engine (no short deltas served by the decode engine
 # alone). Its one user talks to the launcher's router.
 LEASE_EVICTION_BLOCKS = 32
-TINY_BLOCK_BYTES = 128 * 2048
 LEASE_EVICTION = ClusterSpec("lease-eviction", EngineSet(
     "tiny-turnkv-1p1d-32-blocks", lambda run_dir: _tiny(
         "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,

@@ -290,3 +290,18 @@ def test_an_engine_that_reports_no_side_channel_fails_its_start(
     finally:
         engine.stop()
         engine.release_ports()
+
+
+def test_a_clusters_engines_share_one_vllm_cache(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TURNKV_VLLM_CACHE_DIR", raising=False)
+
+    def caches(**config: Any) -> set[str]:
+        cluster = Cluster(ClusterConfig(mode="turnkv", run_dir=tmp_path / "run", **config))
+        return {spec.environment(tmp_path / spec.name, tmp_path)["VLLM_CACHE_ROOT"]
+                for spec in cluster._engine_specs(Path("/m"), "m")}
+
+    assert caches() == {str(tmp_path / "run" / "vllm-cache")}
+    assert caches(vllm_cache_dir=tmp_path / "mine") == {str(tmp_path / "mine")}
+    monkeypatch.setenv("TURNKV_VLLM_CACHE_DIR", str(tmp_path / "session"))
+    assert caches() == {str(tmp_path / "session")}

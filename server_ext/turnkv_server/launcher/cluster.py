@@ -45,6 +45,8 @@ from turnkv_server.mode_names import ClusterMode as Mode
 from turnkv_server.paths import turnkv_home
 from turnkv_server.ports import read_report
 
+VLLM_CACHE_ENV = "TURNKV_VLLM_CACHE_DIR"  # see ClusterConfig.vllm_cache_dir
+
 
 @dataclass
 class ClusterConfig:
@@ -85,6 +87,9 @@ class ClusterConfig:
     # turnkv: the secret that authenticates the engines' side-channel messages to each other;
     # None: a new random one for each cluster. Engines get it in their environment only.
     side_channel_secret: str | None = field(default=None, repr=False)
+    # vLLM's cache, shared by the engines (`EngineSpec.vllm_cache_dir`); None: the folder
+    # $TURNKV_VLLM_CACHE_DIR names (the test suite's), else `vllm-cache` in the run folder.
+    vllm_cache_dir: Path | None = None
 
     def roles(self) -> list[Role]:
         """Each engine's role, in start order."""
@@ -121,6 +126,8 @@ class Cluster:
         self.config = config
         self.console = console or Console(stderr=True)
         self.run_dir = config.run_dir or _new_run_dir()
+        self.vllm_cache_dir = config.vllm_cache_dir or Path(
+            os.environ.get(VLLM_CACHE_ENV) or self.run_dir / "vllm-cache")
         self.engines: list[EngineProcess] = []
         self.router_ref: ProcessRef | None = None
         self.state: ClusterState | None = None
@@ -205,6 +212,7 @@ class Cluster:
                     extra_args=cfg.engine_extra_args,
                     side_channel_secret=(self.side_channel_secret if cfg.mode == "turnkv"
                                          else None),
+                    vllm_cache_dir=self.vllm_cache_dir,
                 )
             )
         return specs
@@ -362,12 +370,9 @@ def stop_cluster(state: ClusterState) -> None:
 
 def _core_sets(count: int, per_engine: int) -> list[tuple[int, ...]]:
     """Give each engine its own cores, wrapping around when engines outnumber cores."""
-    available = sorted(os.sched_getaffinity(0))
-    sets = []
-    for i in range(count):
-        start = (i * per_engine) % len(available)
-        sets.append(tuple(available[(start + j) % len(available)] for j in range(per_engine)))
-    return sets
+    cores = sorted(os.sched_getaffinity(0))
+    starts = [(i * per_engine) % len(cores) for i in range(count)]
+    return [tuple(cores[(start + j) % len(cores)] for j in range(per_engine)) for start in starts]
 
 
 def _served_name(requested: str, path: Path) -> str:

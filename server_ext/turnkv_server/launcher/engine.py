@@ -82,6 +82,10 @@ class EngineSpec:
     # The turnkv connector's side-channel secret: in the environment, never on the command
     # line (which every user of the machine can read) nor in a repr or a log.
     side_channel_secret: str | None = field(default=None, repr=False)
+    # vLLM's cache folder (`VLLM_CACHE_ROOT`); None: the engine's own. Engines may share one:
+    # what vLLM keeps there on eager engines is its inspection of the model's class (about
+    # 10 s of a core on a cold start), keyed by a hash of the model code, written atomically.
+    vllm_cache_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -123,7 +127,7 @@ class EngineSpec:
                 # Keep vLLM's sockets, caches and temp files inside the run folder.
                 "TMPDIR": str(tmp),
                 "VLLM_RPC_BASE_PATH": str(tmp),
-                "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+                "VLLM_CACHE_ROOT": str(self.vllm_cache_dir or workdir / "vllm-cache"),
                 "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache"),
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
