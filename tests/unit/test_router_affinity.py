@@ -30,7 +30,8 @@ from turnkv_server.router.app import Router, create_app
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext, Turn
-from turnkv_server.router.upstream import EnginePool, Upstream
+from turnkv_server.router.placement import EnginePool
+from turnkv_server.router.upstream import Upstream
 
 # -- placement -------------------------------------------------------------------------------
 
@@ -308,3 +309,36 @@ def test_the_benchmark_records_engines_and_cores_of_every_mode(tmp_path: Path) -
     # Affinity is what P/D is compared with first, when it runs.
     assert pick_baseline(["single", "standard", "affinity"], None) == "affinity"
     assert pick_baseline(["single", "standard"], None) == "standard"
+
+
+def test_a_new_session_leaves_its_warm_engine_when_it_is_crowded() -> None:
+    engines = pool()
+    warm = engines.place(prefill=None, decode=None, prefix_id="agent-v1")
+    engines.remember_prefix("agent-v1", warm)
+    other = next(e for e in engines.decode if e is not warm.decode)
+    # One live session more than the other engine: warmth still wins.
+    homed = {warm.decode.name: 2, other.name: 1}
+    again = engines.place(prefill=None, decode=None, prefix_id="agent-v1", homed=homed)
+    assert (again.decode, again.reason) == (warm.decode, "prefix_warm")
+    # Two more: the new session goes to the lighter engine.
+    homed = {warm.decode.name: 3, other.name: 1}
+    moved = engines.place(prefill=None, decode=None, prefix_id="agent-v1", homed=homed)
+    assert (moved.decode, moved.prefill, moved.reason) == (other, other, "balanced")
+    # A session with a home stays there however crowded it is.
+    home = warm.decode.name
+    assert engines.place(prefill=home, decode=home, prefix_id="agent-v1",
+                         homed={home: 9}).decode is warm.decode
+
+
+def test_idle_engines_take_new_sessions_by_how_many_they_are_home_to() -> None:
+    engines = pool()
+    first, second = engines.decode
+    # Both idle: the one home to fewer sessions, whatever the tie-break says.
+    for _ in range(3):
+        placed = engines.place(prefill=None, decode=None, prefix_id=None,
+                               homed={first.name: 4, second.name: 1})
+        assert placed.decode is second
+    # Turns in flight come first: the busy engine gets none.
+    second.in_flight = 1
+    assert engines.place(prefill=None, decode=None, prefix_id=None,
+                         homed={first.name: 4, second.name: 1}).decode is first

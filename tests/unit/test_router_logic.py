@@ -7,6 +7,7 @@ from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, prefill_req
 from turnkv_server.router.app import DEFAULT_TENANT, BadRequest, Tenants, extract_tag
 from turnkv_server.router.modes.base import NixlPeer
 from turnkv_server.router.modes.bidirectional import trim_offer
+from turnkv_server.router.placement import EnginePool
 from turnkv_server.router.sessions import (
     LeasePolicy,
     SessionKey,
@@ -15,7 +16,6 @@ from turnkv_server.router.sessions import (
     prefix_break,
 )
 from turnkv_server.router.turn import strip_token_ids
-from turnkv_server.router.upstream import EnginePool
 
 
 class Clock:
@@ -114,6 +114,13 @@ def test_placement_keeps_affinity_then_prefix_then_least_loaded() -> None:
     assert (moved.prefill, moved.decode, moved.reason) == (p1, d1, "moved")
     p0.in_flight = 3
     assert pool.place(prefill=None, decode=None, prefix_id=None).prefill is p1
+    # A warm pair whose decode engine is home to two sessions more than the other's yields.
+    d0.healthy = True
+    crowded = pool.place(prefill=None, decode=None, prefix_id="sys",
+                         homed={"decode-0": 3, "decode-1": 1})
+    assert (crowded.decode, crowded.reason) == (d1, "balanced")
+    assert pool.place(prefill=None, decode=None, prefix_id="sys",
+                      homed={"decode-0": 2, "decode-1": 1}).reason == "prefix_warm"
 
 
 def test_round_robin_skips_unhealthy_engines() -> None:

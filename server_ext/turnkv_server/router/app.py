@@ -32,6 +32,7 @@ from turnkv import protocol as p
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
+from turnkv_server.router.placement import Engine, EnginePool
 from turnkv_server.router.session_store import RedisStore
 from turnkv_server.router.sessions import (
     LeasePolicy,
@@ -42,13 +43,7 @@ from turnkv_server.router.sessions import (
 )
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.turn import TurnFailed, Turns
-from turnkv_server.router.upstream import (
-    Engine,
-    EngineConnectionError,
-    EnginePool,
-    EngineRejected,
-    Upstream,
-)
+from turnkv_server.router.upstream import EngineConnectionError, EngineRejected, Upstream
 
 RETRY_AFTER_S = "2"
 DEFAULT_TENANT = "default"

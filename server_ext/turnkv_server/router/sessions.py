@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.protocol import CacheHints, TurnStats, TurnTag
+from turnkv_server.router.placement import Placement
 from turnkv_server.router.session_store import RedisStore, StoreUnavailable
-from turnkv_server.router.upstream import Placement
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

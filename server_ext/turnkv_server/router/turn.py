@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,13 +36,12 @@ from turnkv import protocol as p
 from turnkv_server.engine.requests import decode_request, prefill_request
 from turnkv_server.router import stats
 from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
+from turnkv_server.router.placement import EnginePool, Placement
 from turnkv_server.router.sessions import SessionKey, SessionService
 from turnkv_server.router.upstream import (
     EngineConnectionError,
-    EnginePool,
     EngineRejected,
     EngineUnavailable,
-    Placement,
     Stream,
     Upstream,
 )
@@ -114,8 +114,11 @@ class Turns:
         session = turn.session
         if not self.mode.affinity or session is None:
             return self.pool.round_robin()
+        homed: Counter[str] = Counter()
+        if session.decode is None:  # a new session: where the live ones live
+            homed.update(s.decode for s in self.sessions.table if s.decode is not None)
         return self.pool.place(prefill=session.prefill, decode=session.decode,
-                               prefix_id=turn.tag.prefix_id if turn.tag else None)
+                               prefix_id=turn.tag.prefix_id if turn.tag else None, homed=homed)
 
     async def _attempt(self, turn: Turn, placement: Placement,
                        fallback: p.FallbackReason | None, detail: str | None) -> Response:

@@ -19,7 +19,7 @@ null (the engine's prefix cache finds the shared prefix by itself).
 from __future__ import annotations
 
 from turnkv_server.router.modes.base import DecodeAlone, Mode, Turn, TurnPlan
-from turnkv_server.router.upstream import Placement
+from turnkv_server.router.placement import Placement
 
 
 class Affinity(Mode):

@@ -26,8 +26,9 @@ from typing import Any, Literal
 
 from turnkv.protocol import CacheHints, FallbackReason, TurnStats, TurnTag
 from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.placement import EnginePool, Placement
 from turnkv_server.router.sessions import LeasePolicy, Session
-from turnkv_server.router.upstream import EnginePool, Placement, Upstream
+from turnkv_server.router.upstream import Upstream
 
 
 @dataclass

@@ -16,8 +16,9 @@ from typing import Any
 
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, one_token_request
 from turnkv_server.router.modes.base import Mode, ModeContext, Turn, TurnEnd, TurnPlan
+from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session, common_prefix_len
-from turnkv_server.router.upstream import Engine, EngineConnectionError, Placement
+from turnkv_server.router.upstream import EngineConnectionError
 
 KEY = "bidirectional_held"
 # Held params are not offered this close to their expiry: a read of expired blocks fails the

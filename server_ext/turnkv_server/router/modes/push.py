@@ -8,7 +8,7 @@ from typing import Any
 
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE
 from turnkv_server.router.modes.base import Mode, Turn, TurnPlan
-from turnkv_server.router.upstream import Placement
+from turnkv_server.router.placement import Placement
 
 
 class Push(Mode):

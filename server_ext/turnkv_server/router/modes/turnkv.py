@@ -56,8 +56,9 @@ from turnkv_server.router.modes.base import (
     TurnPlan,
 )
 from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
+from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session, common_prefix_len
-from turnkv_server.router.upstream import Engine, EngineConnectionError, Placement
+from turnkv_server.router.upstream import EngineConnectionError
 
 log = logging.getLogger(__name__)
 
