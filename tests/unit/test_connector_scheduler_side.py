@@ -495,3 +495,33 @@ def test_a_send_abandoned_before_its_request_arrives_is_refused_when_it_ends() -
     assert finish(pool, side, sender, allocate(pool, 3))[0] is False
     orders = side.build_orders()
     assert orders.sends == [] and orders.refusals == ["t1"]
+
+
+def test_a_requests_own_lease_goes_too_when_other_leases_leave_too_little_room() -> None:
+    """A lease never makes a request wait, its own session's included: a request whose prompt
+    does not start with what its session's lease holds would otherwise wait for ever behind
+    it (and every request queued behind it, as the pressure benchmark's prefill engine did)."""
+    pool, side = setup()
+    leases = side.holder.leases  # type: ignore[union-attr]
+    for n, session in enumerate(("other", "mine")):
+        req = request(f"r{n}", 240, session=session)
+        side.on_new_request(req)
+        finish(pool, side, req, allocate(pool, 15))
+    assert pool.get_num_free_blocks() == BLOCKS - 1 - 30
+    # Its own lease holds no prefix of it (nothing computed): 17 blocks, more than the other
+    # lease frees.
+    head = request("r2", 17 * BLOCK, session="mine")
+    side.on_new_request(head)
+    side.get_num_new_matched_tokens(head, 0)
+    assert len(leases) == 0 and pool.get_num_free_blocks() >= 17
+    # When the other leases make room enough, its own stays.
+    pool, side = setup()
+    leases = side.holder.leases  # type: ignore[union-attr]
+    for n, session in enumerate(("other", "mine")):
+        req = request(f"r{n}", 160, session=session)
+        side.on_new_request(req)
+        finish(pool, side, req, allocate(pool, 10))
+    head = request("r2", 16 * BLOCK, session="mine")
+    side.on_new_request(head)
+    side.get_num_new_matched_tokens(head, 0)
+    assert list(leases) == ["mine"] and pool.get_num_free_blocks() >= 17

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -22,12 +23,14 @@ from turnkv_server.router.modes.base import (
 from turnkv_server.router.modes.turnkv import (
     PRESSURE_BACKOFF_S,
     PUSH_BACK,
+    PUSH_BACK_BACKOFF_S,
     lease_key,
     lost_history,
     new_tokens,
 )
+from turnkv_server.router.placement import Engine, EnginePool
 from turnkv_server.router.sessions import Session, SessionKey
-from turnkv_server.router.upstream import Engine, EnginePool, Reply, Upstream
+from turnkv_server.router.upstream import Reply, Upstream
 
 PREFILL, DECODE = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
@@ -176,17 +179,17 @@ def test_a_short_delta_that_found_its_history_gone_backs_the_decode_engine_off()
         mode.finish(t, plan, TurnEnd("complete", None, stats))
 
     served_alone(delta=40, computed=40 + 127)  # the history was held: a block's tail at most
-    assert not mode._under_pressure(decode)  # type: ignore[attr-defined]
+    assert not mode._pressure.active(decode)  # type: ignore[attr-defined]
     served_alone(delta=40, computed=900)  # the lease was gone: everything recomputed
-    assert mode._under_pressure(decode)  # type: ignore[attr-defined]
+    assert mode._pressure.active(decode)  # type: ignore[attr-defined]
     now[0] = PRESSURE_BACKOFF_S + 1
-    assert not mode._under_pressure(decode)  # type: ignore[attr-defined]
+    assert not mode._pressure.active(decode)  # type: ignore[attr-defined]
     served_alone(delta=40, computed=900)  # again: twice as long
     now[0] += 2 * PRESSURE_BACKOFF_S - 1
-    assert mode._under_pressure(decode)  # type: ignore[attr-defined]
+    assert mode._pressure.active(decode)  # type: ignore[attr-defined]
     now[0] += 2
     served_alone(delta=40, computed=60)  # held again: the backoff ends
-    assert not mode._under_pressure(decode)  # type: ignore[attr-defined]
+    assert not mode._pressure.active(decode)  # type: ignore[attr-defined]
     assert lost_history(900, 40) and not lost_history(None, 40)
 
 
@@ -230,14 +233,14 @@ def test_a_turn_that_held_nothing_says_nothing_about_the_decode_engines_leases()
     mode = make_mode("turnkv", ctx)
     placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
     decode = placement.decode.name
-    mode._pressure[decode] = (1e9, PRESSURE_BACKOFF_S)  # type: ignore[attr-defined]
+    mode._pressure.record(decode, missed=True)  # type: ignore[attr-defined]
     # A first turn computed on the decode engine (its prefill engine down) computed its whole
     # prompt, as expected: that does not show the engine's leases are held again.
     plan = TurnPlan(placement, prefill_params=None,
                     alone=DecodeAlone([0] * 1000, 1000, held=False))
     stats = TurnStats(mode="turnkv", prompt_tokens=PromptTokens(total=1000, decode_computed=1000))
     mode.finish(turn(CacheHints(final=True)), plan, TurnEnd("complete", None, stats))
-    assert mode._under_pressure(decode)  # type: ignore[attr-defined]
+    assert mode._pressure.active(decode)  # type: ignore[attr-defined]
 
 
 class Recorder(Upstream):
@@ -301,3 +304,55 @@ def test_a_turn_served_by_decode_alone_carries_the_hint_too() -> None:
     assert plan.alone is not None
     decode = parse(plan.decode_params)
     assert decode is not None and decode.next_turn_in_s == 0.0
+
+
+class PushBackReplies(Upstream):
+    """An upstream whose engines answer every POST with 200 and the turnkv reply given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.receive_failed = False
+
+    async def post(self, engine: Engine, path: str, body: dict[str, Any], *,
+                   headers: dict[str, str] | None = None, timeout: float | None = None) -> Reply:
+        reply = {"kv_transfer_params": {"turnkv": {"receive_failed": self.receive_failed}}}
+        return Reply(200, json.dumps(reply).encode())
+
+
+def test_a_push_back_that_recomputed_the_history_stops_push_backs_for_a_while() -> None:
+    now = [0.0]
+    ctx = context()
+    ctx.clock = lambda: now[0]
+    engines = PushBackReplies()
+    ctx.upstream = engines
+    mode = make_mode("turnkv", ctx)
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
+
+    async def one_turn() -> TurnPlan:
+        t = turn(CacheHints(ttl=60))
+        plan = await mode.plan(t, placement)
+        t.prompt_token_ids, t.output_token_ids = [7, 8, 9], [1, 2]
+        mode.finish(t, plan, TurnEnd("complete", None, None))
+        assert t.session is not None
+        push_back = t.session.mode_state.get(PUSH_BACK)
+        if push_back is not None:
+            await push_back
+        return plan
+
+    def keeps_a_send() -> bool:
+        decode = parse(asyncio.run(one_turn()).decode_params)
+        assert decode is not None
+        return decode.send is not None
+
+    assert keeps_a_send()  # the push back landed: the next turn keeps one too
+    engines.receive_failed = True
+    assert keeps_a_send()  # this push back's receive failed: the prefill engine recomputed
+    assert not keeps_a_send()  # nothing kept, nothing pushed back
+    now[0] = PUSH_BACK_BACKOFF_S + 1
+    assert keeps_a_send()  # failed again: twice as long
+    now[0] += 2 * PUSH_BACK_BACKOFF_S - 1
+    assert not keeps_a_send()
+    now[0] += 2
+    engines.receive_failed = False
+    assert keeps_a_send()  # this one landed: the backoff ends
+    assert keeps_a_send()

@@ -32,6 +32,12 @@ requests longer than the target goes through step 1 instead. While no prefill en
 the decode engine serves every turn that way (computing whatever it does not hold,
 `fallback: engine_unavailable`) and keeps nothing for a push back.
 
+Under memory pressure a push back harms: the decode engine gives its send up for room before a
+busy prefill engine gets to the push back, whose receive fails, and the prefill engine
+recomputes the whole history (vLLM recomputes what a load failed to bring) to hold it in a
+lease that pressure ends again. So such a push back stops push backs to that prefill engine
+for a while (`backoff`): turns compute what its prefix cache lacks, as in `standard`.
+
 Everything reaches the engines as `kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`).
 """
 
@@ -41,12 +47,19 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import Coroutine
 from typing import Any
 
 from turnkv.protocol import CacheHints, FallbackReason
-from turnkv_server.engine.protocol import KEY, Receive, Send, TurnParams
+from turnkv_server.engine.protocol import (
+    KEY,
+    BadParams,
+    Receive,
+    Send,
+    TurnParams,
+    parse_reply,
+)
 from turnkv_server.engine.requests import one_token_request
+from turnkv_server.router.modes.backoff import Backoff
 from turnkv_server.router.modes.base import (
     DecodeAlone,
     Mode,
@@ -55,10 +68,11 @@ from turnkv_server.router.modes.base import (
     TurnEnd,
     TurnPlan,
 )
+from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session, common_prefix_len
-from turnkv_server.router.upstream import EngineConnectionError
+from turnkv_server.router.upstream import EngineConnectionError, Reply
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +92,10 @@ HELD_TAIL_TOKENS = 256
 # (which moves them the history back), doubling while misses go on.
 PRESSURE_BACKOFF_S = 30.0
 PRESSURE_BACKOFF_MAX_S = 600.0
-# An instruction that is not part of a turn (release, abandon, renew) waits this long for its
-# one-token request.
-CONTROL_TIMEOUT_S = 30.0
+# After a push back whose receive failed, turns keep nothing for a push back to that prefill
+# engine for this long, doubling while push backs go on failing.
+PUSH_BACK_BACKOFF_S = 30.0
+PUSH_BACK_BACKOFF_MAX_S = 600.0
 
 
 def lease_key(session: Session) -> str:
@@ -107,11 +122,12 @@ class Turnkv(Mode):
 
     def __init__(self, ctx: ModeContext) -> None:
         super().__init__(ctx)
-        # Push backs and releases run on after their turn; a task nobody references may be
-        # collected before it ends.
-        self._background: set[asyncio.Task[None]] = set()
-        # Decode engine name -> (until when its turns skip short deltas, the current backoff).
-        self._pressure: dict[str, tuple[float, float]] = {}
+        # Push backs, releases, give-ups and renewals run on after their turn.
+        self._orders = EngineOrders(ctx, wait_before_renewal_s=PUSH_BACK_TIMEOUT_S)
+        # Decode engines whose turns skip short deltas; prefill engines turns keep nothing to
+        # push back to.
+        self._pressure = Backoff(PRESSURE_BACKOFF_S, PRESSURE_BACKOFF_MAX_S, ctx.clock)
+        self._no_push_back = Backoff(PUSH_BACK_BACKOFF_S, PUSH_BACK_BACKOFF_MAX_S, ctx.clock)
         self._itl = ItlTarget(ctx.itl_target_ms)
         names = [e.name for e in ctx.pool.engines()] if ctx.pool is not None else []
         missing = [name for name in names if name not in ctx.side_channels]
@@ -128,7 +144,8 @@ class Turnkv(Mode):
             session.mode_state[MODEL] = turn.body.get("model")
         # The decode engine keeps the turn for the push back, unless there is nothing to keep,
         # or nobody to keep it for: a push back to a prefill engine that is down is refused.
-        keep = session is not None and not _hints(turn).final and placement.prefill.healthy
+        keep = (session is not None and not _hints(turn).final and placement.prefill.healthy
+                and not self._no_push_back.active(placement.prefill.name))
         decode_send = _transfer_id(turn, "d2p") if keep else None
         alone, diverted = await self._short_delta(turn, placement)
         note: tuple[FallbackReason, str] | None = None
@@ -159,7 +176,7 @@ class Turnkv(Mode):
         session = turn.session
         decode = placement.decode
         if (self.ctx.short_delta_tokens <= 0 or session is None or not session.tokens
-                or session.decode != decode.name or self._under_pressure(decode.name)):
+                or session.decode != decode.name or self._pressure.active(decode.name)):
             return None, None
         prompt_ids = await self.ctx.upstream.tokenize(decode, turn.body)
         delta = new_tokens(prompt_ids, session.tokens)
@@ -219,16 +236,16 @@ class Turnkv(Mode):
         if end.how == "refused":
             # The decode engine will never register for the prefill engine's send (it refused
             # a body the prefill engine accepted, say a `max_tokens` over the model's length).
-            self._abandon(prefill, model, plan.prefill_send)
+            self._orders.abandon(prefill, model, plan.prefill_send)
             return
         if end.how == "cut":
             # The push back comes only after a whole reply. (A request the engine aborted sends
             # nothing anyway; one that finished just before the cut would wait for the timeout.)
-            self._abandon(decode, model, plan.decode_send)
+            self._orders.abandon(decode, model, plan.decode_send)
             if not turn.output_token_ids:
                 # Cut before any token: the decode engine may never have registered for the
                 # prefill engine's send (a request dropped before it reached the engine).
-                self._abandon(prefill, model, plan.prefill_send)
+                self._orders.abandon(prefill, model, plan.prefill_send)
             return
         if plan.alone is not None and plan.alone.held and end.stats is not None:
             computed = end.stats.prompt_tokens.decode_computed
@@ -244,7 +261,7 @@ class Turnkv(Mode):
             return  # the decode request had nothing to send
         if turn.prompt_token_ids is None or not turn.output_token_ids:
             # No history to push back: the decode engine's send would wait for nothing.
-            self._abandon(decode, model, plan.decode_send)
+            self._orders.abandon(decode, model, plan.decode_send)
             return
         history = [*turn.prompt_token_ids, *turn.output_token_ids]
         receive = Receive(plan.decode_send, self.ctx.side_channels[decode.name],
@@ -254,7 +271,7 @@ class Turnkv(Mode):
         # another cache.
         request = one_token_request(model, history, self._params(turn, receive=receive),
                                     cache_salt=turn.body.get("cache_salt"))
-        turn.session.mode_state[PUSH_BACK] = self._spawn(
+        turn.session.mode_state[PUSH_BACK] = self._orders.spawn(
             self._push_back(prefill, decode, request, plan.decode_send))
 
     def drop_session(self, session: Session) -> None:
@@ -269,7 +286,7 @@ class Turnkv(Mode):
         release = TurnParams(session=lease_key(session), release=True)
         orders = [(engine, release) for engine in pool.engines()
                   if engine.name in (session.prefill, session.decode) and engine.healthy]
-        self._spawn(self._tell(model, orders))
+        self._orders.spawn(self._orders.tell(model, orders))
 
     def hinted(self, session: Session, hints: CacheHints) -> None:
         """Hints between turns: each engine holding the session's lease renews it (the
@@ -288,54 +305,16 @@ class Turnkv(Mode):
         for engine in pool.engines():
             if engine.healthy and engine.name in (session.prefill, session.decode):
                 after = landing if engine.name == session.prefill else None
-                self._spawn(self._renew(engine, model, params, after))
-
-    async def _renew(self, engine: Engine, model: str, params: TurnParams,
-                     after: asyncio.Task[None] | None) -> None:
-        """Send `engine` the renew-only request, once `after` (a push back) has ended; a
-        failure is logged and counted, never raised: a hint is advisory."""
-        if after is not None:
-            await asyncio.wait([after], timeout=PUSH_BACK_TIMEOUT_S)
-            if after.cancelled():
-                return  # the session ended: its leases are being released
-        request = one_token_request(model, [0], {KEY: params.to_wire()})
-        outcome = "sent"
-        try:
-            reply = await self.ctx.upstream.post(engine, "/v1/completions", request,
-                                                 timeout=CONTROL_TIMEOUT_S)
-            if not reply.ok:
-                outcome = "refused"
-                log.warning("renewing a session's lease on %s for a hint: answered %s: %s",
-                            engine.name, reply.status, reply.content[:200])
-        except EngineConnectionError as exc:
-            outcome = "failed"
-            log.warning("renewing a session's lease on %s for a hint failed: %s",
-                        engine.name, exc)
-        self.ctx.count_renewal(outcome)
-
-    def _under_pressure(self, decode: str) -> bool:
-        until, _ = self._pressure.get(decode, (0.0, 0.0))
-        return self.ctx.clock() < until
+                self._orders.spawn(self._orders.renew(engine, model, params, after))
 
     def _judge_short_delta(self, decode: str, delta: int, computed: int | None) -> None:
         """A short delta that found its history gone backs that decode engine off short
         deltas; one that found it held ends the backoff."""
-        if computed is None:
-            return
-        if not lost_history(computed, delta):
-            self._pressure.pop(decode, None)
-            return
-        _, backoff = self._pressure.get(decode, (0.0, PRESSURE_BACKOFF_S / 2))
-        backoff = min(backoff * 2, PRESSURE_BACKOFF_MAX_S)
-        self._pressure[decode] = (self.ctx.clock() + backoff, backoff)
-        log.info("%s recomputed %d tokens for a delta of %d: its turns skip short deltas "
+        backoff = None if computed is None else self._pressure.record(
+            decode, lost_history(computed, delta))
+        if backoff is not None:
+            log.info("%s recomputed %d tokens for a delta of %d: its turns skip short deltas "
                  "for %.0f s", decode, computed, delta, backoff)
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
 
     async def _push_back(self, prefill: Engine, decode: Engine, request: dict[str, Any],
                          transfer_id: str) -> None:
@@ -348,6 +327,11 @@ class Turnkv(Mode):
             reply = await self.ctx.upstream.post(prefill, "/v1/completions", request,
                                                  timeout=PUSH_BACK_TIMEOUT_S)
             landed = reply.ok
+            failed = _receive_failed(reply) if reply.ok else None
+            backoff = None if failed is None else self._no_push_back.record(prefill.name, failed)
+            if backoff is not None:
+                log.info("a push back to %s recomputed the history (its receive failed): turns "
+                         "keep nothing to push back to it for %.0f s", prefill.name, backoff)
             if not reply.ok:
                 log.warning("push back to %s answered %s: %s", prefill.name, reply.status,
                             reply.content[:200])
@@ -355,23 +339,8 @@ class Turnkv(Mode):
             log.warning("push back to %s failed: %s", prefill.name, exc)
         finally:
             if not landed:
-                self._abandon(decode, request.get("model"), transfer_id)
+                self._orders.abandon(decode, request.get("model"), transfer_id)
 
-    def _abandon(self, engine: Engine, model: str | None, transfer_id: str | None) -> None:
-        """Tell `engine` to give up its send under `transfer_id` now: nobody will register for
-        it, and until it times out its blocks stay allocated."""
-        if transfer_id is not None and engine.healthy:
-            # (A lost engine's request was aborted: it sends nothing.)
-            self._spawn(self._tell(model, [(engine, TurnParams(abandon=(transfer_id,)))]))
-
-    async def _tell(self, model: str | None, orders: list[tuple[Engine, TurnParams]]) -> None:
-        """Instructions that are not part of a turn (end the session's leases now rather than
-        at their TTL, give a send up): the engines take them only through their HTTP API."""
-        for engine, params in orders:
-            request = one_token_request(model, [0], {KEY: params.to_wire()})
-            with contextlib.suppress(EngineConnectionError):
-                await self.ctx.upstream.post(engine, "/v1/completions", request,
-                                             timeout=CONTROL_TIMEOUT_S)
 
 
 def _send(transfer_id: str | None) -> Send | None:
@@ -380,6 +349,15 @@ def _send(transfer_id: str | None) -> Send | None:
 
 def _transfer_id(turn: Turn, direction: str) -> str:
     return f"{turn.request_id}-{direction}"
+
+
+def _receive_failed(reply: Reply) -> bool | None:
+    """Whether the engine's reply says its receive failed (None: it does not say)."""
+    try:
+        figures = parse_reply(reply.json().get("kv_transfer_params"))
+    except (ValueError, AttributeError, BadParams):
+        return None
+    return None if figures is None else figures.receive_failed
 
 
 def _hints(turn: Turn) -> CacheHints:
