@@ -499,29 +499,28 @@ def test_a_send_abandoned_before_its_request_arrives_is_refused_when_it_ends() -
 
 def test_a_requests_own_lease_goes_too_when_other_leases_leave_too_little_room() -> None:
     """A lease never makes a request wait, its own session's included: a request whose prompt
-    does not start with what its session's lease holds would otherwise wait for ever behind
-    it (and every request queued behind it, as the pressure benchmark's prefill engine did)."""
-    pool, side = setup()
-    leases = side.holder.leases  # type: ignore[union-attr]
-    for n, session in enumerate(("other", "mine")):
-        req = request(f"r{n}", 240, session=session)
-        side.on_new_request(req)
-        finish(pool, side, req, allocate(pool, 15))
-    assert pool.get_num_free_blocks() == BLOCKS - 1 - 30
-    # Its own lease holds no prefix of it (nothing computed): 17 blocks, more than the other
-    # lease frees.
-    head = request("r2", 17 * BLOCK, session="mine")
-    side.on_new_request(head)
-    side.get_num_new_matched_tokens(head, 0)
-    assert len(leases) == 0 and pool.get_num_free_blocks() >= 17
-    # When the other leases make room enough, its own stays.
-    pool, side = setup()
-    leases = side.holder.leases  # type: ignore[union-attr]
-    for n, session in enumerate(("other", "mine")):
-        req = request(f"r{n}", 160, session=session)
-        side.on_new_request(req)
-        finish(pool, side, req, allocate(pool, 10))
-    head = request("r2", 16 * BLOCK, session="mine")
-    side.on_new_request(head)
-    side.get_num_new_matched_tokens(head, 0)
-    assert list(leases) == ["mine"] and pool.get_num_free_blocks() >= 17
+    does not start with what its session's lease holds would otherwise wait behind it for
+    ever, and every request queued behind it too."""
+
+    def leases_of(blocks: int) -> tuple[BlockPool, SchedulerSide]:
+        pool, side = setup()
+        for n, session in enumerate(("other", "mine")):
+            req = request(f"r{n}", blocks * BLOCK, session=session)
+            side.on_new_request(req)
+            finish(pool, side, req, allocate(pool, blocks))
+        return pool, side
+
+    def admit(side: SchedulerSide, blocks: int) -> None:
+        head = request("r2", blocks * BLOCK, session="mine")
+        side.on_new_request(head)
+        side.get_num_new_matched_tokens(head, 0)  # its own lease holds no prefix of it
+
+    # 17 blocks needed, 1 free, the other lease frees 15: its own lease goes too.
+    pool, side = leases_of(15)
+    admit(side, 17)
+    assert len(side.holder.leases) == 0 and pool.get_num_free_blocks() >= 17  # type: ignore[union-attr]
+    # 16 needed, 11 free, the other lease frees 10: room enough, its own stays.
+    pool, side = leases_of(10)
+    admit(side, 16)
+    assert list(side.holder.leases) == ["mine"]  # type: ignore[union-attr]
+    assert pool.get_num_free_blocks() >= 17
