@@ -341,10 +341,9 @@ class SchedulerSide:
         holder.make_room(blocks_needed, keep=keep)
         if keep and holder.pool.get_num_free_blocks() < blocks_needed - 1:
             # Still short of what the request needs (the caller's spare block aside): its own
-            # session's lease goes too. Kept, it held blocks the request did not find as its
-            # prefix; a request queued behind it waited for ever (the pressure benchmark's
-            # stall: the prefill engine's head request waiting on its session's lease, the
-            # decode engine's whole cache registered for that engine's queued prefills).
+            # session's lease goes too, so that no lease makes a request wait. Kept, it would
+            # hold blocks the request did not find as its prefix while the request, and every
+            # request queued behind it, waited for them.
             holder.make_room(blocks_needed - 1)
         if len(holder.leases) != leases:
             self._gauges()
