@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 from vllm import SamplingParams
+from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request, RequestStatus
 
 from turnkv_server.connector.identity import token_digest
@@ -524,3 +526,54 @@ def test_a_requests_own_lease_goes_too_when_other_leases_leave_too_little_room()
     admit(side, 16)
     assert list(side.holder.leases) == ["mine"]  # type: ignore[union-attr]
     assert pool.get_num_free_blocks() >= 17
+
+
+def test_room_counts_the_unheld_blocks_of_a_prefix_hit_as_taken_from_the_free_ones() -> None:
+    """vLLM admits a waiting request only if its whole sequence fits, and the blocks of its
+    prefix hit that nobody references are among the free blocks it takes. Counting only the
+    blocks past the hit made a request whose prefix was a shared, unheld system prompt look
+    as if it fitted while vLLM refused it, behind a lease that was never evicted."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def hashed(rid: str, tokens: int, session: str) -> Request:
+        params = {"turnkv": TurnParams(session=session).to_wire()}
+        return Request(rid, prompt(tokens), SamplingParams(
+            max_tokens=16, extra_args={"kv_transfer_params": params}), None,
+            block_hasher=hasher)
+
+    def cached(pool: BlockPool, req: Request, blocks: int) -> list[int]:
+        got = pool.get_new_blocks(blocks)
+        pool.cache_full_blocks(req, got, 0, blocks, BLOCK, 0)
+        return [b.block_id for b in got]
+
+    def scene(system_held: bool) -> tuple[BlockPool, SchedulerSide, Request]:
+        """A 5-block system prompt, cached, held by session mine's lease or by nobody;
+        session other's lease; then mine's next prompt of 15 blocks, which hits the 5."""
+        pool, side = setup()
+        system = hashed("sys", 5 * BLOCK, "mine")
+        side.on_new_request(system)
+        ids = cached(pool, system, 5)
+        if system_held:
+            finish(pool, side, system, ids)
+        else:
+            pool.free_blocks([pool.blocks[i] for i in reversed(ids)])
+        other_blocks = 15 if system_held else 20  # 11 blocks free either way
+        other = request("o", other_blocks * BLOCK, session="other")
+        side.on_new_request(other)
+        finish(pool, side, other, allocate(pool, other_blocks))
+        head = hashed("head", 15 * BLOCK, "mine")
+        side.on_new_request(head)
+        side.get_num_new_matched_tokens(head, 5 * BLOCK)
+        return pool, side, head
+
+    # Unheld hit: 11 free blocks (the 5 cached among them) for 10 new blocks past the hit,
+    # but admission takes all 15 (plus a spare): other's lease goes.
+    pool, side, _ = scene(system_held=False)
+    assert "other" not in side.holder.leases  # type: ignore[union-attr]
+    assert pool.get_num_free_blocks() >= 16
+    # Held hit (mine's own lease holds the 5): 11 free for the 10 past the hit and a spare;
+    # admission adopts the held 5 without taking a free block: other's lease stays.
+    pool, side, _ = scene(system_held=True)
+    assert sorted(side.holder.leases) == ["mine", "other"]  # type: ignore[union-attr]
+    assert pool.get_num_free_blocks() == 11

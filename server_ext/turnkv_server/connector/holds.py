@@ -36,6 +36,8 @@ class BlockPool(Protocol):
     def touch(self, blocks: Sequence[Any]) -> None: ...
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None: ...
     def get_num_free_blocks(self) -> int: ...
+    def get_cached_block(self, block_hash: Any, kv_cache_group_ids: list[int]
+                         ) -> list[Any] | None: ...
 
 
 class BlockHolder:
@@ -73,22 +75,44 @@ class BlockHolder:
         """Free the holds past their deadline; returns the references freed."""
         return self._free(self.leases.expire())
 
-    def make_room(self, blocks_needed: int, keep: Iterable[str] = ()) -> int:
+    def make_room(self, blocks_needed: int | Callable[[], int], keep: Iterable[str] = ()) -> int:
         """Free holds until `blocks_needed` blocks are free, or no hold is left to free (a
         request never waits on a lease). Returns the blocks that came back to the pool.
 
         Each victim is freed before the next is chosen and the pool's own free count decides:
         a held block that a running request (or another lease) also references goes back to
-        the pool only with its last reference, so it is not counted as room.
+        the pool only with its last reference, so it is not counted as room. A callable
+        `blocks_needed` is asked again after each victim: freeing a block the request will
+        hit as its prefix adds to both sides (`admission_need`).
         """
         pool = self.pool
+        need = blocks_needed if callable(blocks_needed) else lambda: blocks_needed
         start = pool.get_num_free_blocks()
-        while pool.get_num_free_blocks() < blocks_needed:
+        while pool.get_num_free_blocks() < need():
             released = self.leases.evict(keep)
             if not released.leases:
                 break
             self._free(released)
         return pool.get_num_free_blocks() - start
+
+    def admission_need(self, block_size: int, num_tokens: int, block_hashes: Sequence[Any],
+                       hit_tokens: int) -> int:
+        """The free blocks vLLM's admission takes for a waiting request of `num_tokens` tokens
+        whose first `hit_tokens` are a local prefix hit: every block of the sequence (it admits a
+        prompt only if all of it fits) less the hit blocks something else references. A hit block
+        nobody references sits among the free blocks, and adopting it takes it from them, so it
+        counts: leaving it out made a request wait behind a lease for ever while it looked as if
+        it fitted. Without hashes at `block_size` granularity every hit block counts.
+        """
+        if getattr(self.pool, "hash_block_size", block_size) != block_size:
+            block_hashes = ()
+        referenced = 0
+        for block_hash in block_hashes[:hit_tokens // block_size]:
+            cached = self.pool.get_cached_block(block_hash, [0])
+            if cached is None:
+                break
+            referenced += cached[0].ref_cnt > 0
+        return -(-num_tokens // block_size) - referenced
 
     def _free(self, released: Released) -> int:
         blocks = released.blocks

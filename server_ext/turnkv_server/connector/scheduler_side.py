@@ -24,11 +24,12 @@ block pool); it owns the block pool's extra references (`holds`) and decides, pe
   request (a hint sent between turns) renews the session's lease and holds nothing.
 
 Held blocks are invisible to vLLM's admission, so room is made here: before a waiting request
-is matched (`make_room` for its missing blocks) and when a running request cannot grow
-(`has_pending_block_frees`, which says yes only if blocks really went back to the pool). A
-lease never makes a request wait. When leases are not enough, sends that no receiver has
-registered for yet are abandoned; the router can also abandon a send it knows nobody will
-register for (`abandon`). The sends owed and their abandons are kept in `pending_sends`.
+is matched (`make_room` for the blocks admission will take: `BlockHolder.admission_need`) and
+when a running request cannot grow (`has_pending_block_frees`, which says yes only if blocks
+really went back to the pool). A lease never makes a request wait. When leases are not enough,
+sends that no receiver has registered for yet are abandoned; the router can also abandon a
+send it knows nobody will register for (`abandon`). The sends owed and their abandons are
+kept in `pending_sends`.
 
 Leases expire on time on an idle engine too: a timer thread wakes the engine at the next
 deadline (`idle_expiry`).
@@ -85,6 +86,8 @@ class Request(Protocol):
     @property
     def all_token_ids(self) -> Sequence[int]: ...
     @property
+    def block_hashes(self) -> Sequence[Any]: ...
+    @property
     def status(self) -> Enum: ...
 
 
@@ -120,8 +123,7 @@ class SchedulerSide:
         step; without it, leases expire at the engine's next step."""
         # vLLM keeps one block as its null block; the cap is a share of the usable ones.
         self.holder = BlockHolder(pool, LeaseTable(max(1, total_blocks - 1), self.policy))
-        # vLLM's `reset_prefix_cache` (the API's, and sleep's) fails while any block is in use,
-        # and calls `reset_cache` only after it: leases are released before it runs.
+        # vLLM's prefix-cache reset fails while a block is in use: leases are released first.
         release_leases_before_reset(pool, self.reset_cache)
         self._expiry.bind(wake)
 
@@ -173,9 +175,7 @@ class SchedulerSide:
                                    num_computed_tokens: int) -> tuple[int, bool]:
         tracked = self._tracked.get(request.request_id)
         session = tracked.params.session if tracked else None
-        missing = request.num_tokens - num_computed_tokens
-        self._make_room(math.ceil(missing / self.block_size) + 1,
-                        keep=[session] if session else [])
+        self._make_room(request, num_computed_tokens, keep=[session] if session else [])
         if tracked is None or tracked.params.receive is None or tracked.receive_done:
             return 0, False
         receive = tracked.params.receive
@@ -335,21 +335,24 @@ class SchedulerSide:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _make_room(self, blocks_needed: int, keep: list[str]) -> None:
+    def _make_room(self, request: Request, hit_tokens: int, keep: list[str]) -> None:
         holder = self._holder()
-        leases = len(holder.leases)
-        holder.make_room(blocks_needed, keep=keep)
-        if keep and holder.pool.get_num_free_blocks() < blocks_needed - 1:
-            # Still short of what the request needs (the caller's spare block aside): its own
-            # session's lease goes too, so that no lease makes a request wait. Kept, it would
-            # hold blocks the request did not find as its prefix while the request, and every
-            # request queued behind it, waited for them.
-            holder.make_room(blocks_needed - 1)
+        leases, pool = len(holder.leases), holder.pool
+
+        def needed() -> int:  # and a spare block for the first generated token
+            return holder.admission_need(self.block_size, request.num_tokens,
+                                         request.block_hashes, hit_tokens) + 1
+
+        holder.make_room(needed, keep=keep)
+        if keep and pool.get_num_free_blocks() < needed() - 1:
+            # Still short (the spare aside): its own session's lease goes too, or it would hold
+            # blocks the request did not find as its prefix while the request waited for them.
+            holder.make_room(lambda: needed() - 1)
         if len(holder.leases) != leases:
             self._gauges()
             self._arm()
         # Leases were not enough: sends nobody has registered for yet give their blocks up.
-        for transfer_id in self._sends.for_room(blocks_needed - holder.pool.get_num_free_blocks()):
+        for transfer_id in self._sends.for_room(needed() - pool.get_num_free_blocks()):
             self._abandon(transfer_id)
 
     def _abandon(self, transfer_id: str) -> None:
