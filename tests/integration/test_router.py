@@ -164,6 +164,51 @@ def test_session_api_and_bad_input(cluster: tuple[Cluster, ClusterState],
     assert stats["mode"] == state.mode and len(stats["engines"]) == 3
 
 
+@pytest.mark.cluster(CLUSTERS["turnkv"])
+def test_peers_dialects_reuse_the_session_as_the_turnkv_tag_does(
+    reference: Reference, clusters: ClusterPool, client: httpx.Client
+) -> None:
+    """Dynamo's session header, `nvext.session_control` and `nvext.agent_hints`, and OpenAI's
+    `prompt_cache_key`, where the five-turn test sends the turnkv tag (docs/protocol.md,
+    "Peers' dialects"): the same outputs and the same reuse, in turnkv mode (the dialects are
+    the router's reading of a request, the same in every mode)."""
+    _, state = clusters.get(CLUSTERS["turnkv"])
+    session_id = "dialect-run:researcher"
+    held_before: int | None = None
+    for turn in range(1, TURNS + 1):
+        headers = {"x-dynamo-session-id": session_id}
+        extra: dict[str, object] = {"cache_salt": session_id, "prompt_cache_key": "script"}
+        if turn == 1:
+            extra["nvext"] = {"session_control": {"session_id": session_id, "action": "open",
+                                                  "timeout": 600},
+                              "agent_hints": {"priority": 5, "osl": MAX_TOKENS}}
+        if turn == TURNS:
+            headers["x-dynamo-session-final"] = "true"
+        out = routed_chat(state.router, state.served_model_name, reference.messages[turn - 1],
+                          MAX_TOKENS, session=None, stream=turn % 2 == 0, client=client,
+                          headers=headers, extra=extra)
+        _assert_same(reference.turns[turn - 1], out, turn)
+        stats, tokens = out.stats, out.stats["prompt_tokens"]
+        assert stats["session_id"] == session_id and stats["turn"] == turn
+        # As under the turnkv tag: every later turn is a short delta, which the decode engine
+        # holding the session's history computes from its last full block.
+        assert (stats["prefill_node"] is None) == (turn > 1)
+        if held_before is not None:
+            shared = stats["prefix_break_at"] or held_before
+            assert tokens["decode_computed"] < tokens["total"] - shared + 128
+        record = client.get(f"{state.router}/v1/turnkv/sessions/{session_id}")
+        if turn == TURNS:
+            assert record.status_code == 404  # X-Dynamo-Session-Final ended it
+            break
+        session = record.json()
+        assert session["turns"] == turn and session["priority"] == 5
+        assert session["prefix_id"].startswith("pck-")
+        # The open's timeout is the first lease; later turns renew the router's default.
+        assert (300 < session["expires_in_s"] <= 600) == (turn == 1)
+        held_before = session["tokens_held"]
+        assert held_before == tokens["total"] + len(out.completion.token_ids)
+
+
 def test_a_killed_decode_engine_falls_back_to_the_other_pair(
     reference: Reference, cluster: tuple[Cluster, ClusterState], client: httpx.Client
 ) -> None:

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from turnkv import protocol as p
 from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.dialects import DialectError, read_dialects
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
 from turnkv_server.router.placement import Engine, EnginePool
@@ -93,9 +94,9 @@ class Router:
             return error_response(401, "missing or unknown API key")
         try:
             body = await self._read_body(request)
-            tag = extract_tag(body, request.headers)
+            tag = extract_tag(body, request.headers, tenant)
             _check_supported(body)
-        except BadRequest as exc:
+        except (BadRequest, DialectError) as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
             return error_response(exc.status, exc.message, param=exc.param)
         if self.tenants.enforced:
@@ -216,8 +217,10 @@ _HEADER_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def extract_tag(body: dict[str, Any], headers: Mapping[str, str]) -> p.TurnTag | None:
-    """Pop the tag from ``body`` (mutates it) and merge the headers under it."""
+def extract_tag(body: dict[str, Any], headers: Mapping[str, str],
+                tenant: str = DEFAULT_TENANT) -> p.TurnTag | None:
+    """Pop the tag from ``body`` (mutates it), merge the headers under it and peers' dialects
+    under both; raises `DialectError` for a dialect field it cannot read."""
     raw = body.pop("turnkv", None)
     if raw is not None and not isinstance(raw, dict):
         raise BadRequest("'turnkv' must be an object", param="turnkv")
@@ -236,6 +239,7 @@ def extract_tag(body: dict[str, Any], headers: Mapping[str, str]) -> p.TurnTag |
                 merged.setdefault("hints", {}).update(value)
             else:
                 merged[key] = value
+    merged = read_dialects(body, headers, tenant).under(merged)
     if not merged:
         return None
     try:
