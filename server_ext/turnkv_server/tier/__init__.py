@@ -1,0 +1,15 @@
+"""A tier below the engine's KV cache: an evicted session's KV kept in host memory (and, through
+vLLM's tiering, on local disk) and loaded back on its next turn instead of recomputed.
+
+Built on vLLM's own offloading framework (`OffloadingConnector` and `vllm/v1/kv_offload/`):
+vLLM keeps the scheduler side (which blocks are offloaded, where, what to evict); this package
+gives it a worker that runs on CPU hosts. See docs/tier.md.
+
+- `settings`: the tier's settings, checked (host size in blocks or bytes, `offload_prompt_only`);
+- `addressing`: which engine block goes to which host chunk slot, per transfer;
+- `host_copy`: the copy between the engine's KV tensors and the host buffer (torch, CPU);
+- `vllm_spec`: the specs vLLM loads by module path (`HostOffloadingSpec`,
+  `HostTieringOffloadingSpec`) and their worker; the only module here that imports vLLM.
+
+Importing this package imports nothing of vLLM.
+"""
