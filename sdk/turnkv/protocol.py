@@ -88,13 +88,17 @@ class PromptTokens(BaseModel):
     prefill_cached: int | None = None
     prefill_received: int | None = Field(default=None,
                                          description="read back from the decode engine")
+    prefill_restored: int | None = Field(
+        default=None, description="loaded from the engine's lower tier (host memory)")
     prefill_computed: int | None = None
-    # Cached plus received, where the mode does not report the split.
+    # Cached, received and restored, where the mode does not report the split.
     prefill_reused: int | None = None
     # On the decode engine.
     decode_cached: int | None = None
     decode_received: int | None = Field(default=None,
                                         description="moved from the prefill engine")
+    decode_restored: int | None = Field(
+        default=None, description="loaded from the engine's lower tier (host memory)")
     decode_computed: int | None = None
 
 

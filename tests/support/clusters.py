@@ -303,6 +303,16 @@ LEASE_EVICTION = ClusterSpec("lease-eviction", EngineSet(
         "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,
         connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0)))
 
+# test_tier.py's pair: LEASE_EVICTION's, each engine with a host-memory tier of
+# TIER_HOST_BLOCKS blocks below its cache (vLLM's offloading connector with this project's
+# host spec, under vLLM's MultiConnector after the turnkv connector).
+TIER_HOST_BLOCKS = 128
+TIER = ClusterSpec("tier", EngineSet(
+    "tiny-turnkv-1p1d-32-blocks-tier", lambda run_dir: _tiny(
+        "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,
+        connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0,
+        tier_host_blocks=TIER_HOST_BLOCKS)))
+
 # The SDK, adapter and example tests: one prefill and one decode engine behind the router in
 # `bidirectional` mode, where a session's turns reuse its KV. `state.router` is the router's
 # URL; clients use `state.router + "/v1"`.

@@ -25,17 +25,20 @@ from tests.support.oracle import Completion, greedy_chat
 @dataclass(frozen=True)
 class Script:
     """A conversation of `turns` turns, each answered with at most `max_tokens` tokens; with
-    `edited_at`, one more request: that turn's history with turn 1's reply replaced by
-    `edit`."""
+    `edited_at`, one more request: that turn's history with the reply of turn
+    `edited_reply` replaced by `edit`."""
 
     turns: int
     max_tokens: int
     edited_at: int | None = None
     edit: str = ""
+    edited_reply: int = 1
 
     @property
     def salt(self) -> str:
         edited = f"-edited-at-{self.edited_at}" if self.edited_at is not None else ""
+        if self.edited_reply != 1:
+            edited += f"-reply-{self.edited_reply}"
         return f"reference-{self.turns}x{self.max_tokens}{edited}"
 
 
@@ -60,7 +63,7 @@ def play(base_url: str, model: str, script: Script, client: httpx.Client) -> Ref
     reference = Reference(outputs, conversation(replies, script.turns))
     if script.edited_at is not None:
         edited = conversation(replies, script.turns)[script.edited_at - 1]
-        edited[2] = {"role": "assistant", "content": script.edit}
+        edited[2 * script.edited_reply] = {"role": "assistant", "content": script.edit}
         reference.edited_messages = edited
         reference.edited_turn = greedy_chat(base_url, model, edited, script.max_tokens,
                                             client=client, extra=extra)
@@ -102,7 +105,11 @@ ROUTER_SCRIPT = Script(turns=5, max_tokens=24, edited_at=3, edit=(
     "Let me restate my first answer more briefly: crashes can lose buffered writes."))
 # Shared sessions play all five turns; test_faults.py plays the first four.
 SHORT_SCRIPT = Script(turns=5, max_tokens=16)
-TINY_SCRIPTS = (ROUTER_SCRIPT, SHORT_SCRIPT)
+# test_tier.py's: four turns, and the fourth again with turn 3's reply rewritten, so that the
+# edited history still shares whole blocks with what the tier holds.
+TIER_SCRIPT = Script(turns=4, max_tokens=16, edited_at=4, edited_reply=3, edit=(
+    "Only the HTTP handler can see a key twice; the backup job cannot."))
+TINY_SCRIPTS = (ROUTER_SCRIPT, SHORT_SCRIPT, TIER_SCRIPT)
 
 # test_turnkv_connector.py's SmolLM2 conversation: eight turns, and the fourth again with turn
 # 1's reply rewritten. Played before the SmolLM2 pair starts (`smollm2_references`).

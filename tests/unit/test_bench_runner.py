@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,9 @@ def test_cluster_config_is_the_same_for_every_mode_but_the_mode(tmp_path: Path) 
     end_write = cluster_config("turnkv-end-write", settings, tmp_path)
     assert (end_write.mode, end_write.connector_settings) == ("turnkv", {"layer_writes": False})
     assert cluster_config("turnkv", settings, tmp_path).connector_settings == {}
+    tiered = replace(settings, tier_host_blocks=96)
+    assert cluster_config("turnkv-tier", tiered, tmp_path).tier_host_blocks == 96
+    assert cluster_config("turnkv", tiered, tmp_path).tier_host_blocks is None
     for mode in ("single", "standard", "bidirectional", "push", "turnkv"):
         config = cluster_config(mode, settings, tmp_path / mode)
         assert (config.mode, config.prefill_cache) == (mode, True)

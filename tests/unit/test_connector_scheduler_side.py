@@ -577,3 +577,32 @@ def test_room_counts_the_unheld_blocks_of_a_prefix_hit_as_taken_from_the_free_on
     pool, side, _ = scene(system_held=True)
     assert sorted(side.holder.leases) == ["mine", "other"]  # type: ignore[union-attr]
     assert pool.get_num_free_blocks() == 11
+
+
+def test_a_step_that_schedules_nothing_while_a_request_could_run_ends_a_lease() -> None:
+    """vLLM asks for room only before a new request's admission and when a running request
+    cannot grow: a request whose KV arrived, waiting for the blocks of its last tokens, asks
+    nothing, and behind a lease would wait for ever (every step empty). Each such step ends
+    the least valuable lease; steps that compute something, or whose requests all wait for
+    their KV, end none."""
+    pool, side = setup()
+    for n, session in enumerate(("a", "b")):
+        req = request(f"r{n}", 160, session=session)
+        side.on_new_request(req)
+        finish(pool, side, req, allocate(pool, 10))
+    leases = side.holder.leases  # type: ignore[union-attr]
+    stuck = request("r2", 320, session="c")
+    side.on_new_request(stuck)
+    stuck.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    side.build_orders(scheduled_tokens=0)  # its KV is still arriving: nothing to do
+    side.build_orders(scheduled_tokens=8)
+    assert sorted(leases) == ["a", "b"]
+    stuck.status = RequestStatus.WAITING  # arrived; now it waits for room
+    side.build_orders(scheduled_tokens=8)  # something ran: not stuck
+    assert sorted(leases) == ["a", "b"]
+    side.build_orders(scheduled_tokens=0)
+    assert sorted(leases) == ["b"]
+    assert side.take_stats()["leases_stuck"] == 1
+    finish(pool, side, stuck, [])  # gone: an empty step is an idle one
+    side.build_orders(scheduled_tokens=0)
+    assert sorted(leases) == ["b"]

@@ -65,6 +65,31 @@ def test_engine_command_and_environment(tmp_path: Path) -> None:
     assert SECRET_ENV not in env
 
 
+def test_a_tier_puts_the_turnkv_connector_first_under_vllms_multiconnector() -> None:
+    """MultiConnector loads from the first connector that reports tokens: turnkv's, so that
+    KV the peer pushes wins; the tier serves the rest. vLLM reads the load-failure policy
+    and the engine ID from the top level only."""
+    plain = kv_transfer_config("turnkv", "decode", "e1", connector_settings={"a": 1})
+    assert plain is not None and plain["kv_connector"] == "TurnkvConnector"
+    tiered = kv_transfer_config("turnkv", "decode", "e1", connector_settings={"a": 1},
+                                tier_host_blocks=64)
+    assert tiered is not None
+    assert (tiered["kv_connector"], tiered["kv_load_failure_policy"], tiered["engine_id"]) == (
+        "MultiConnector", "recompute", "e1")
+    turnkv, tier = tiered["kv_connector_extra_config"]["connectors"]
+    assert turnkv == {k: v for k, v in plain.items() if k != "engine_id"}
+    assert tier["kv_connector"] == "OffloadingConnector"
+    extra = tier["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"], extra["host_blocks"]) == (
+        "HostOffloadingSpec", "turnkv_server.tier.vllm_spec", 64)
+    # Replies are an agent's next prompt: vLLM's default would store prompts only.
+    assert extra["offload_prompt_only"] is False
+    # Aggregated and single engines load no connector, tier or not.
+    assert kv_transfer_config("turnkv", "engine", "e2", tier_host_blocks=64) is None
+    with pytest.raises(ValueError):
+        kv_transfer_config("turnkv", "prefill", "e0", tier_host_blocks=0)
+
+
 def test_the_side_channel_secret_is_per_cluster_and_only_in_the_environment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "inherited")

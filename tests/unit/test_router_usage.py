@@ -139,3 +139,30 @@ def test_no_note_without_the_block_size() -> None:
     record = pd_stats(120, 0)
     stats.finish(turn(prompt[:100], prompt), plan, record, 8, None, usage(119), None)
     assert record.note is None
+
+
+def test_the_prefill_engines_reply_splits_its_own_hits_from_the_tiers() -> None:
+    """vLLM's cached tokens count what a lower tier loaded too: the turnkv engine's reply says
+    how many its own prefix cache held, and the rest were restored from the tier. Without a
+    reply (an upstream connector) nothing is split, and nothing is guessed."""
+    def tokens(params: dict[str, Any] | None) -> p.PromptTokens:
+        prefill = stats.PrefillResult(transfer_params=params, prompt_token_ids=None,
+                                      prompt_tokens=600, cached_tokens=512, elapsed_ms=1.0)
+        return stats.begin(turn([], list(range(600))), pd_plan(), prefill, "turnkv", None,
+                           None).prompt_tokens
+
+    split = tokens({"turnkv": {"local_tokens": 128}})
+    assert (split.prefill_cached, split.prefill_restored, split.prefill_computed,
+            split.prefill_reused) == (128, 384, 88, 512)
+    unsplit = tokens(None)
+    assert (unsplit.prefill_cached, unsplit.prefill_restored) == (512, None)
+
+
+def test_a_short_delta_s_reply_splits_the_decode_engines_hits_from_the_tiers() -> None:
+    plan = alone_plan(list(range(300)), 20)
+    found = p.TurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=300))
+    stats.finish(turn([], list(range(300))), plan, found, 8, None, usage(cached=256),
+                 {"turnkv": {"local_tokens": 128}})
+    tokens = found.prompt_tokens
+    assert (tokens.decode_cached, tokens.decode_restored, tokens.decode_computed) == (
+        128, 128, 44)

@@ -156,13 +156,19 @@ def run_bench(options: BenchOptions, command: list[str], console: Console,
                               concurrency=options.concurrency, trace=options.trace,
                               kv_cache_tokens=kv_tokens, count_tokens=count_tokens)
     bound_bytes = (_bound_kv_cache_bytes(options, model_dir, kv_bytes, workload, count_tokens)
-                   if "bound" in modes else None)
+                   if {"bound", "turnkv-tier"} & set(modes) else None)
+    tier_blocks = None
+    if "turnkv-tier" in modes:
+        if bound_bytes is None:
+            raise PlanError("turnkv-tier sizes its tier to hold every session beside a sized "
+                            "cache: run a pressure preset or give --kv-cache-bytes")
+        tier_blocks = bound_bytes // (BLOCK_TOKENS * kv_bytes_per_token(model_dir, options.dtype))
     settings = BenchSettings(model=options.model, dtype=options.dtype, kv_cache_bytes=kv_bytes,
                              max_model_len=_max_model_len(options, model_dir, kv_tokens),
                              kv_recompute_threshold=options.kv_recompute_threshold,
                              short_delta_tokens=options.short_delta_tokens,
                              itl_target_ms=options.itl_target_ms,
-                             bound_kv_cache_bytes=bound_bytes,
+                             bound_kv_cache_bytes=bound_bytes, tier_host_blocks=tier_blocks,
                              turn_timeout_s=options.turn_timeout,
                              stall_timeout_s=options.stall_timeout)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -95,6 +95,12 @@ class BlockHolder:
             self._free(released)
         return pool.get_num_free_blocks() - start
 
+    def evict_one(self, reason: str = "pressure") -> bool:
+        """End the least valuable lease for room; False if no lease is left."""
+        released = self.leases.evict(reason=reason)
+        self._free(released)
+        return bool(released.leases)
+
     def admission_need(self, block_size: int, num_tokens: int, block_hashes: Sequence[Any],
                        hit_tokens: int) -> int:
         """The free blocks vLLM's admission takes for a waiting request of `num_tokens` tokens

@@ -232,13 +232,14 @@ class LeaseTable:
         """Whether some lease is past its deadline and waits for `expire`."""
         return self.next_expiry() <= self._clock()
 
-    def evict(self, keep: Iterable[str] = ()) -> Released:
+    def evict(self, keep: Iterable[str] = (), reason: str = "pressure") -> Released:
         """End the least valuable lease, for room: the one whose session is expected back last,
         then the lowest priority (see the module docstring); sessions in `keep` (the request
         being admitted) are spared. Nothing left to end: an empty `Released` (a request never
-        waits on a pin; vLLM's admission decides)."""
+        waits on a pin; vLLM's admission decides). `reason`: "stuck" for a step that
+        scheduled nothing (`room`)."""
         victim = self._victim(exclude=set(keep))
-        return Released(() if victim is None else (self._end(victim, "pressure"),), "pressure")
+        return Released(() if victim is None else (self._end(victim, reason),), reason)
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -23,12 +23,12 @@ block pool); it owns the block pool's extra references (`holds`) and decides, pe
   steps; the next turn's prompt hits them as ordinary prefix-cache blocks. A `renew_only`
   request (a hint sent between turns) renews the session's lease and holds nothing.
 
-Held blocks are invisible to vLLM's admission, so room is made here: before a waiting request
-is matched (`make_room` for the blocks admission will take: `BlockHolder.admission_need`) and
-when a running request cannot grow (`has_pending_block_frees`, which says yes only if blocks
-really went back to the pool). A lease never makes a request wait. When leases are not enough,
-sends that no receiver has registered for yet are abandoned; the router can also abandon a
-send it knows nobody will register for (`abandon`). The sends owed and their abandons are
+Held blocks are invisible to vLLM's admission, so `room` gives them back: before a waiting
+request is matched, when a running request cannot grow (`has_pending_block_frees`, which says
+yes only if blocks really went back to the pool) and after a step that scheduled nothing while
+a request could run. A lease never makes a request wait. When leases are not enough, sends
+that no receiver has registered for yet are abandoned; the router can also abandon a send it
+knows nobody will register for (`abandon`). The sends owed and their abandons are
 kept in `pending_sends`.
 
 Leases expire on time on an idle engine too: a timer thread wakes the engine at the next
@@ -61,6 +61,7 @@ from turnkv_server.connector.orders import (
     StreamOrder,
 )
 from turnkv_server.connector.pending_sends import PendingSends
+from turnkv_server.connector.room import Room
 from turnkv_server.connector.stats import SchedulerCounters
 from turnkv_server.engine.protocol import KEY, BadParams, TurnParams, TurnReply, parse
 
@@ -108,6 +109,7 @@ class SchedulerSide:
         self.block_size = block_size
         self.policy = policy or LeasePolicy()
         self.holder: BlockHolder | None = None
+        self.room: Room | None = None
         self._tracked: dict[str, _Tracked] = {}
         # Requests whose blocks a peer is still writing: their transfer ID and those blocks.
         # vLLM frees them when the receive ends.
@@ -123,6 +125,7 @@ class SchedulerSide:
         step; without it, leases expire at the engine's next step."""
         # vLLM keeps one block as its null block; the cap is a share of the usable ones.
         self.holder = BlockHolder(pool, LeaseTable(max(1, total_blocks - 1), self.policy))
+        self.room = Room(self.holder, self._sends, self.block_size, self._abandon)
         # vLLM's prefix-cache reset fails while a block is in use: leases are released first.
         release_leases_before_reset(pool, self.reset_cache)
         self._expiry.bind(wake)
@@ -133,6 +136,7 @@ class SchedulerSide:
     # -- callbacks ---------------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
+        self._room().arrived(request)
         try:
             params = parse(request.kv_transfer_params)
         except BadParams as exc:
@@ -175,7 +179,12 @@ class SchedulerSide:
                                    num_computed_tokens: int) -> tuple[int, bool]:
         tracked = self._tracked.get(request.request_id)
         session = tracked.params.session if tracked else None
-        self._make_room(request, num_computed_tokens, keep=[session] if session else [])
+        if self._room().for_admission(request, num_computed_tokens,
+                                      keep=[session] if session else []):
+            self._gauges()
+            self._arm()
+        if tracked is not None:  # the reply's local hit, receiving or not
+            tracked.local_tokens = num_computed_tokens
         if tracked is None or tracked.params.receive is None or tracked.receive_done:
             return 0, False
         receive = tracked.params.receive
@@ -183,7 +192,6 @@ class SchedulerSide:
         if receive.peer_tokens is not None:
             available = min(available, receive.peer_tokens)
         external = max(0, available - num_computed_tokens)
-        tracked.local_tokens = num_computed_tokens
         tracked.external_tokens = external
         return external, external > 0
 
@@ -237,6 +245,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: Sequence[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        self._room().left(request.request_id)
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
@@ -302,21 +311,22 @@ class SchedulerSide:
         """A running request cannot grow: give back the least valuable leases until a block
         comes back to the pool. True only if one did: vLLM then retries instead of preempting,
         and a lease whose blocks a running request also uses frees nothing."""
-        holder = self._holder()
-        leases = len(holder.leases)
-        freed = holder.make_room(holder.pool.get_num_free_blocks() + 1)
-        if len(holder.leases) != leases:
+        freed, ended = self._room().for_growth()
+        if ended:
             self._gauges()
             self._arm()
-        return freed > 0
+        return freed
 
     def has_pending_push_work(self) -> bool:
         """Whether the engine must step although it has no request: a lease is past its
         deadline (see `idle_expiry`)."""
         return self.holder is not None and self.holder.leases.due()
 
-    def build_orders(self) -> StepOrders:
+    def build_orders(self, scheduled_tokens: int | None = None) -> StepOrders:
+        """The step's orders; `scheduled_tokens`: what the step computes (`Room`)."""
         self._expire()
+        if scheduled_tokens is not None and self._room().for_stuck_step(scheduled_tokens):
+            self._gauges()
         self._arm()
         orders, self._orders = self._orders, StepOrders()
         return orders
@@ -334,26 +344,6 @@ class SchedulerSide:
         return self._stats.take(self._holder().leases.released_total if self.holder else {})
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _make_room(self, request: Request, hit_tokens: int, keep: list[str]) -> None:
-        holder = self._holder()
-        leases, pool = len(holder.leases), holder.pool
-
-        def needed() -> int:  # and a spare block for the first generated token
-            return holder.admission_need(self.block_size, request.num_tokens,
-                                         request.block_hashes, hit_tokens) + 1
-
-        holder.make_room(needed, keep=keep)
-        if keep and pool.get_num_free_blocks() < needed() - 1:
-            # Still short (the spare aside): its own session's lease goes too, or it would hold
-            # blocks the request did not find as its prefix while the request waited for them.
-            holder.make_room(lambda: needed() - 1)
-        if len(holder.leases) != leases:
-            self._gauges()
-            self._arm()
-        # Leases were not enough: sends nobody has registered for yet give their blocks up.
-        for transfer_id in self._sends.for_room(needed() - pool.get_num_free_blocks()):
-            self._abandon(transfer_id)
 
     def _abandon(self, transfer_id: str) -> None:
         if self._sends.abandon(transfer_id):
@@ -374,6 +364,11 @@ class SchedulerSide:
         if self.holder is None:
             raise RuntimeError("the turnkv connector was not bound to a block pool")
         return self.holder
+
+    def _room(self) -> Room:
+        self._holder()
+        assert self.room is not None
+        return self.room
 
     def _expire(self) -> None:
         if self._holder().expire():

@@ -46,13 +46,13 @@ COUNTERS = (
     *(f.name for f in fields(TransferCounters)),
     "tokens_requested", "transfers_declined",
     "lease_hits", "lease_misses", "blocks_held", "leases_renewed", "renewals_missed",
-    "leases_released", "leases_expired", "leases_over_cap", "leases_pressure",
+    "leases_released", "leases_expired", "leases_over_cap", "leases_pressure", "leases_stuck",
 )
 GAUGES = ("pinned_blocks", "leases")
 # Why a lease ended (the lease table's `released_total` keys) -> the counter it adds to.
 RELEASE_COUNTERS = {"release": "leases_released", "reset": "leases_released",
                     "expired": "leases_expired", "over_cap": "leases_over_cap",
-                    "pressure": "leases_pressure"}
+                    "pressure": "leases_pressure", "stuck": "leases_stuck"}
 
 HELP = {
     "blocks_sent": "KV blocks this engine wrote to another engine",
@@ -83,6 +83,7 @@ HELP = {
     "leases_expired": "Leases ended by their TTL",
     "leases_over_cap": "Leases ended because pinned blocks passed the cap",
     "leases_pressure": "Leases ended to make room for a request",
+    "leases_stuck": "Leases ended after a step scheduled nothing while a request could run",
     "pinned_blocks": "Distinct KV blocks held under leases",
     "leases": "Live session leases",
 }

@@ -38,6 +38,7 @@ inside the engine core's constructor), so that leases expire on time on an idle 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -49,6 +50,7 @@ from turnkv_server.engine.nixl_poll import apply_poll_delay
 
 apply_poll_delay()
 
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -254,7 +256,7 @@ class TurnkvConnector(KVConnectorBase_V1):
             added = cached.new_block_ids[i]
             sched.scheduled(req_id, added[0] if added else [], req_id in cached.resumed_req_ids,
                             cached.num_computed_tokens[i], counts.get(req_id, 0))
-        return TurnkvMetadata(sched.build_orders())
+        return TurnkvMetadata(sched.build_orders(scheduler_output.total_num_scheduled_tokens))
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -337,3 +339,13 @@ class TurnkvConnector(KVConnectorBase_V1):
     def _work(self) -> WorkerSide:
         assert self._worker is not None, "a worker-side call on the scheduler's connector"
         return self._worker
+
+
+# Under vLLM's `MultiConnector` (turnkv beside a lower tier) each child's stats cross from the
+# engine core to the API server as plain data, found again by the child's class name in vLLM's
+# connector registry (upstream `kv_connector/v1/multi_connector.py`,
+# `build_kv_connector_stats`): unregistered, the API server's output handler fails on the
+# first stats and the engine answers 503. Loading the connector by module path imports this
+# module in both processes.
+with contextlib.suppress(ValueError):  # registered already (imported under two names)
+    KVConnectorFactory.register_connector("TurnkvConnector", __name__, "TurnkvConnector")

@@ -82,13 +82,13 @@ class ClusterConfig:
     engine_extra_args: tuple[str, ...] = field(default_factory=tuple)
     # Extra command-line arguments for the router (see `python -m turnkv_server.router -h`).
     router_args: tuple[str, ...] = field(default_factory=tuple)
-    # turnkv: the connector's kv_connector_extra_config (lease TTLs, pin cap, timeouts).
+    # turnkv: the connector's kv_connector_extra_config (lease TTLs, pin cap, timeouts), and
+    # each engine's host-memory KV tier in engine blocks (None: no tier).
     connector_settings: dict[str, Any] = field(default_factory=dict)
-    # turnkv: the secret that authenticates the engines' side-channel messages to each other;
-    # None: a new random one for each cluster. Engines get it in their environment only.
+    tier_host_blocks: int | None = None
+    # turnkv: the engines' side-channel secret (their environment only); None: a new one.
     side_channel_secret: str | None = field(default=None, repr=False)
-    # vLLM's cache, shared by the engines (`EngineSpec.vllm_cache_dir`); None: the folder
-    # $TURNKV_VLLM_CACHE_DIR names (the test suite's), else `vllm-cache` in the run folder.
+    # vLLM's cache, shared by the engines; None: $TURNKV_VLLM_CACHE_DIR, else the run folder's.
     vllm_cache_dir: Path | None = None
 
     def roles(self) -> list[Role]:
@@ -204,7 +204,8 @@ class Cluster:
                     nixl_port=nixl_port,
                     kv_transfer_config=kv_transfer_config(
                         cfg.mode, role, f"turnkv-{name}-{run_tag}", cfg.decoder_kv_ttl,
-                        cfg.kv_recompute_threshold, cfg.connector_settings),
+                        cfg.kv_recompute_threshold, cfg.connector_settings,
+                        cfg.tier_host_blocks),
                     dtype=resolve_dtype(cfg.dtype),
                     prefix_caching=cfg.prefill_cache or role != "prefill",
                     kv_cache_bytes=cfg.kv_cache_bytes,

@@ -5,6 +5,12 @@ upstream modes load vLLM's own NIXL connectors through `NIXL_CONNECTOR_MODULE`, 
 re-exports them tuned for CPU hosts. A `single` engine, or an `affinity` cluster's aggregated
 engine, loads none. `Cluster` puts the result in each engine's spec, and names each engine's
 `engine_id` from it on the router's command line.
+
+A turnkv engine with a lower tier (`tier_host_blocks`) loads two connectors under vLLM's
+`MultiConnector`: turnkv's first, so that KV the peer engine pushes wins (MultiConnector loads
+from the first connector that reports tokens), then vLLM's `OffloadingConnector` with this
+project's host-memory spec (`turnkv_server.tier`), which serves what neither the prefix cache
+nor the peer has: a session whose blocks were evicted under pressure.
 """
 
 from __future__ import annotations
@@ -15,24 +21,36 @@ from turnkv_server.launcher.engine import Role
 
 NIXL_CONNECTOR_MODULE = "turnkv_server.engine.nixl_tuning"
 TURNKV_CONNECTOR_MODULE = "turnkv_server.connector.vllm_connector"
+TIER_SPEC_MODULE = "turnkv_server.tier.vllm_spec"
 
 
 def kv_transfer_config(
     mode: str, role: Role, engine_id: str, decoder_kv_ttl: float = 120.0,
     recompute_threshold: int | None = None, connector_settings: dict[str, Any] | None = None,
+    tier_host_blocks: int | None = None,
 ) -> dict[str, Any] | None:
     """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``."""
     if role in ("single", "engine"):
         return None
     if mode == "turnkv":
         # One class on both roles; a failed receive is recomputed, never served.
-        return {
+        turnkv = {
             "kv_connector": "TurnkvConnector",
             "kv_connector_module_path": TURNKV_CONNECTOR_MODULE,
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "engine_id": engine_id,
             "kv_connector_extra_config": dict(connector_settings or {}),
+        }
+        if tier_host_blocks is None:
+            return {**turnkv, "engine_id": engine_id}
+        # vLLM reads the load-failure policy from the engine's own config, not a child's.
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "engine_id": engine_id,
+            "kv_connector_extra_config": {
+                "connectors": [turnkv, host_tier(tier_host_blocks)]},
         }
     config: dict[str, Any] = {
         "kv_connector": "NixlPushConnector" if mode == "push" else "NixlConnector",
@@ -52,3 +70,21 @@ def kv_transfer_config(
         if recompute_threshold is not None:
             config["kv_connector_extra_config"]["kv_recompute_threshold"] = recompute_threshold
     return config
+
+
+def host_tier(host_blocks: int) -> dict[str, Any]:
+    """vLLM's `OffloadingConnector` over this project's host-memory spec, `host_blocks` engine
+    blocks big; replies are stored too (vLLM's default stores prompts only, and an agent's
+    next turn starts with its last reply)."""
+    if host_blocks < 1:
+        raise ValueError("the host tier needs at least one block")
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "HostOffloadingSpec",
+            "spec_module_path": TIER_SPEC_MODULE,
+            "host_blocks": host_blocks,
+            "offload_prompt_only": False,
+        },
+    }

@@ -106,10 +106,16 @@ def _prompt_tokens(plan: TurnPlan, prefill: PrefillResult | None,
         return p.PromptTokens(total=prefill.prompt_tokens, prefill_reused=prefill.cached_tokens,
                               prefill_computed=computed)
     # The decode engine's split is not reported per request by the upstream connectors (the
-    # turnkv connector's comes in `finish`).
-    return p.PromptTokens(total=prefill.prompt_tokens, prefill_cached=prefill.cached_tokens,
-                          prefill_received=0, prefill_reused=prefill.cached_tokens,
-                          prefill_computed=computed)
+    # turnkv connector's comes in `finish`). vLLM's cached tokens count what a lower tier
+    # loaded too; the turnkv engine's reply says which of them its own prefix cache held.
+    local, restored = prefill.cached_tokens, None
+    figures = parse_reply(prefill.transfer_params)
+    if figures is not None:
+        local = min(figures.local_tokens, prefill.cached_tokens)
+        restored = prefill.cached_tokens - local
+    return p.PromptTokens(total=prefill.prompt_tokens, prefill_cached=local,
+                          prefill_received=0, prefill_restored=restored,
+                          prefill_reused=prefill.cached_tokens, prefill_computed=computed)
 
 
 def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: int,
@@ -127,6 +133,10 @@ def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: in
         # (in P/D it reports the prefill engine's, so they are not read there).
         tokens.decode_cached = int(cached)
         tokens.decode_computed = tokens.total - int(cached)
+        alone = parse_reply(reply)
+        if alone is not None:  # non-streamed: the reply splits the engine's own hits off
+            tokens.decode_cached = min(alone.local_tokens, int(cached))
+            tokens.decode_restored = int(cached) - tokens.decode_cached
     if plan.alone is not None:
         # It computed the prompt itself: its timing is the turn's prefill. (In P/D it computed
         # at most a token: the prefill engine's timing stays.)
@@ -264,8 +274,9 @@ class RouterMetrics:
         if stats.prefix_break_at is not None:
             self.prefix_breaks.inc()
         tokens = stats.prompt_tokens
-        for source in ("prefill_cached", "prefill_received", "prefill_computed",
-                       "decode_cached", "decode_received", "decode_computed"):
+        for source in ("prefill_cached", "prefill_received", "prefill_restored",
+                       "prefill_computed", "decode_cached", "decode_received",
+                       "decode_restored", "decode_computed"):
             value = getattr(tokens, source)
             if value:
                 self.prompt_tokens.labels(source).inc(value)

@@ -1,0 +1,102 @@
+"""Room for requests: when leases, and sends nobody has registered for, give their blocks back.
+
+vLLM's scheduler counts held blocks as used and cannot give them back itself, so a lease must
+never make a request wait. The scheduler side calls here at three moments:
+
+- before a waiting request is matched (`for_admission`): leases end, least valuable first,
+  until the blocks vLLM's admission will take are free (`BlockHolder.admission_need`); the
+  request's own session's lease last, only if the others were not enough;
+- when a running request cannot grow (`for_growth`): until one block comes back;
+- after a step that scheduled nothing while a request was ready to run (`for_stuck_step`):
+  vLLM asks the connector nothing for a request whose KV has arrived and that now waits in
+  its queue for the blocks its last tokens need, nor for one its admission refused for a
+  reason the estimate missed. Such a step ends one lease; the next step tries again.
+
+When no lease is left, sends that no receiver has registered for yet give their blocks up
+(`abandon`). Runs in vLLM's engine-core thread, like the rest of the scheduler side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from enum import Enum
+from typing import Any, Protocol
+
+from turnkv_server.connector.holds import BlockHolder
+from turnkv_server.connector.pending_sends import PendingSends
+
+# vLLM's statuses of a request that could run if it had the blocks (upstream
+# `v1/request.py`); one waiting for its KV to arrive could not.
+READY = frozenset({"WAITING", "PREEMPTED"})
+
+
+class Request(Protocol):
+    """The part of vLLM's `Request` read here."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def block_hashes(self) -> Sequence[Any]: ...
+    @property
+    def status(self) -> Enum: ...
+
+
+class Room:
+    """Makes room on one engine's block pool; each method returns whether a lease ended."""
+
+    def __init__(self, holder: BlockHolder, sends: PendingSends, block_size: int,
+                 abandon: Callable[[str], None]) -> None:
+        self.holder = holder
+        self.block_size = block_size
+        self._sends = sends
+        self._abandon = abandon
+        # Every request the engine holds, turnkv's or not: a step that schedules nothing is
+        # stuck only if one of them could run.
+        self._requests: dict[str, Request] = {}
+
+    def arrived(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def left(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def for_admission(self, request: Request, hit_tokens: int, keep: list[str]) -> bool:
+        """`request` waits with a local prefix hit of `hit_tokens`; `keep`: its session."""
+        holder, pool = self.holder, self.holder.pool
+        leases = len(holder.leases)
+
+        def needed() -> int:  # and a spare block for the first generated token
+            return holder.admission_need(self.block_size, request.num_tokens,
+                                         request.block_hashes, hit_tokens) + 1
+
+        holder.make_room(needed, keep=keep)
+        if keep and pool.get_num_free_blocks() < needed() - 1:
+            # Still short (the spare aside): its own session's lease goes too, or it would hold
+            # blocks the request did not find as its prefix while the request waited for them.
+            holder.make_room(lambda: needed() - 1)
+        self._abandon_sends(needed() - pool.get_num_free_blocks())
+        return len(holder.leases) != leases
+
+    def for_growth(self) -> tuple[bool, bool]:
+        """A running request cannot grow: (whether a block came back, whether a lease
+        ended). A lease whose blocks a running request also uses frees nothing."""
+        leases = len(self.holder.leases)
+        freed = self.holder.make_room(self.holder.pool.get_num_free_blocks() + 1)
+        return freed > 0, len(self.holder.leases) != leases
+
+    def for_stuck_step(self, scheduled_tokens: int) -> bool:
+        """The step just built schedules `scheduled_tokens` tokens: none while a request is
+        ready to run means it waits for room (nothing runs that could free any)."""
+        if scheduled_tokens or not any(r.status.name in READY
+                                       for r in self._requests.values()):
+            return False
+        if self.holder.evict_one("stuck"):
+            return True
+        self._abandon_sends(1)
+        return False
+
+    def _abandon_sends(self, blocks_short: int) -> None:
+        for transfer_id in self._sends.for_room(blocks_short):
+            self._abandon(transfer_id)

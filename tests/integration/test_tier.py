@@ -1,0 +1,150 @@
+"""The host tier on a real turnkv pair (tiny model, float32, 32-block caches): a session whose
+blocks were evicted from both engines' caches finds its history again in the tier below them
+and loads it instead of computing it, and its output still equals a single engine's.
+
+Each engine runs the turnkv connector and, after it under vLLM's `MultiConnector`, vLLM's
+offloading connector with this project's host-memory spec (`turnkv_server.tier`): every block
+an engine computes is copied to host memory; a request whose prefix is neither in the engine's
+cache nor pushed by the peer is served from there. A session plays three turns; two long
+prompts of other sessions then take every block of both caches (the session's leases end for
+room); its fourth turn loads its history from the prefill engine's tier. Then, evicted again,
+the fourth turn is asked once more with turn 3's reply rewritten: the tier serves the blocks
+before the edit only, and the output equals the single engine's for the edited history.
+
+The turn stats split the prefill engine's reused tokens into its own cache hits
+(`prefill_cached`) and the tier's (`prefill_restored`), which vLLM's offloading metrics confirm
+byte for byte. Nothing here is timed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.clusters import TIER, TINY_BLOCK_BYTES, ClusterPool
+from tests.support.conversation import SYSTEM, USER_TURNS
+from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
+from tests.support.reference import TIER_SCRIPT, Reference, References
+from tests.support.waiting import wait_for
+from turnkv.protocol import CacheHints, TurnTag
+from turnkv.tagging import tag_headers
+from turnkv_server.engine.metrics import families, fetch, fetch_connector_counters
+from turnkv_server.launcher import ClusterState
+
+BLOCK = 128
+SESSION = "tier-session"
+# The eviction prompts' text: about 3,800 tokens with the system prompt, of the 4,096 a cache
+# holds (the model takes 4,096).
+WORDS = " ".join(USER_TURNS * 6).split()
+CLUSTER = TIER
+pytestmark = pytest.mark.cluster(CLUSTER)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_references: References) -> Reference:
+    return tiny_references[TIER_SCRIPT]
+
+
+def engine_urls(state: ClusterState) -> dict[str, str]:
+    endpoints = state.endpoints()
+    return {"prefill": endpoints["prefill"][0],  # type: ignore[index]
+            "decode": endpoints["decode"][0]}  # type: ignore[index]
+
+
+def restored_bytes(url: str) -> float:
+    """Bytes vLLM's offloading connector has loaded from the tier into the engine's cache."""
+    for family in families(fetch(url)):
+        if family.name == "vllm:kv_offload_total_bytes":
+            return sum(s.value for s in family.samples if s.name.endswith("_total")
+                       and s.labels.get("transfer_type") == "CPU_to_GPU")
+    return 0.0
+
+
+def tier_in_use(url: str) -> float | None:
+    """The share of the tier's chunks that loads or stores in flight hold (vLLM's manager
+    gauge; evictable and free chunks aside): 0 once every transfer is over, or space leaks."""
+    for family in families(fetch(url)):
+        if family.name == "vllm:kv_offload_cpu_cache_usage_perc":
+            return sum(s.value for s in family.samples)
+    return None
+
+
+def no_leases(urls: dict[str, str]) -> bool:
+    return all(fetch_connector_counters(url).get("leases", 0.0) == 0 for url in urls.values())
+
+
+def turn(state: ClusterState, client: httpx.Client, number: int,
+         messages: list[dict[str, Any]], expected: Completion) -> RoutedCompletion:
+    out = routed_chat(state.router, state.served_model_name, messages, TIER_SCRIPT.max_tokens,
+                      session=None, stream=False, client=client,
+                      headers=tag_headers(TurnTag(session_id=SESSION, turn=number)),
+                      extra={"cache_salt": SESSION})
+    verdict = compare(expected, out.completion)
+    print(f"turn {number}: {verdict.describe()}; {out.stats['prompt_tokens']}")
+    assert verdict.acceptable, f"turn {number}: {verdict.describe()}"
+    tokens = out.stats["prompt_tokens"]
+    assert (tokens["prefill_cached"] + tokens["prefill_restored"] + tokens["prefill_computed"]
+            == tokens["total"]), tokens
+    return out
+
+
+def evict(state: ClusterState, client: httpx.Client, urls: dict[str, str], tag: str) -> None:
+    """Two long prompts of sessions that end with their turn take every block of both caches:
+    the first ends the session's leases for room and takes most of its blocks, the second
+    the rest (vLLM reuses freed blocks oldest first)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": " ".join(WORDS)}]
+    for k in range(2):
+        session = f"tier-evict-{tag}-{k}"
+        out = routed_chat(state.router, state.served_model_name, messages, 4, session=None,
+                          stream=False, client=client,
+                          headers=tag_headers(TurnTag(session_id=session, turn=1,
+                                                      hints=CacheHints(final=True))),
+                          extra={"cache_salt": session})
+        assert out.stats["prompt_tokens"]["total"] > 28 * BLOCK, out.stats
+    wait_for(lambda: no_leases(urls), "no lease left on either engine")
+
+
+def test_an_evicted_session_is_restored_from_the_tier_with_a_single_engines_output(
+    reference: Reference, clusters: ClusterPool
+) -> None:
+    _, state = clusters.get(CLUSTER)
+    urls = engine_urls(state)
+    # (No gauge yet on engines that never reported tier stats.)
+    assert all(tier_in_use(url) in (None, 0.0) for url in urls.values())
+    with httpx.Client(timeout=600) as client:
+        for number in (1, 2, 3):
+            turn(state, client, number, reference.messages[number - 1],
+                 reference.turns[number - 1])
+        evict(state, client, urls, "a")
+
+        # Turn 4: the history comes back from the prefill engine's tier, not computed again.
+        before = restored_bytes(urls["prefill"])
+        out = turn(state, client, 4, reference.messages[3], reference.turns[3])
+        tokens = out.stats["prompt_tokens"]
+        assert tokens["prefill_restored"] >= BLOCK, tokens
+        assert tokens["prefill_computed"] < tokens["total"] - BLOCK, tokens
+        wait_for(lambda: restored_bytes(urls["prefill"]) > before, "the tier's load counted")
+        loaded = restored_bytes(urls["prefill"]) - before
+        assert loaded == tokens["prefill_restored"] // BLOCK * TINY_BLOCK_BYTES, (loaded, tokens)
+
+        # Turn 4 again with turn 3's reply rewritten, evicted again first: the tier serves the
+        # blocks before the edit, never KV of the old reply.
+        assert reference.edited_messages is not None and reference.edited_turn is not None
+        evict(state, client, urls, "b")
+        edited = turn(state, client, 4, reference.edited_messages, reference.edited_turn)
+        tokens = edited.stats["prompt_tokens"]
+        shared = edited.stats["prefix_break_at"]
+        assert shared is not None, edited.stats
+        assert tokens["prefill_restored"] >= BLOCK, tokens
+        assert tokens["prefill_cached"] + tokens["prefill_restored"] <= shared, edited.stats
+
+        for counters in map(fetch_connector_counters, urls.values()):
+            assert counters.get("receives_failed", 0.0) == 0, counters
+            assert counters.get("sends_failed", 0.0) == 0, counters
+        assert client.delete(f"{state.router}/v1/turnkv/sessions/{SESSION}").status_code == 200
+        wait_for(lambda: no_leases(urls), "the session's leases released")
+    # Every tier chunk a load or store held is given back.
+    wait_for(lambda: [tier_in_use(url) for url in urls.values()] == [0.0, 0.0],
+             "no tier chunk held on either engine")
