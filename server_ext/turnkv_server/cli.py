@@ -96,6 +96,12 @@ def up(
     short_delta_tokens: Annotated[int | None, typer.Option(
         help=SHORT_DELTA_HELP)] = None,
     itl_target_ms: Annotated[float | None, typer.Option(help=ITL_TARGET_HELP, min=0.0)] = None,
+    tier_host_blocks: Annotated[int | None, typer.Option(
+        help="turnkv, or affinity with --engine-leases: a host-memory KV tier of this many "
+             "blocks below each engine's cache (docs/tier.md)", min=1)] = None,
+    engine_leases: Annotated[bool, typer.Option(
+        help="affinity: the engines run the turnkv connector and hold sessions' leases")] = (
+        False),
     port: Annotated[int | None, typer.Option(
         help="router port (default: a free one, which the router binds itself)")] = None,
     redis: Annotated[str | None, typer.Option(
@@ -125,6 +131,7 @@ def up(
             prefill_cache=prefill_cache, kv_cache_bytes=kv_cache_bytes,
             cores_per_engine=cores_per_engine, router_port=port, run_dir=run_dir,
             decoder_kv_ttl=decoder_kv_ttl, short_delta_tokens=short_delta_tokens,
+            tier_host_blocks=tier_host_blocks, engine_leases=engine_leases,
             router_args=(*(("--redis", redis) if redis else ()),
                          *itl_target_args(itl_target_ms)),
             register_as_current=True,

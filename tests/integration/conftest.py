@@ -21,7 +21,8 @@ from turnkv_server.models import build_tiny
 # started come first, those that leave them otherwise later:
 # - the tiny turnkv pair with a 32-block cache (`lease-eviction`), right after the single tiny
 #   engine, which its test still needs (to size a prompt and play its reference) before the
-#   pair starts; then the same pair with a host tier (`tier`);
+#   pair starts; then the same pair with a host tier (`tier`), then an affinity router in
+#   front of its decode engine (`tier-affinity`);
 # - tiny turnkv engines: the shared-session routers (every block must be free at the end),
 #   then `cached_tokens` through the router (its sessions released at the end), then the
 #   faults (engines killed and restarted; sessions left open), then test_router.py, whose
@@ -33,9 +34,9 @@ from turnkv_server.models import build_tiny
 # - SmolLM2 turnkv engines (`connector`, after the single SmolLM2 engine played its
 #   references): the demo agent's test (test_examples.py; every block free at its end), then
 #   test_turnkv_connector.py, whose last test stops them.
-SCHEDULE = ("single-tiny", "lease-eviction", "tier", "shared-sessions", "usage-turnkv", "faults",
-            "router-turnkv", "router-affinity", "router-standard", "router-cluster",
-            "router-bidirectional", "router-push", "connector")
+SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "shared-sessions",
+            "usage-turnkv", "faults", "router-turnkv", "router-affinity", "router-standard",
+            "router-cluster", "router-bidirectional", "router-push", "connector")
 # Clusters that tests reach through a fixture of this file rather than a `cluster` mark.
 FIXTURE_CLUSTERS = {"router_cluster": ROUTER_CLUSTER, "plain_engine": SINGLE_TINY}
 

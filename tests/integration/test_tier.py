@@ -13,7 +13,12 @@ before the edit only, and the output equals the single engine's for the edited h
 
 The turn stats split the prefill engine's reused tokens into its own cache hits
 (`prefill_cached`) and the tier's (`prefill_restored`), which vLLM's offloading metrics confirm
-byte for byte. Nothing here is timed.
+byte for byte.
+
+Then the aggregated flavour on the same engines: an `affinity` router with `--engine-leases`
+in front of the decode engine alone, which serves whole turns. It holds the session's lease
+between turns (its connector's counters), loads the session's evicted history from its own
+tier, and releases the lease when the session is deleted. Nothing here is timed.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.clusters import TIER, TINY_BLOCK_BYTES, ClusterPool
+from tests.support.clusters import TIER, TIER_AFFINITY, TINY_BLOCK_BYTES, ClusterPool
 from tests.support.conversation import SYSTEM, USER_TURNS
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
 from tests.support.reference import TIER_SCRIPT, Reference, References
@@ -76,16 +81,19 @@ def no_leases(urls: dict[str, str]) -> bool:
 
 
 def turn(state: ClusterState, client: httpx.Client, number: int,
-         messages: list[dict[str, Any]], expected: Completion) -> RoutedCompletion:
+         messages: list[dict[str, Any]], expected: Completion, session: str = SESSION,
+         side: str = "prefill") -> RoutedCompletion:
+    """One turn of `session`, its output equal to a single engine's; the `side` engine's
+    parts of the prompt (its own hits, the tier's, computed) sum to the prompt."""
     out = routed_chat(state.router, state.served_model_name, messages, TIER_SCRIPT.max_tokens,
                       session=None, stream=False, client=client,
-                      headers=tag_headers(TurnTag(session_id=SESSION, turn=number)),
-                      extra={"cache_salt": SESSION})
+                      headers=tag_headers(TurnTag(session_id=session, turn=number)),
+                      extra={"cache_salt": session})
     verdict = compare(expected, out.completion)
     print(f"turn {number}: {verdict.describe()}; {out.stats['prompt_tokens']}")
     assert verdict.acceptable, f"turn {number}: {verdict.describe()}"
     tokens = out.stats["prompt_tokens"]
-    assert (tokens["prefill_cached"] + tokens["prefill_restored"] + tokens["prefill_computed"]
+    assert (tokens[f"{side}_cached"] + tokens[f"{side}_restored"] + tokens[f"{side}_computed"]
             == tokens["total"]), tokens
     return out
 
@@ -148,3 +156,39 @@ def test_an_evicted_session_is_restored_from_the_tier_with_a_single_engines_outp
     # Every tier chunk a load or store held is given back.
     wait_for(lambda: [tier_in_use(url) for url in urls.values()] == [0.0, 0.0],
              "no tier chunk held on either engine")
+
+
+@pytest.mark.cluster(TIER_AFFINITY)
+def test_an_aggregated_engine_holds_the_sessions_lease_and_restores_it_from_its_tier(
+    reference: Reference, clusters: ClusterPool
+) -> None:
+    _, state = clusters.get(TIER_AFFINITY)
+    engine = state.endpoints()["decode"][0]  # type: ignore[index]
+    urls = {"engine": engine}
+    session = "tier-aggregated"
+    with httpx.Client(timeout=600) as client:
+        wait_for(lambda: no_leases(urls), "no lease left from the previous test")
+        before = fetch_connector_counters(engine)
+        for number in (1, 2, 3):
+            out = turn(state, client, number, reference.messages[number - 1],
+                       reference.turns[number - 1], session, side="decode")
+            assert out.stats["prefill_node"] is None, out.stats  # the engine served it whole
+        # The engine holds the session's lease between turns, and turns 2 and 3 found it.
+        counters = fetch_connector_counters(engine)
+        assert counters.get("leases") == 1, counters
+        assert counters.get("lease_hits", 0.0) - before.get("lease_hits", 0.0) == 2, counters
+
+        evict(state, client, urls, "aggregated")
+        restored = restored_bytes(engine)
+        out = turn(state, client, 4, reference.messages[3], reference.turns[3], session,
+                   side="decode")
+        tokens = out.stats["prompt_tokens"]
+        assert tokens["decode_restored"] >= BLOCK, tokens
+        wait_for(lambda: restored_bytes(engine) > restored, "the tier's load counted")
+        assert restored_bytes(engine) - restored == (
+            tokens["decode_restored"] // BLOCK * TINY_BLOCK_BYTES), tokens
+
+        # Deleting the session ends its lease on the engine now, not at its TTL.
+        assert client.delete(f"{state.router}/v1/turnkv/sessions/{session}").status_code == 200
+        wait_for(lambda: no_leases(urls), "the session's lease released")
+    wait_for(lambda: tier_in_use(engine) == 0.0, "no tier chunk held")

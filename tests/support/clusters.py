@@ -194,7 +194,9 @@ class ClusterPool:
                 running.launched.config, mode=view.mode or running.launched.config.mode,
                 run_dir=run_dir, num_prefill=view.prefill,
                 num_decode=view.decode, router_args=(*view.args, *extra),
-                short_delta_tokens=view.short_delta_tokens, register_as_current=False)
+                short_delta_tokens=view.short_delta_tokens, register_as_current=False,
+                # The view starts a router only: the engines' tier is theirs already.
+                tier_host_blocks=None)
             launched = Cluster(config)
             engines = running.launched.engines
             prefill = [e for e in engines if e.spec.role == "prefill"][: view.prefill]
@@ -312,6 +314,10 @@ TIER = ClusterSpec("tier", EngineSet(
         "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,
         connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0,
         tier_host_blocks=TIER_HOST_BLOCKS)))
+# The aggregated flavour on the same engines: an affinity router with `--engine-leases` in
+# front of the decode engine alone, which serves whole turns with its connector and tier.
+TIER_AFFINITY = ClusterSpec("tier-affinity", TIER.engines, RouterView(
+    prefill=0, decode=1, mode="affinity", args=("--engine-leases",)))
 
 # The SDK, adapter and example tests: one prefill and one decode engine behind the router in
 # `bidirectional` mode, where a session's turns reuse its KV. `state.router` is the router's

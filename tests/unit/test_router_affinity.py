@@ -136,6 +136,42 @@ def test_the_plan_serves_every_turn_on_one_engine_with_no_kv_transfer() -> None:
     assert mode.affinity
 
 
+def test_with_engine_leases_every_turn_tells_its_engine_the_sessions_lease() -> None:
+    """Aggregated engines with the turnkv connector (`--engine-leases`): each turn carries the
+    session's lease as turnkv mode's requests do (tenant-scoped key, TTL, hints); a one-off
+    turn and a plain affinity router carry none."""
+    from turnkv.protocol import CacheHints, TurnTag
+    from turnkv_server.engine.protocol import parse
+    from turnkv_server.router.__main__ import parse_args
+    from turnkv_server.router.config import from_args
+    from turnkv_server.router.modes.leases import lease_key
+    from turnkv_server.router.sessions import Session, SessionKey
+
+    assert from_args(parse_args(["--mode", "affinity", "--engine", "http://a",
+                                 "--engine-leases"])).engine_leases
+    assert not from_args(parse_args(["--mode", "affinity", "--engine", "http://a"])
+                         ).engine_leases
+    engines = pool()
+    mode = make_mode("affinity", ModeContext(upstream=Upstream(), prefill_peers={},
+                                             decoder_kv_ttl=120.0, pool=engines,
+                                             engine_leases=True))
+    placement = engines.place(prefill=None, decode=None, prefix_id=None)
+    session = Session(SessionKey("t", "s"), 0.0, 0.0, 0.0)
+    tag = TurnTag(session_id="s", hints=CacheHints(next_turn_in=30.0, priority=2))
+    turn = Turn(path="/v1/chat/completions", body={"model": "m", "messages": []}, tag=tag,
+                session=session, want_token_ids=False, stream=False)
+    plan = asyncio.run(mode.plan(turn, placement))
+    assert plan.decode_params is not None and plan.prefill_params is None
+    params = parse(plan.decode_params)
+    assert params is not None
+    assert (params.session, params.next_turn_in_s, params.priority, params.release) == (
+        lease_key(session), 30.0, 2, False)
+    assert params.send is None and params.receive is None
+    one_off = Turn(path="/v1/chat/completions", body={"messages": []}, tag=None, session=None,
+                   want_token_ids=False, stream=False)
+    assert asyncio.run(mode.plan(one_off, placement)).decode_params is None
+
+
 # -- turns through the router -----------------------------------------------------------------
 
 

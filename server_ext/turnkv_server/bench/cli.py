@@ -15,6 +15,7 @@ from rich.console import Console
 
 from turnkv_server.bench import report
 from turnkv_server.bench.plan import (
+    TIER_MODES,
     BenchSettings,
     PlanError,
     build_workload,
@@ -156,12 +157,12 @@ def run_bench(options: BenchOptions, command: list[str], console: Console,
                               concurrency=options.concurrency, trace=options.trace,
                               kv_cache_tokens=kv_tokens, count_tokens=count_tokens)
     bound_bytes = (_bound_kv_cache_bytes(options, model_dir, kv_bytes, workload, count_tokens)
-                   if {"bound", "turnkv-tier"} & set(modes) else None)
+                   if {"bound", *TIER_MODES} & set(modes) else None)
     tier_blocks = None
-    if "turnkv-tier" in modes:
+    if set(TIER_MODES) & set(modes):
         if bound_bytes is None:
-            raise PlanError("turnkv-tier sizes its tier to hold every session beside a sized "
-                            "cache: run a pressure preset or give --kv-cache-bytes")
+            raise PlanError("the tier modes size their tier to hold every session beside a "
+                            "sized cache: run a pressure preset or give --kv-cache-bytes")
         tier_blocks = bound_bytes // (BLOCK_TOKENS * kv_bytes_per_token(model_dir, options.dtype))
     settings = BenchSettings(model=options.model, dtype=options.dtype, kv_cache_bytes=kv_bytes,
                              max_model_len=_max_model_len(options, model_dir, kv_tokens),

@@ -61,6 +61,10 @@ def pick_baseline(modes: list[str], baseline: str | None) -> str:
     return baseline
 
 
+# The modes with a host-memory tier under each engine's cache.
+TIER_MODES = ("turnkv-tier", "affinity-tier")
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     """The cluster settings every mode starts from, and the runner's limits."""
@@ -80,7 +84,8 @@ class BenchSettings:
     itl_target_ms: float | None = None
     # bound: each engine's KV cache, enough to hold every session (None: the engines' default).
     bound_kv_cache_bytes: int | None = None
-    # turnkv-tier: each engine's host-memory tier in blocks (as many as `bound`'s cache holds).
+    # turnkv-tier, affinity-tier: each engine's host-memory tier in blocks (as many as
+    # `bound`'s cache holds).
     tier_host_blocks: int | None = None
     turn_timeout_s: float = 300.0
     stall_timeout_s: float = 90.0
@@ -138,7 +143,8 @@ def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> Cluster
         short_delta_tokens=settings.short_delta_tokens,
         router_args=itl_target_args(settings.itl_target_ms),
         connector_settings={"layer_writes": False} if mode == "turnkv-end-write" else {},
-        tier_host_blocks=settings.tier_host_blocks if mode == "turnkv-tier" else None,
+        tier_host_blocks=settings.tier_host_blocks if mode in TIER_MODES else None,
+        engine_leases=mode == "affinity-tier",
         startup_timeout=settings.startup_timeout_s,
         run_dir=run_dir,
     )

@@ -10,7 +10,9 @@ never make a request wait. The scheduler side calls here at three moments:
 - after a step that scheduled nothing while a request was ready to run (`for_stuck_step`):
   vLLM asks the connector nothing for a request whose KV has arrived and that now waits in
   its queue for the blocks its last tokens need, nor for one its admission refused for a
-  reason the estimate missed. Such a step ends one lease; the next step tries again.
+  reason the estimate missed. Such a step ends one lease; the next step tries again. (A
+  paused scheduler schedules nothing too: its leases go the same way, which costs the sessions
+  a recompute or a restore, never wrong KV.)
 
 When no lease is left, sends that no receiver has registered for yet give their blocks up
 (`abandon`). Runs in vLLM's engine-core thread, like the rest of the scheduler side.

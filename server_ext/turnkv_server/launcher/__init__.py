@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from turnkv_server.launcher.cluster import (
-    MODES,
-    Cluster,
-    ClusterConfig,
-    ClusterStartError,
-    stop_cluster,
-)
+from turnkv_server.launcher.cluster import Cluster, ClusterStartError, stop_cluster
+from turnkv_server.launcher.config import MODES, ClusterConfig
 from turnkv_server.launcher.engine import EngineSpec, EngineStartError
 from turnkv_server.launcher.processes import ProcessRef
 from turnkv_server.launcher.state import ClusterState, current_run_dir

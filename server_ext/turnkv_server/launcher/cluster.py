@@ -3,10 +3,9 @@
 One launcher serves the demo, the tests and the benchmark. `Cluster` is a context manager:
 whatever happens while it starts or runs, leaving the block stops every process it started.
 
-Ports: the launcher chooses none. Every server binds port 0 and reports the port it got (the
-engines' HTTP servers and KV connectors, the router: `turnkv_server.ports`), so clusters
-started at the same time, or anything else on the machine, cannot take a port between its
-choice and its bind. The router starts once the engines have reported theirs.
+Ports: every server binds port 0 and reports the port it got (`turnkv_server.ports`), so
+nothing can take a port between its choice and its bind; the router starts once the engines
+have reported theirs.
 
 Each engine's KV connector settings (vLLM's `--kv-transfer-config`) come from `kv_transfer`.
 """
@@ -19,20 +18,18 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import httpx
 from rich.console import Console
 from rich.markup import escape
 
+from turnkv_server.launcher.config import VLLM_CACHE_ENV, ClusterConfig
 from turnkv_server.launcher.engine import (
     EngineProcess,
     EngineSpec,
     EngineStartError,
-    Role,
     read_tail,
     resolve_dtype,
 )
@@ -40,79 +37,8 @@ from turnkv_server.launcher.kv_transfer import kv_transfer_config
 from turnkv_server.launcher.processes import ProcessRef, stop_group
 from turnkv_server.launcher.progress import LogPhases, StartupDisplay
 from turnkv_server.launcher.state import ClusterState, ServerState, clear_current, set_current
-from turnkv_server.mode_names import CLUSTER_MODES as MODES
-from turnkv_server.mode_names import ClusterMode as Mode
 from turnkv_server.paths import turnkv_home
 from turnkv_server.ports import read_report
-
-VLLM_CACHE_ENV = "TURNKV_VLLM_CACHE_DIR"  # see ClusterConfig.vllm_cache_dir
-
-
-@dataclass
-class ClusterConfig:
-    """How to start a cluster. Defaults: one prefill and one decode engine, one core each;
-    in `affinity` mode, two aggregated engines."""
-
-    mode: Mode = "standard"
-    model: str = "smollm2"
-    num_prefill: int = 1
-    num_decode: int = 1
-    # affinity: aggregated engines (plain vLLM, prefix caching on), each serving its sessions.
-    num_aggregated: int = 2
-    dtype: str = "auto"
-    # Turn the prefill engine's prefix cache off: the baseline of vLLM's multi-turn blog.
-    prefill_cache: bool = True
-    kv_cache_bytes: int | None = None
-    max_model_len: int | None = None
-    cores_per_engine: int = 1
-    # bidirectional: how long decode engines hold a finished turn for the next prefill.
-    decoder_kv_ttl: float = 120.0
-    # bidirectional: read back only when at least this many tokens are missing (vLLM: 64).
-    kv_recompute_threshold: int | None = None
-    # turnkv: turns adding at most this many tokens run on the decode engine alone (None: the
-    # router's default).
-    short_delta_tokens: int | None = None
-    # Fixed ports; None: each server binds a free one and reports it.
-    router_port: int | None = None
-    engine_ports: list[int] | None = None
-    run_dir: Path | None = None
-    startup_timeout: float = 300.0
-    # Record this cluster as the one `turnkv status` / `turnkv down` act on by default.
-    register_as_current: bool = False
-    engine_extra_args: tuple[str, ...] = field(default_factory=tuple)
-    # Extra command-line arguments for the router (see `python -m turnkv_server.router -h`).
-    router_args: tuple[str, ...] = field(default_factory=tuple)
-    # turnkv: the connector's kv_connector_extra_config (lease TTLs, pin cap, timeouts), and
-    # each engine's host-memory KV tier in engine blocks (None: no tier).
-    connector_settings: dict[str, Any] = field(default_factory=dict)
-    tier_host_blocks: int | None = None
-    # turnkv: the engines' side-channel secret (their environment only); None: a new one.
-    side_channel_secret: str | None = field(default=None, repr=False)
-    # vLLM's cache, shared by the engines; None: $TURNKV_VLLM_CACHE_DIR, else the run folder's.
-    vllm_cache_dir: Path | None = None
-
-    def roles(self) -> list[Role]:
-        """Each engine's role, in start order."""
-        if self.mode == "single":
-            return ["single"]
-        if self.mode == "affinity":
-            return ["engine"] * self.num_aggregated
-        prefill: list[Role] = ["prefill"] * self.num_prefill
-        decode: list[Role] = ["decode"] * self.num_decode
-        return prefill + decode
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.mode == "affinity" and self.num_aggregated < 1:
-            raise ValueError("an affinity cluster needs at least one engine")
-        if self.mode not in ("single", "affinity") and (
-                self.num_prefill < 1 or self.num_decode < 1):
-            raise ValueError("a prefill/decode cluster needs at least one engine of each role")
-        if self.cores_per_engine < 1:
-            raise ValueError("cores_per_engine must be at least 1")
-        if self.short_delta_tokens is not None and self.short_delta_tokens < 0:
-            raise ValueError("short_delta_tokens must be non-negative")
 
 
 class ClusterStartError(RuntimeError):
@@ -182,8 +108,8 @@ class Cluster:
         if len(ports) != len(roles):
             raise ValueError(f"{len(roles)} engines need {len(roles)} ports, got {len(ports)}")
         # Only engines with a KV connector have a side channel.
-        nixl_ports: list[int | None] = [
-            None if role in ("single", "engine") else 0 for role in roles]
+        nixl_ports: list[int | None] = [None if role == "single" or (
+            role == "engine" and not cfg.engine_leases) else 0 for role in roles]
         cores = _core_sets(len(roles), cfg.cores_per_engine)
         # Unique per start: NIXL refuses a restarted peer that reuses its agent's name.
         run_tag = uuid.uuid4().hex[:8]
@@ -205,14 +131,14 @@ class Cluster:
                     kv_transfer_config=kv_transfer_config(
                         cfg.mode, role, f"turnkv-{name}-{run_tag}", cfg.decoder_kv_ttl,
                         cfg.kv_recompute_threshold, cfg.connector_settings,
-                        cfg.tier_host_blocks),
+                        cfg.tier_host_blocks, cfg.engine_leases),
                     dtype=resolve_dtype(cfg.dtype),
                     prefix_caching=cfg.prefill_cache or role != "prefill",
                     kv_cache_bytes=cfg.kv_cache_bytes,
                     max_model_len=cfg.max_model_len,
                     extra_args=cfg.engine_extra_args,
-                    side_channel_secret=(self.side_channel_secret if cfg.mode == "turnkv"
-                                         else None),
+                    side_channel_secret=(self.side_channel_secret
+                                         if cfg.mode == "turnkv" or cfg.engine_leases else None),
                     vllm_cache_dir=self.vllm_cache_dir,
                 )
             )
@@ -284,11 +210,10 @@ class Cluster:
             time.sleep(0.2)
 
     def router_command(self, port: int = 0, port_file: Path | None = None) -> list[str]:
-        """The command line of a router in front of this cluster's engines (once they are
-        healthy: it names the ports they bound), on `port` (0: a free one, reported in
-        `port_file`): the launcher's own, or another one sharing its sessions (`--redis` in
-        `router_args`)."""
-        mode: str = self.config.mode
+        """The command line of a router in front of this cluster's engines (once healthy), on
+        `port` (0: a free one, reported in `port_file`): the launcher's, or one sharing its
+        sessions (`--redis` in `router_args`)."""
+        cfg, mode = self.config, str(self.config.mode)
         if mode == "standard" and not self.config.prefill_cache:
             mode = "standard-nocache"
         cmd = [sys.executable, "-m", "turnkv_server.router", "--host", "127.0.0.1",
@@ -298,7 +223,7 @@ class Cluster:
             cmd += ["--port-file", str(port_file)]
         if self.config.short_delta_tokens is not None:
             cmd += ["--short-delta-tokens", str(self.config.short_delta_tokens)]
-        cmd += self.config.router_args
+        cmd += [*self.config.router_args, *(["--engine-leases"] if cfg.engine_leases else [])]
         for engine in self.engines:
             spec = engine.spec
             # An affinity router serves every turn on one engine, whatever role it was

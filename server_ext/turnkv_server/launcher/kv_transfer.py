@@ -2,9 +2,10 @@
 
 In `turnkv` mode every engine loads this project's connector (`TURNKV_CONNECTOR_MODULE`); the
 upstream modes load vLLM's own NIXL connectors through `NIXL_CONNECTOR_MODULE`, which
-re-exports them tuned for CPU hosts. A `single` engine, or an `affinity` cluster's aggregated
-engine, loads none. `Cluster` puts the result in each engine's spec, and names each engine's
-`engine_id` from it on the router's command line.
+re-exports them tuned for CPU hosts. A `single` engine loads none; an `affinity` cluster's
+aggregated engine loads none, or turnkv's with `engine_leases` (leases and the tier, no peer).
+`Cluster` puts the result in each engine's spec, and names each engine's `engine_id` from it on
+the router's command line.
 
 A turnkv engine with a lower tier (`tier_host_blocks`) loads two connectors under vLLM's
 `MultiConnector`: turnkv's first, so that KV the peer engine pushes wins (MultiConnector loads
@@ -27,12 +28,13 @@ TIER_SPEC_MODULE = "turnkv_server.tier.vllm_spec"
 def kv_transfer_config(
     mode: str, role: Role, engine_id: str, decoder_kv_ttl: float = 120.0,
     recompute_threshold: int | None = None, connector_settings: dict[str, Any] | None = None,
-    tier_host_blocks: int | None = None,
+    tier_host_blocks: int | None = None, engine_leases: bool = False,
 ) -> dict[str, Any] | None:
-    """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``."""
-    if role in ("single", "engine"):
+    """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``; an
+    aggregated engine's only with `engine_leases` (the turnkv connector, with no peer)."""
+    if role == "single" or (role == "engine" and not engine_leases):
         return None
-    if mode == "turnkv":
+    if mode == "turnkv" or role == "engine":
         # One class on both roles; a failed receive is recomputed, never served.
         turnkv = {
             "kv_connector": "TurnkvConnector",

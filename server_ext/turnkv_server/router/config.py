@@ -100,6 +100,9 @@ class RouterConfig:
         "(its tokens x the engine's measured prefill cost per token; before a measurement, "
         "any) is computed by the prefill engine instead; 0: short deltas on an idle decode "
         "engine only (default: off)", load=float))
+    engine_leases: bool = field(default=False, metadata=cli(
+        "affinity mode: the engines run the turnkv connector; tell each the session's lease "
+        "with every turn (its TTL, priority and expected return; `final` releases it)"))
     # None: this router's memory only.
     redis_url: str | None = field(default=None, metadata=cli(
         "share sessions with other routers through this Redis server, redis://HOST:PORT/DB "
@@ -163,6 +166,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     types = get_type_hints(RouterConfig)
     for f, option in _options():
         kind = types[f.name]
+        if kind is bool:
+            parser.add_argument(_flag(f, option), dest=f.name, action="store_true",
+                                help=help_for(f.name))
+            continue
         parser.add_argument(
             _flag(f, option), dest=f.name, help=help_for(f.name, with_default=True),
             metavar=_flag(f, option)[2:].replace("-", "_").upper(),

@@ -14,19 +14,65 @@ into `decode_cached` and `decode_computed`. The router does not tokenize the pro
 affinity router that did would cost this baseline a request per turn that session-affinity
 routers do not make. So the session keeps no token history here, and `prefix_break_at` stays
 null (the engine's prefix cache finds the shared prefix by itself).
+
+With `--engine-leases` the engines run the turnkv connector (an aggregated engine has no
+peer: no KV moves) and every turn tells its engine the session's lease as turnkv mode tells a
+pair (`leases.lease_params`): the engine holds the session's blocks after the turn, orders its
+evictions by the session's hints, and with a lower tier below it loads an evicted history back.
 """
 
 from __future__ import annotations
 
-from turnkv_server.router.modes.base import DecodeAlone, Mode, Turn, TurnPlan
-from turnkv_server.router.placement import Placement
+from turnkv.protocol import CacheHints
+from turnkv_server.engine.protocol import TurnParams
+from turnkv_server.router.modes.base import DecodeAlone, Mode, ModeContext, Turn, TurnPlan
+from turnkv_server.router.modes.engine_orders import EngineOrders
+from turnkv_server.router.modes.leases import lease_key, lease_params
+from turnkv_server.router.placement import Engine, Placement
+from turnkv_server.router.sessions import Session
+
+# The session's model, for the one-token requests that end or renew its engine's lease.
+MODEL = "affinity_model"
 
 
 class Affinity(Mode):
     affinity = True
 
+    def __init__(self, ctx: ModeContext) -> None:
+        super().__init__(ctx)
+        self._orders = EngineOrders(ctx, wait_before_renewal_s=0.0)
+
     async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
-        # No kv_transfer_params: the engines have no connector, and nothing is sent or kept.
-        # `held` False: nothing here judges whether an engine lost a session's KV.
-        return TurnPlan(placement, prefill_params=None,
+        # Plain engines get no kv_transfer_params: nothing is sent or kept. `held` False:
+        # nothing here judges whether an engine lost a session's KV.
+        params = None
+        if self.ctx.engine_leases and turn.session is not None:
+            turn.session.mode_state[MODEL] = turn.body.get("model")
+            params = lease_params(turn, self.ctx.session_policy)
+        return TurnPlan(placement, prefill_params=None, decode_params=params,
                         alone=DecodeAlone(None, new_tokens=0, held=False))
+
+    def drop_session(self, session: Session) -> None:
+        """Its engine's lease ends now rather than at its TTL."""
+        engine = self._engine_of(session)
+        if engine is not None:
+            release = TurnParams(session=lease_key(session), release=True)
+            self._orders.spawn(self._orders.tell(session.mode_state.get(MODEL),
+                                                 [(engine, release)]))
+
+    def hinted(self, session: Session, hints: CacheHints) -> None:
+        engine, model = self._engine_of(session), session.mode_state.get(MODEL)
+        if engine is None or model is None or hints.final or session.in_flight:
+            return
+        params = TurnParams(session=lease_key(session), renew_only=True,
+                            ttl_s=self.ctx.session_policy.engine_ttl(hints),
+                            priority=session.priority, next_turn_in_s=hints.next_turn_in)
+        self._orders.spawn(self._orders.renew(engine, model, params, None))
+
+    def _engine_of(self, session: Session) -> Engine | None:
+        """The healthy engine holding the session's lease, with `--engine-leases`."""
+        pool = self.ctx.pool
+        if not self.ctx.engine_leases or pool is None:
+            return None
+        return next((e for e in pool.engines() if e.name == session.decode and e.healthy),
+                    None)

@@ -137,6 +137,8 @@ class ModeContext:
     # turnkv: the ITL a short delta may stall the decode engine's other requests by, in ms
     # (None: no target).
     itl_target_ms: float | None = None
+    # affinity: the engines run the turnkv connector and hold each session's lease.
+    engine_leases: bool = False
     # The router's session TTLs (turnkv passes the engines the TTL a session's hints give it).
     session_policy: LeasePolicy = field(default_factory=LeasePolicy)
     # Counts each renew-only request sent for a hint between turns, by outcome ("sent",
@@ -157,7 +159,7 @@ class ModeContext:
         return cls(upstream=upstream, prefill_peers=peers, decoder_kv_ttl=config.decoder_kv_ttl,
                    clock=clock, side_channels=side_channels, pool=pool,
                    short_delta_tokens=config.short_delta_tokens,
-                   itl_target_ms=config.itl_target_ms,
+                   itl_target_ms=config.itl_target_ms, engine_leases=config.engine_leases,
                    session_policy=LeasePolicy(config.default_ttl, config.max_ttl),
                    count_renewal=count_renewal)
 

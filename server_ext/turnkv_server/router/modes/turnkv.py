@@ -45,13 +45,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from typing import Any
 
 from turnkv.protocol import CacheHints, FallbackReason
 from turnkv_server.engine.protocol import (
-    KEY,
     BadParams,
     Receive,
     Send,
@@ -70,6 +68,7 @@ from turnkv_server.router.modes.base import (
 )
 from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
+from turnkv_server.router.modes.leases import lease_key, lease_params, turn_hints
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session, common_prefix_len
 from turnkv_server.router.upstream import EngineConnectionError, Reply
@@ -96,12 +95,6 @@ PRESSURE_BACKOFF_MAX_S = 600.0
 # engine for this long, doubling while push backs go on failing.
 PUSH_BACK_BACKOFF_S = 30.0
 PUSH_BACK_BACKOFF_MAX_S = 600.0
-
-
-def lease_key(session: Session) -> str:
-    """The engines' name for a session: tenant-scoped, and no IDs or tenant names in their logs."""
-    raw = f"{session.key.tenant}\0{session.key.session_id}".encode()
-    return hashlib.sha256(raw).hexdigest()[:32]
 
 
 def new_tokens(prompt_ids: list[int], history: list[int]) -> int:
@@ -144,7 +137,7 @@ class Turnkv(Mode):
             session.mode_state[MODEL] = turn.body.get("model")
         # The decode engine keeps the turn for the push back, unless there is nothing to keep,
         # or nobody to keep it for: a push back to a prefill engine that is down is refused.
-        keep = (session is not None and not _hints(turn).final and placement.prefill.healthy
+        keep = (session is not None and not turn_hints(turn).final and placement.prefill.healthy
                 and not self._no_push_back.active(placement.prefill.name))
         decode_send = _transfer_id(turn, "d2p") if keep else None
         alone, diverted = await self._short_delta(turn, placement)
@@ -214,19 +207,7 @@ class Turnkv(Mode):
 
     def _params(self, turn: Turn, send: Send | None = None,
                 receive: Receive | None = None) -> dict[str, Any]:
-        session = turn.session
-        if session is None:
-            params = TurnParams(receive=receive, send=send)
-        else:
-            hints = _hints(turn)
-            # The hint rides on every request of the turn that leaves a lease behind (prefill,
-            # decode, push back): each engine orders its evictions by it.
-            params = TurnParams(session=lease_key(session),
-                                ttl_s=self.ctx.session_policy.engine_ttl(hints),
-                                priority=hints.priority or 0, release=hints.final,
-                                receive=receive, send=send,
-                                next_turn_in_s=None if hints.final else hints.next_turn_in)
-        return {KEY: params.to_wire()}
+        return lease_params(turn, self.ctx.session_policy, send, receive)
 
     # -- after it ----------------------------------------------------------------------------
 
@@ -360,5 +341,3 @@ def _receive_failed(reply: Reply) -> bool | None:
     return None if figures is None else figures.receive_failed
 
 
-def _hints(turn: Turn) -> CacheHints:
-    return turn.tag.hints if turn.tag is not None else CacheHints()

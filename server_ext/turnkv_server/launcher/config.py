@@ -1,0 +1,87 @@
+"""How to start a local cluster (`ClusterConfig`), checked before anything starts; `Cluster`
+(`cluster`) starts it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from turnkv_server.launcher.engine import Role
+from turnkv_server.mode_names import CLUSTER_MODES as MODES
+from turnkv_server.mode_names import ClusterMode as Mode
+
+VLLM_CACHE_ENV = "TURNKV_VLLM_CACHE_DIR"  # see ClusterConfig.vllm_cache_dir
+
+
+@dataclass
+class ClusterConfig:
+    """How to start a cluster. Defaults: one prefill and one decode engine, one core each;
+    in `affinity` mode, two aggregated engines."""
+
+    mode: Mode = "standard"
+    model: str = "smollm2"
+    num_prefill: int = 1
+    num_decode: int = 1
+    # affinity: aggregated engines (plain vLLM, prefix caching on), each serving its sessions.
+    num_aggregated: int = 2
+    dtype: str = "auto"
+    # Turn the prefill engine's prefix cache off: the baseline of vLLM's multi-turn blog.
+    prefill_cache: bool = True
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+    cores_per_engine: int = 1
+    # bidirectional: how long decode engines hold a finished turn for the next prefill, and
+    # read back only when at least this many tokens are missing (vLLM: 64).
+    decoder_kv_ttl: float = 120.0
+    kv_recompute_threshold: int | None = None
+    # turnkv: turns adding at most this many tokens run on the decode engine alone.
+    short_delta_tokens: int | None = None
+    # Fixed ports; None: each binds a free one and reports it.
+    router_port: int | None = None
+    engine_ports: list[int] | None = None
+    run_dir: Path | None = None
+    startup_timeout: float = 300.0
+    # The cluster `turnkv status` / `turnkv down` act on by default.
+    register_as_current: bool = False
+    engine_extra_args: tuple[str, ...] = field(default_factory=tuple)
+    # Extra command-line arguments for the router (see `python -m turnkv_server.router -h`).
+    router_args: tuple[str, ...] = field(default_factory=tuple)
+    # turnkv: the connector's kv_connector_extra_config (lease TTLs, pin cap, timeouts), each
+    # engine's host-memory KV tier in blocks (None: none); affinity with `engine_leases`: the
+    # engines run the turnkv connector (and the tier) and hold sessions' leases.
+    connector_settings: dict[str, Any] = field(default_factory=dict)
+    tier_host_blocks: int | None = None
+    engine_leases: bool = False
+    # turnkv: the engines' side-channel secret (their environment only); None: a new one.
+    side_channel_secret: str | None = field(default=None, repr=False)
+    # vLLM's cache, shared by the engines; None: $TURNKV_VLLM_CACHE_DIR, else the run folder's.
+    vllm_cache_dir: Path | None = None
+
+    def roles(self) -> list[Role]:
+        """Each engine's role, in start order."""
+        if self.mode == "single":
+            return ["single"]
+        if self.mode == "affinity":
+            return ["engine"] * self.num_aggregated
+        prefill: list[Role] = ["prefill"] * self.num_prefill
+        decode: list[Role] = ["decode"] * self.num_decode
+        return prefill + decode
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.mode == "affinity" and self.num_aggregated < 1:
+            raise ValueError("an affinity cluster needs at least one engine")
+        if self.mode not in ("single", "affinity") and (
+                self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("a prefill/decode cluster needs at least one engine of each role")
+        if self.cores_per_engine < 1:
+            raise ValueError("cores_per_engine must be at least 1")
+        if self.short_delta_tokens is not None and self.short_delta_tokens < 0:
+            raise ValueError("short_delta_tokens must be non-negative")
+        if (self.engine_leases and self.mode != "affinity") or (
+                self.tier_host_blocks is not None and self.mode != "turnkv"
+                and not self.engine_leases):
+            raise ValueError("engine_leases is for affinity clusters; tier_host_blocks for "
+                             "turnkv ones, or affinity ones with engine_leases")
