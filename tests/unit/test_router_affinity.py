@@ -182,6 +182,7 @@ class StandIn:
 
     prompt: int = 300
     cached: int = 256
+    delay_s: float = 0.0  # before it answers: turns that overlap
     seen: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     url: str = ""
@@ -205,6 +206,7 @@ class StandIn:
         body = orjson.loads(await request.read())
         self.paths.append(request.path)
         self.seen.append(body)
+        await asyncio.sleep(self.delay_s)
         usage = {"prompt_tokens": self.prompt, "completion_tokens": 2,
                  "prompt_tokens_details": {"cached_tokens": self.cached}}
         if not body.get("stream"):
@@ -378,3 +380,28 @@ def test_idle_engines_take_new_sessions_by_how_many_they_are_home_to() -> None:
     second.in_flight = 1
     assert engines.place(prefill=None, decode=None, prefix_id=None,
                          homed={first.name: 4, second.name: 1}).decode is first
+
+
+def test_sessions_that_start_together_count_each_others_placement() -> None:
+    """A new session's home counts from its placement, not from its first turn's end: five
+    sessions that share a warm prefix and start while each other's first turns are in flight
+    spread over both engines (every one went to the warm engine when only finished turns
+    counted, which is how one engine of an agent-pressure run got 7 of 8 sessions)."""
+
+    def body(session: str) -> dict[str, Any]:
+        return {**turn(session, False), "turnkv": {"session_id": session,
+                                                   "prefix_id": "agent-v1"}}
+
+    async def run() -> list[int]:
+        engines = [StandIn(delay_s=0.5), StandIn(delay_s=0.5)]
+        async with affinity_router(engines) as (_, url), httpx.AsyncClient(timeout=30) as c:
+            first = await c.post(f"{url}/v1/chat/completions", json=body("s0"))
+            assert first.status_code == 200  # s0's engine is now where agent-v1 is warm
+            replies = await asyncio.gather(*(c.post(f"{url}/v1/chat/completions",
+                                                    json=body(f"s{i}")) for i in range(1, 6)))
+            assert all(r.status_code == 200 for r in replies)
+        return [len(e.seen) for e in engines]  # one request per session's turn
+
+    counts = sorted(asyncio.run(run()))
+    # Warm engine: s0 and every second newcomer; the other: the rest (balance_sessions 1).
+    assert counts == [2, 4], counts

@@ -101,6 +101,9 @@ class Session:
     totals: SessionTotals = field(default_factory=SessionTotals)
     last_stats: dict[str, Any] | None = None  # the last turn's, as the client got them
     in_flight: bool = False
+    # A new session's decode engine while its first turn is in flight (placement counts it
+    # as home there: sessions that start together would otherwise all look homeless).
+    placed: str | None = None
 
 
 @dataclass(frozen=True)

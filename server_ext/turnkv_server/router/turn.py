@@ -11,10 +11,10 @@
 6. tells the mode how the decode request ended (`Mode.finish`), and remembers the turn.
 
 Engine trouble before the client has received a byte (connection refused, reset, a 5xx) marks
-the engine unhealthy and replays the turn on another pair, which is correct by construction:
-the new pair recomputes whatever it lacks. A failed read-back of the session's KV is replayed
-without reuse. Every engine request is owned from the moment it is sent until it is closed
-(`upstream.Stream`); the decode request by a `Decode`, which ends exactly once, on every path.
+the engine unhealthy and replays the turn on another pair, which recomputes whatever it lacks;
+a failed read-back of the session's KV is replayed without reuse. Every engine request is
+owned from its sending until it is closed (`upstream.Stream`); the decode request by a
+`Decode`, which ends exactly once, on every path.
 """
 
 from __future__ import annotations
@@ -115,10 +115,13 @@ class Turns:
         if not self.mode.affinity or session is None:
             return self.pool.round_robin()
         homed: Counter[str] = Counter()
-        if session.decode is None:  # a new session: where the live ones live
-            homed.update(s.decode for s in self.sessions.table if s.decode is not None)
-        return self.pool.place(prefill=session.prefill, decode=session.decode,
-                               prefix_id=turn.tag.prefix_id if turn.tag else None, homed=homed)
+        if session.decode is None:  # a new session: where the live ones live, or will
+            homed.update(h for s in self.sessions.table if (h := s.decode or s.placed))
+        placement = self.pool.place(prefill=session.prefill, decode=session.decode,
+                                    prefix_id=turn.tag.prefix_id if turn.tag else None,
+                                    homed=homed)
+        session.placed = placement.decode.name
+        return placement
 
     async def _attempt(self, turn: Turn, placement: Placement,
                        fallback: p.FallbackReason | None, detail: str | None) -> Response:
@@ -309,13 +312,10 @@ class Turns:
 
 
 class RelayResponse(StreamingResponse):
-    """A streamed turn's response.
-
-    The relay generator ends its decode request in its `finally`, but a generator that never
-    started (the client left before the first byte) has no `finally` to run, and one left at a
-    `yield` runs it only when it is collected: `on_end` runs as soon as the response is over,
-    however it ended.
-    """
+    """A streamed turn's response. The relay generator ends its decode request in its
+    `finally`, but a generator that never started (the client left before the first byte) has
+    no `finally` to run, and one left at a `yield` runs it only when it is collected: `on_end`
+    runs as soon as the response is over, however it ended."""
 
     def __init__(self, content: AsyncIterator[bytes], on_end: Callable[[], None],
                  **kwargs: Any) -> None:
