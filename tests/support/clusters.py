@@ -293,27 +293,22 @@ SMOLLM2_TURNKV = ClusterSpec("connector", EngineSet("smollm2-turnkv", lambda run
                   run_dir=run_dir, connector_settings={"lease_ttl_s": SMOLLM2_LEASE_S},
                   short_delta_tokens=SMOLLM2_SHORT_DELTA_TOKENS))))
 
-# test_lease_eviction.py's pair: one prefill and one decode engine (tiny model, float32) whose
-# KV caches hold LEASE_EVICTION_BLOCKS blocks each (and vLLM's null block: the tiny model's KV
-# takes 2,048 bytes a token, 128 tokens a block), 4,096 tokens, one prompt at the model's
-# length. Room, and room only, ends leases there: they may pin the whole cache (no pin cap),
-# and every turn goes through the prefill engine (no short deltas served by the decode engine
-# alone). Its one user talks to the launcher's router.
+# test_lease_eviction.py's and test_tier.py's pair: one prefill and one decode engine (tiny
+# model, float32) whose KV caches hold LEASE_EVICTION_BLOCKS blocks each (and vLLM's null
+# block: the tiny model's KV takes 2,048 bytes a token, 128 tokens a block), 4,096 tokens, one
+# prompt at the model's length, each with a host-memory tier of TIER_HOST_BLOCKS blocks below
+# it (vLLM's offloading connector with this project's host spec, under vLLM's MultiConnector
+# after the turnkv connector). Room, and room only, ends leases there: they may pin the whole
+# cache (no pin cap), and every turn goes through the prefill engine (no short deltas served by
+# the decode engine alone). Its users talk to the launcher's router.
 LEASE_EVICTION_BLOCKS = 32
-LEASE_EVICTION = ClusterSpec("lease-eviction", EngineSet(
-    "tiny-turnkv-1p1d-32-blocks", lambda run_dir: _tiny(
-        "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,
-        connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0)))
-
-# test_tier.py's pair: LEASE_EVICTION's, each engine with a host-memory tier of
-# TIER_HOST_BLOCKS blocks below its cache (vLLM's offloading connector with this project's
-# host spec, under vLLM's MultiConnector after the turnkv connector).
 TIER_HOST_BLOCKS = 128
-TIER = ClusterSpec("tier", EngineSet(
+LEASE_EVICTION = ClusterSpec("lease-eviction", EngineSet(
     "tiny-turnkv-1p1d-32-blocks-tier", lambda run_dir: _tiny(
         "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,
         connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0,
         tier_host_blocks=TIER_HOST_BLOCKS)))
+TIER = ClusterSpec("tier", LEASE_EVICTION.engines)
 # The aggregated flavour on the same engines: an affinity router with `--engine-leases` in
 # front of the decode engine alone, which serves whole turns with its connector and tier.
 TIER_AFFINITY = ClusterSpec("tier-affinity", TIER.engines, RouterView(
