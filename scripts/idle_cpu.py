@@ -7,6 +7,9 @@ engine's process group (API server, engine core, worker) over --window seconds o
 Writes the figures to --out as JSON and prints a table.
 
     python scripts/idle_cpu.py --modes turnkv,bidirectional --out docs/bench/idle-cpu.json
+
+`turnkv-tier` is turnkv with a host-memory tier of --tier-host-blocks blocks below each
+engine's cache (docs/tier.md).
 """
 
 from __future__ import annotations
@@ -44,13 +47,16 @@ def play(router: str, model: str, sessions: int, turns: int) -> None:
 
 
 def measure(mode: str, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    config = ClusterConfig(mode=mode, model=args.model, dtype="float32")
+    tier = mode == "turnkv-tier"
+    config = ClusterConfig(mode="turnkv" if tier else mode,
+                           model=args.model, dtype="float32",
+                           tier_host_blocks=args.tier_host_blocks if tier else None)
     with Cluster(config, console=console) as state:
         play(state.router, state.served_model_name, args.sessions, args.turns)
         time.sleep(args.settle)
         groups = {e.name: e.pid for e in state.engines}
         held = {}
-        if mode == "turnkv":
+        if config.mode == "turnkv":
             for name, url in zip(groups, [e.url for e in state.engines], strict=True):
                 counters = fetch_connector_counters(url)
                 held[name] = {"leases": counters.get("leases"),
@@ -74,6 +80,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--settle", type=float, default=5.0)
     parser.add_argument("--window", type=float, default=30.0)
+    parser.add_argument("--tier-host-blocks", type=int, default=256)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     console = Console(stderr=True)
