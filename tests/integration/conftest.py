@@ -23,6 +23,8 @@ from turnkv_server.models import build_tiny
 #   engine, which its test still needs (to size a prompt and play its reference) before the
 #   pair starts; then the same pair with a host tier (`tier`), then an affinity router in
 #   front of its decode engine (`tier-affinity`);
+# - the tiny turnkv pair with 128-block caches and 3 s leases: the router with tenants' keys
+#   (`security`, which ends with every block free), then the load test (`load`);
 # - tiny turnkv engines: the shared-session routers (every block must be free at the end),
 #   then `cached_tokens` through the router (its sessions released at the end), then the
 #   faults (engines killed and restarted; sessions left open), then test_router.py, whose
@@ -34,7 +36,8 @@ from turnkv_server.models import build_tiny
 # - SmolLM2 turnkv engines (`connector`, after the single SmolLM2 engine played its
 #   references): the demo agent's test (test_examples.py; every block free at its end), then
 #   test_turnkv_connector.py, whose last test stops them.
-SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "shared-sessions",
+SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "security", "load",
+            "shared-sessions",
             "usage-turnkv", "faults", "router-turnkv", "router-affinity", "router-standard",
             "router-cluster", "router-bidirectional", "router-push", "connector")
 # Clusters that tests reach through a fixture of this file rather than a `cluster` mark.

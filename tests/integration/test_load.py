@@ -3,7 +3,8 @@
 
 64 workers each play sessions back to back through the router: a few turns each, every turn a
 short new message after the last reply, the last one `final`. The engines' KV caches hold 128
-blocks, so the leases of 64 live sessions press against the pin cap of 64. Nothing may fail; while
+blocks (`tests.support.clusters.SHORT_LEASES`, shared with test_router_security.py), so the
+leases of 64 live sessions press against the pin cap of 64. Nothing may fail; while
 the load runs, each engine's pinned blocks stay under its cap; the router's memory is the same
 after the load as after its first round (within a margin far below what a per-turn leak
 would add); and when every session has ended, every KV block is free. Latency is printed,
@@ -16,37 +17,33 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 import pytest
 
+from tests.support.clusters import SHORT_LEASES, ClusterPool, ClusterSpec, RouterView
 from turnkv_server.engine.metrics import fetch_connector_counters
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
+from turnkv_server.launcher import ClusterState
 from turnkv_server.launcher.processes import group_members
 
 SESSIONS = 64
 TURNS = 4
 MAX_TOKENS = 8
 LOAD_S = 40.0  # then each worker ends the session it is in
-BLOCKS = 128  # per engine (and vLLM's null block): a pin cap of 64, one per live session
 # Memory the router may gain between the first round and the end. Its sessions are bounded
 # and released by `final`; what would break this is something kept per turn.
 RSS_MARGIN_MIB = 96
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[ClusterState]:
-    # The tiny model's KV takes 2,048 bytes a token in float32; vLLM keeps one block back.
-    config = ClusterConfig(mode="turnkv", model=str(tiny_model), dtype="float32",
-                           run_dir=tmp_path_factory.mktemp("load"),
-                           kv_cache_bytes=(BLOCKS + 1) * 128 * 2048)
-    with Cluster(config) as state:
-        yield state
+CLUSTER = ClusterSpec("load", SHORT_LEASES, RouterView())
+pytestmark = pytest.mark.cluster(CLUSTER)
+
+
+@pytest.fixture
+def cluster(clusters: ClusterPool) -> ClusterState:
+    return clusters.get(CLUSTER)[1]
 
 
 def rss_mib(state: ClusterState) -> dict[str, float]:

@@ -13,6 +13,7 @@ import json
 import time
 import urllib.parse
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.clusters import TINY_CACHE_BYTES
+from tests.support.clusters import SHORT_LEASE_S, SHORT_LEASES, ClusterPool, ClusterSpec, RouterView
 from tests.support.router_fuzz import (
     ADMIN_KEY,
     CHAT,
@@ -42,27 +43,29 @@ from tests.support.router_fuzz import (
 )
 from tests.support.waiting import wait_for as wait_for_condition
 from turnkv_server.engine.metrics import fetch_connector_counters
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
+from turnkv_server.launcher import ClusterState
 
 # Engine leases end this soon after a turn, so that a fuzzed session's KV comes back quickly.
-ENGINE_LEASE_S = 3.0
+ENGINE_LEASE_S = SHORT_LEASE_S
 # Long enough for a full 128-token block with the tiny model's byte-level tokenizer.
 SHARED_PROMPT = f"{MARKER} " + " ".join(f"fact {i}: the sky is blue." for i in range(40))
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[ClusterState]:
-    run_dir = tmp_path_factory.mktemp("security")
+@contextmanager
+def tenants(run_dir: Path) -> Iterator[tuple[str, ...]]:
+    """The router's two tenants' API keys and the admin key."""
     keys_file = run_dir / "api-keys.json"
     keys_file.write_text(json.dumps(KEYS))
-    config = ClusterConfig(mode="turnkv", model=str(tiny_model), dtype="float32",
-                           run_dir=run_dir,
-                           router_args=("--api-keys", str(keys_file), "--admin-key", ADMIN_KEY),
-                           connector_settings={"lease_ttl_s": ENGINE_LEASE_S},
-                           kv_cache_bytes=TINY_CACHE_BYTES)
-    with Cluster(config) as state:
-        yield state
+    yield ("--api-keys", str(keys_file), "--admin-key", ADMIN_KEY)
+
+
+CLUSTER = ClusterSpec("security", SHORT_LEASES, RouterView(service=tenants))
+pytestmark = pytest.mark.cluster(CLUSTER)
+
+
+@pytest.fixture
+def cluster(clusters: ClusterPool) -> ClusterState:
+    return clusters.get(CLUSTER)[1]
 
 
 @pytest.fixture(scope="module")
@@ -261,8 +264,11 @@ def test_after_the_fuzzing_everything_is_healthy_and_no_kv_is_left(
 
 
 def test_no_log_holds_a_key_or_a_prompt(cluster: ClusterState) -> None:
-    logs = sorted(Path(cluster.run_dir).glob("logs/*.log"))
-    assert logs, "the cluster wrote no logs"
+    servers = [*cluster.engines, cluster.router_process]
+    logs = [Path(server.log) for server in servers if server is not None and server.log]
+    # The router writes nothing at its default level; the engines write their start-up.
+    assert len(logs) == 3 and all(log.exists() for log in logs), logs
+    assert all(log.stat().st_size for log in logs[:2]), logs
     for log in logs:
         text = log.read_text(errors="replace")
         for secret in (*KEYS, ADMIN_KEY, MARKER):

@@ -314,6 +314,18 @@ TIER = ClusterSpec("tier", LEASE_EVICTION.engines)
 TIER_AFFINITY = ClusterSpec("tier-affinity", TIER.engines, RouterView(
     prefill=0, decode=1, mode="affinity", args=("--engine-leases",)))
 
+# test_router_security.py's and test_load.py's pair: one prefill and one decode engine (tiny
+# model, float32) whose KV caches hold LOAD_BLOCKS blocks each, so that the load test's 64 live
+# sessions press against the connector's pin cap of half of them; engine leases last
+# SHORT_LEASE_S unless a client asks for less, so that what a fuzzed or loaded session left
+# behind comes back soon. Each module puts a router of its own in front (API keys for the one,
+# none for the other).
+LOAD_BLOCKS = 128
+SHORT_LEASE_S = 3.0
+SHORT_LEASES = EngineSet("tiny-turnkv-1p1d-128-blocks-short-leases", lambda run_dir: _tiny(
+    "turnkv", run_dir, kv_cache_bytes=(LOAD_BLOCKS + 1) * TINY_BLOCK_BYTES,
+    connector_settings={"lease_ttl_s": SHORT_LEASE_S}, router_args=IDLE_ROUTER))
+
 # The SDK, adapter and example tests: one prefill and one decode engine behind the router in
 # `bidirectional` mode, where a session's turns reuse its KV. `state.router` is the router's
 # URL; clients use `state.router + "/v1"`.
