@@ -99,6 +99,9 @@ def up(
     tier_host_blocks: Annotated[int | None, typer.Option(
         help="turnkv, or affinity with --engine-leases: a host-memory KV tier of this many "
              "blocks below each engine's cache (docs/tier.md)", min=1)] = None,
+    tier_disk_bytes: Annotated[int | None, typer.Option(
+        help="with --tier-host-blocks: a disk tier of at most this many bytes below it, in "
+             "the run folder (checked files; docs/tier.md)", min=1)] = None,
     engine_leases: Annotated[bool, typer.Option(
         help="affinity: the engines run the turnkv connector and hold sessions' leases")] = (
         False),
@@ -131,8 +134,8 @@ def up(
             prefill_cache=prefill_cache, kv_cache_bytes=kv_cache_bytes,
             cores_per_engine=cores_per_engine, router_port=port, run_dir=run_dir,
             decoder_kv_ttl=decoder_kv_ttl, short_delta_tokens=short_delta_tokens,
-            tier_host_blocks=tier_host_blocks, engine_leases=engine_leases,
-            router_args=(*(("--redis", redis) if redis else ()),
+            tier_host_blocks=tier_host_blocks, tier_disk_bytes=tier_disk_bytes,
+            engine_leases=engine_leases, router_args=(*(("--redis", redis) if redis else ()),
                          *itl_target_args(itl_target_ms)),
             register_as_current=True,
         )

@@ -23,12 +23,19 @@ tier, and releases the lease when the session is deleted. Nothing here is timed.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.clusters import TIER, TIER_AFFINITY, TINY_BLOCK_BYTES, ClusterPool
+from tests.support.clusters import (
+    TIER,
+    TIER_AFFINITY,
+    TIER_DISK_BLOCKS,
+    TINY_BLOCK_BYTES,
+    ClusterPool,
+)
 from tests.support.conversation import SYSTEM, USER_TURNS
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
 from tests.support.reference import TIER_SCRIPT, Reference, References
@@ -74,6 +81,39 @@ def tier_in_use(url: str) -> float | None:
         if family.name == "vllm:kv_offload_cpu_cache_usage_perc":
             return sum(s.value for s in family.samples)
     return None
+
+
+def disk_read_bytes(url: str) -> float:
+    """Bytes vLLM's tiering manager has read back from the disk tier into host memory."""
+    for family in families(fetch(url)):
+        if family.name == "vllm:kv_offload_tiering_read_bytes":
+            return sum(s.value for s in family.samples if s.name.endswith("_total")
+                       and s.labels.get("tier", "").endswith(":CheckedDiskTier"))
+    return 0.0
+
+
+def disk_counters(url: str) -> dict[str, float]:
+    """The disk tier's own figures (`turnkv:disk_tier_*`), by name less that prefix."""
+    out = {}
+    for family in families(fetch(url)):
+        if family.name.startswith("turnkv:disk_tier_"):
+            out[family.name.removeprefix("turnkv:disk_tier_")] = sum(
+                s.value for s in family.samples if not s.name.endswith("_created"))
+    return out
+
+
+def disk_folder(state: ClusterState, role: str) -> Path:
+    """Where the `role` engine's disk tier keeps its files (one folder per engine)."""
+    [folder] = (Path(state.run_dir) / "tier-disk").glob(f"turnkv-disk-turnkv-{role}-0-*")
+    return folder
+
+
+def flip_a_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def no_leases(urls: dict[str, str]) -> bool:
@@ -129,6 +169,7 @@ def test_an_evicted_session_is_restored_from_the_tier_with_a_single_engines_outp
 
         # Turn 4: the history comes back from the prefill engine's tier, not computed again.
         before = restored_bytes(urls["prefill"])
+        from_disk = disk_read_bytes(urls["prefill"])
         out = turn(state, client, 4, reference.messages[3], reference.turns[3])
         tokens = out.stats["prompt_tokens"]
         assert tokens["prefill_restored"] >= BLOCK, tokens
@@ -136,6 +177,8 @@ def test_an_evicted_session_is_restored_from_the_tier_with_a_single_engines_outp
         wait_for(lambda: restored_bytes(urls["prefill"]) > before, "the tier's load counted")
         loaded = restored_bytes(urls["prefill"]) - before
         assert loaded == tokens["prefill_restored"] // BLOCK * TINY_BLOCK_BYTES, (loaded, tokens)
+        # The long prompts pushed the session out of host memory too: it came from disk.
+        assert disk_read_bytes(urls["prefill"]) - from_disk == loaded
 
         # Turn 4 again with turn 3's reply rewritten, evicted again first: the tier serves the
         # blocks before the edit, never KV of the old reply.
@@ -154,6 +197,41 @@ def test_an_evicted_session_is_restored_from_the_tier_with_a_single_engines_outp
         assert client.delete(f"{state.router}/v1/turnkv/sessions/{SESSION}").status_code == 200
         wait_for(lambda: no_leases(urls), "the session's leases released")
     # Every tier chunk a load or store held is given back.
+    wait_for(lambda: [tier_in_use(url) for url in urls.values()] == [0.0, 0.0],
+             "no tier chunk held on either engine")
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "deleted"])
+def test_a_corrupted_or_deleted_tier_file_is_computed_again_never_served(
+    damage: str, reference: Reference, clusters: ClusterPool
+) -> None:
+    """Every file of the prefill engine's disk tier damaged while the session lives only
+    there: its next turn computes the whole prompt, equal to a single engine's, and the tier
+    counts what it refused to serve."""
+    _, state = clusters.get(CLUSTER)
+    urls = engine_urls(state)
+    folder = disk_folder(state, "prefill")
+    session = f"tier-disk-{damage}"
+    with httpx.Client(timeout=600) as client:
+        for number in (1, 2, 3):
+            turn(state, client, number, reference.messages[number - 1],
+                 reference.turns[number - 1], session)
+        evict(state, client, urls, damage)
+        files = sorted(folder.rglob("*.bin"))
+        assert files, f"nothing on disk in {folder}"
+        before = disk_counters(urls["prefill"])
+        for path in files:
+            flip_a_byte(path) if damage == "corrupted" else path.unlink()
+        out = turn(state, client, 4, reference.messages[3], reference.turns[3], session)
+        tokens = out.stats["prompt_tokens"]
+        assert (tokens["prefill_cached"], tokens["prefill_restored"]) == (0, 0), tokens
+        assert tokens["prefill_computed"] == tokens["total"], tokens
+        after = disk_counters(urls["prefill"])
+        refused = "checksum_failures" if damage == "corrupted" else "missing_files"
+        assert after.get(refused, 0.0) > before.get(refused, 0.0), (before, after)
+        assert after["bytes_used"] <= TIER_DISK_BLOCKS * TINY_BLOCK_BYTES, after
+        assert client.delete(f"{state.router}/v1/turnkv/sessions/{session}").status_code == 200
+        wait_for(lambda: no_leases(urls), "the session's leases released")
     wait_for(lambda: [tier_in_use(url) for url in urls.values()] == [0.0, 0.0],
              "no tier chunk held on either engine")
 

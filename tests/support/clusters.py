@@ -195,8 +195,8 @@ class ClusterPool:
                 run_dir=run_dir, num_prefill=view.prefill,
                 num_decode=view.decode, router_args=(*view.args, *extra),
                 short_delta_tokens=view.short_delta_tokens, register_as_current=False,
-                # The view starts a router only: the engines' tier is theirs already.
-                tier_host_blocks=None)
+                # The view starts a router only: the engines' tiers are theirs already.
+                tier_host_blocks=None, tier_disk_bytes=None)
             launched = Cluster(config)
             engines = running.launched.engines
             prefill = [e for e in engines if e.spec.role == "prefill"][: view.prefill]
@@ -298,16 +298,20 @@ SMOLLM2_TURNKV = ClusterSpec("connector", EngineSet("smollm2-turnkv", lambda run
 # block: the tiny model's KV takes 2,048 bytes a token, 128 tokens a block), 4,096 tokens, one
 # prompt at the model's length, each with a host-memory tier of TIER_HOST_BLOCKS blocks below
 # it (vLLM's offloading connector with this project's host spec, under vLLM's MultiConnector
-# after the turnkv connector). Room, and room only, ends leases there: they may pin the whole
-# cache (no pin cap), and every turn goes through the prefill engine (no short deltas served by
-# the decode engine alone). Its users talk to the launcher's router.
+# after the turnkv connector), and below that a disk tier of TIER_DISK_BLOCKS blocks (this
+# project's checked files): what a long prompt pushes out of the host tier is found on disk.
+# Room, and room only, ends leases there: they may pin the whole cache (no pin cap), and every
+# turn goes through the prefill engine (no short deltas served by the decode engine alone). Its
+# users talk to the launcher's router.
 LEASE_EVICTION_BLOCKS = 32
-TIER_HOST_BLOCKS = 128
+TIER_HOST_BLOCKS = 16
+TIER_DISK_BLOCKS = 256
 LEASE_EVICTION = ClusterSpec("lease-eviction", EngineSet(
-    "tiny-turnkv-1p1d-32-blocks-tier", lambda run_dir: _tiny(
+    "tiny-turnkv-1p1d-32-blocks-tiers", lambda run_dir: _tiny(
         "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,
         connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0,
-        tier_host_blocks=TIER_HOST_BLOCKS)))
+        tier_host_blocks=TIER_HOST_BLOCKS,
+        tier_disk_bytes=TIER_DISK_BLOCKS * TINY_BLOCK_BYTES)))
 TIER = ClusterSpec("tier", LEASE_EVICTION.engines)
 # The aggregated flavour on the same engines: an affinity router with `--engine-leases` in
 # front of the decode engine alone, which serves whole turns with its connector and tier.

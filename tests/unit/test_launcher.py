@@ -21,7 +21,7 @@ from turnkv_server.launcher import (
 )
 from turnkv_server.launcher.cluster import _core_sets
 from turnkv_server.launcher.engine import SECRET_ENV, EngineProcess, first_error, resolve_dtype
-from turnkv_server.launcher.kv_transfer import kv_transfer_config
+from turnkv_server.launcher.kv_transfer import disk_tier, host_tier, kv_transfer_config
 from turnkv_server.launcher.processes import (
     ProcessRef,
     group_members,
@@ -95,6 +95,27 @@ def test_a_tier_puts_the_turnkv_connector_first_under_vllms_multiconnector() -> 
         "TurnkvConnector")
     with pytest.raises(ValueError):
         kv_transfer_config("turnkv", "prefill", "e0", tier_host_blocks=0)
+
+
+def test_a_disk_tier_puts_the_host_tier_under_vllms_tiering_with_ours_below() -> None:
+    disk = disk_tier("/var/tmp/turnkv-tier", 1 << 30)
+    assert disk == {"type": "CheckedDiskTier", "module_path": "turnkv_server.tier.disk",
+                    "root_dir": "/var/tmp/turnkv-tier", "max_bytes": 1 << 30}
+    extra = host_tier(64, disk=disk)["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"], extra["host_blocks"]) == (
+        "HostTieringOffloadingSpec", "turnkv_server.tier.vllm_spec", 64)
+    assert extra["secondary_tiers"] == [disk] and extra["offload_prompt_only"] is False
+    # Either way the sessions' hints order the host tier's evictions.
+    assert (extra["eviction_policy"], extra["cache_policy_module_path"]) == (
+        "SessionOrderPolicy", "turnkv_server.tier.session_order")
+    tiered = kv_transfer_config("turnkv", "prefill", "e0", tier_host_blocks=64, tier_disk=disk)
+    assert tiered is not None
+    below = tiered["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
+    assert below["secondary_tiers"] == [disk]
+    assert "secondary_tiers" not in host_tier(64)["kv_connector_extra_config"]
+    for root, size in (("", 1 << 30), ("/tmp/t", 0), ("/tmp/t", True), ("/tmp/t", "1024")):
+        with pytest.raises(ValueError):
+            disk_tier(root, size)  # type: ignore[arg-type]
 
 
 def test_the_side_channel_secret_is_per_cluster_and_only_in_the_environment(

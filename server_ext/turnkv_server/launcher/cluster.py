@@ -20,6 +20,7 @@ import time
 import uuid
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -33,7 +34,7 @@ from turnkv_server.launcher.engine import (
     read_tail,
     resolve_dtype,
 )
-from turnkv_server.launcher.kv_transfer import kv_transfer_config
+from turnkv_server.launcher.kv_transfer import disk_tier, kv_transfer_config
 from turnkv_server.launcher.processes import ProcessRef, stop_group
 from turnkv_server.launcher.progress import LogPhases, StartupDisplay
 from turnkv_server.launcher.state import ClusterState, ServerState, clear_current, set_current
@@ -131,7 +132,7 @@ class Cluster:
                     kv_transfer_config=kv_transfer_config(
                         cfg.mode, role, f"turnkv-{name}-{run_tag}", cfg.decoder_kv_ttl,
                         cfg.kv_recompute_threshold, cfg.connector_settings,
-                        cfg.tier_host_blocks, cfg.engine_leases),
+                        cfg.tier_host_blocks, cfg.engine_leases, self._disk_tier()),
                     dtype=resolve_dtype(cfg.dtype),
                     prefix_caching=cfg.prefill_cache or role != "prefill",
                     kv_cache_bytes=cfg.kv_cache_bytes,
@@ -143,6 +144,12 @@ class Cluster:
                 )
             )
         return specs
+
+    def _disk_tier(self) -> dict[str, Any] | None:
+        """The engines' disk tier, if asked for: each engine's files in a folder of its own
+        under the run folder's `tier-disk`."""
+        size = self.config.tier_disk_bytes
+        return None if size is None else disk_tier(str(self.run_dir / "tier-disk"), size)
 
     def _wait_for_engines(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout

@@ -52,6 +52,9 @@ class ClusterConfig:
     # engines run the turnkv connector (and the tier) and hold sessions' leases.
     connector_settings: dict[str, Any] = field(default_factory=dict)
     tier_host_blocks: int | None = None
+    # Below each host tier, a disk tier of at most this many bytes in the run folder (None:
+    # none): this project's bounded, checked files (`turnkv_server.tier.disk`).
+    tier_disk_bytes: int | None = None
     engine_leases: bool = False
     # turnkv: the engines' side-channel secret (their environment only); None: a new one.
     side_channel_secret: str | None = field(default=None, repr=False)
@@ -85,3 +88,7 @@ class ClusterConfig:
                 and not self.engine_leases):
             raise ValueError("engine_leases is for affinity clusters; tier_host_blocks for "
                              "turnkv ones, or affinity ones with engine_leases")
+        if self.tier_disk_bytes is not None and (
+                self.tier_host_blocks is None or self.tier_disk_bytes < 1):
+            raise ValueError("tier_disk_bytes goes below a host tier (tier_host_blocks) and "
+                             "must be positive")

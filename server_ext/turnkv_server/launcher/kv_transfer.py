@@ -11,7 +11,8 @@ A turnkv engine with a lower tier (`tier_host_blocks`) loads two connectors unde
 `MultiConnector`: turnkv's first, so that KV the peer engine pushes wins (MultiConnector loads
 from the first connector that reports tokens), then vLLM's `OffloadingConnector` with this
 project's host-memory spec (`turnkv_server.tier`), which serves what neither the prefix cache
-nor the peer has: a session whose blocks were evicted under pressure.
+nor the peer has: a session whose blocks were evicted under pressure. `host_tier` with a
+`disk_tier` puts this project's bounded, checked disk tier below host memory.
 """
 
 from __future__ import annotations
@@ -23,15 +24,21 @@ from turnkv_server.launcher.engine import Role
 NIXL_CONNECTOR_MODULE = "turnkv_server.engine.nixl_tuning"
 TURNKV_CONNECTOR_MODULE = "turnkv_server.connector.vllm_connector"
 TIER_SPEC_MODULE = "turnkv_server.tier.vllm_spec"
+DISK_TIER_MODULE = "turnkv_server.tier.disk"
+DISK_TIER_CLASS = "CheckedDiskTier"
+SESSION_ORDER_MODULE = "turnkv_server.tier.session_order"
+SESSION_ORDER_POLICY = "SessionOrderPolicy"
 
 
 def kv_transfer_config(
     mode: str, role: Role, engine_id: str, decoder_kv_ttl: float = 120.0,
     recompute_threshold: int | None = None, connector_settings: dict[str, Any] | None = None,
     tier_host_blocks: int | None = None, engine_leases: bool = False,
+    tier_disk: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``; an
-    aggregated engine's only with `engine_leases` (the turnkv connector, with no peer)."""
+    aggregated engine's only with `engine_leases` (the turnkv connector, with no peer).
+    `tier_disk` (a `disk_tier` entry) goes below the host tier."""
     if role == "single" or (role == "engine" and not engine_leases):
         return None
     if mode == "turnkv" or role == "engine":
@@ -52,7 +59,7 @@ def kv_transfer_config(
             "kv_load_failure_policy": "recompute",
             "engine_id": engine_id,
             "kv_connector_extra_config": {
-                "connectors": [turnkv, host_tier(tier_host_blocks)]},
+                "connectors": [turnkv, host_tier(tier_host_blocks, tier_disk)]},
         }
     config: dict[str, Any] = {
         "kv_connector": "NixlPushConnector" if mode == "push" else "NixlConnector",
@@ -74,19 +81,43 @@ def kv_transfer_config(
     return config
 
 
-def host_tier(host_blocks: int) -> dict[str, Any]:
+def disk_tier(root_dir: str, max_bytes: int) -> dict[str, Any]:
+    """A `secondary_tiers` entry for this project's disk tier (`turnkv_server.tier.disk`):
+    at most `max_bytes` of chunk files under `root_dir`, each checked when read back. vLLM's
+    tiering loads it by module path."""
+    if not root_dir:
+        raise ValueError("the disk tier needs a root_dir")
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"the disk tier's max_bytes must be a positive integer, got {max_bytes!r}")
+    return {
+        "type": DISK_TIER_CLASS,
+        "module_path": DISK_TIER_MODULE,
+        "root_dir": root_dir,
+        "max_bytes": max_bytes,
+    }
+
+
+def host_tier(host_blocks: int, disk: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's `OffloadingConnector` over this project's host-memory spec, `host_blocks` engine
     blocks big; replies are stored too (vLLM's default stores prompts only, and an agent's
-    next turn starts with its last reply)."""
+    next turn starts with its last reply). With `disk` (a `disk_tier` entry) the host tier is
+    the primary of vLLM's tiering manager, with that disk tier below it."""
     if host_blocks < 1:
         raise ValueError("the host tier needs at least one block")
+    extra: dict[str, Any] = {
+        "spec_name": "HostOffloadingSpec",
+        "spec_module_path": TIER_SPEC_MODULE,
+        "host_blocks": host_blocks,
+        "offload_prompt_only": False,
+        # The sessions' hints order the tier's evictions (LRU for requests without hints).
+        "eviction_policy": SESSION_ORDER_POLICY,
+        "cache_policy_module_path": SESSION_ORDER_MODULE,
+    }
+    if disk is not None:
+        extra["spec_name"] = "HostTieringOffloadingSpec"
+        extra["secondary_tiers"] = [dict(disk)]
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "HostOffloadingSpec",
-            "spec_module_path": TIER_SPEC_MODULE,
-            "host_blocks": host_blocks,
-            "offload_prompt_only": False,
-        },
+        "kv_connector_extra_config": extra,
     }

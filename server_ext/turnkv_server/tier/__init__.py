@@ -9,7 +9,10 @@ gives it a worker that runs on CPU hosts. See docs/tier.md.
 - `addressing`: which engine block goes to which host chunk slot, per transfer;
 - `host_copy`: the copy between the engine's KV tensors and the host buffer (torch, CPU);
 - `vllm_spec`: the specs vLLM loads by module path (`HostOffloadingSpec`,
-  `HostTieringOffloadingSpec`) and their worker; the only module here that imports vLLM.
+  `HostTieringOffloadingSpec`) and their worker;
+- `disk`: `CheckedDiskTier`, a bounded, checksummed disk tier below host memory, loaded by
+  vLLM's tiering as a secondary tier; its index (`disk_index`) and chunk files (`disk_files`)
+  are plain Python. `vllm_spec` and `disk` are the only modules here that import vLLM.
 
 Importing this package imports nothing of vLLM.
 """

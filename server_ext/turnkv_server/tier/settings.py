@@ -14,7 +14,14 @@ turn starts with it). Here:
 
 The result is an `extra_config` vLLM's spec reads unchanged (``cpu_bytes_to_use`` set to the
 bytes that give exactly the chunks asked for), plus the chunk count, so the spec can check that
-vLLM's own sizing arithmetic still agrees. Standard library only: no vLLM, no torch.
+vLLM's own sizing arithmetic still agrees.
+
+The disk tier below it (`disk`, a secondary tier of vLLM's tiering manager) takes its settings
+as keyword arguments from its ``secondary_tiers`` entry; `resolve_disk` checks them the same
+way: ``root_dir`` and ``max_bytes`` required, ``max_bytes`` a positive integer that holds at
+least one chunk, thread counts positive integers.
+
+Standard library only: no vLLM, no torch.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ CANONICAL_KEY = "canonical_layout"  # vLLM's key (upstream offloading/config.py)
 
 
 class TierSettingsError(ValueError):
-    """A setting of the host tier that cannot serve; the message names the key and the fix."""
+    """A setting of the host or disk tier that cannot serve; the message names the key and the
+    fix."""
 
 
 @dataclass(frozen=True)
@@ -147,3 +155,44 @@ def vllm_extra_config(extra: Mapping[str, Any], settings: TierSettings) -> dict[
     resolved[HOST_BYTES_KEY] = settings.host_bytes or 1
     resolved[PROMPT_ONLY_KEY] = settings.offload_prompt_only
     return resolved
+
+
+DISK_ROOT_KEY = "root_dir"
+DISK_MAX_BYTES_KEY = "max_bytes"
+DISK_READ_THREADS_KEY = "n_read_threads"
+DISK_WRITE_THREADS_KEY = "n_write_threads"
+
+
+@dataclass(frozen=True)
+class DiskTierSettings:
+    """What the disk tier was asked for, checked against the host tier's chunk size."""
+
+    root_dir: str
+    max_bytes: int
+    read_threads: int
+    write_threads: int
+
+
+def resolve_disk(
+    root_dir: object, max_bytes: object, read_threads: object, write_threads: object, *,
+    chunk_bytes: int,
+) -> DiskTierSettings:
+    """Check the disk tier's settings; `chunk_bytes` is one host chunk (one file)."""
+    if not isinstance(root_dir, str) or not root_dir:
+        raise TierSettingsError(
+            f"the disk tier needs {DISK_ROOT_KEY}, a directory path it owns, got {root_dir!r}"
+        )
+    if max_bytes is None:
+        raise TierSettingsError(
+            f"the disk tier needs {DISK_MAX_BYTES_KEY}, its size bound in bytes"
+        )
+    values = {DISK_MAX_BYTES_KEY: max_bytes, DISK_READ_THREADS_KEY: read_threads,
+              DISK_WRITE_THREADS_KEY: write_threads}
+    bound, reads, writes = (_positive_int(values, key) for key in values)
+    if bound < chunk_bytes:
+        raise TierSettingsError(
+            f"{DISK_MAX_BYTES_KEY}={bound} holds no chunk of the host tier ({chunk_bytes} "
+            f"bytes each); raise {DISK_MAX_BYTES_KEY}"
+        )
+    return DiskTierSettings(root_dir=root_dir, max_bytes=bound, read_threads=reads,
+                            write_threads=writes)

@@ -19,7 +19,8 @@ limit. So each spec here is vLLM's, less its worker:
   ``cache_policy_module_path``), a private host buffer per engine KV tensor;
 - `HostTieringOffloadingSpec` subclasses `TieringOffloadingSpec` (upstream
   `vllm/v1/kv_offload/tiering/spec.py`): the same host tier as the primary of vLLM's tiering
-  manager, with ``secondary_tiers`` below it (vLLM's file-system tier, ``"type": "fs"``). The host
+  manager, with ``secondary_tiers`` below it (this project's bounded, checked disk tier,
+  `disk.CheckedDiskTier`, or vLLM's file-system tier, ``"type": "fs"``). The host
   buffer is then vLLM's `SharedOffloadRegion` (upstream `cpu/shared_offload_region.py`), a file in
   /dev/shm that the scheduler's tiers read and write too, so the worker writes into the region's
   views exactly where vLLM's own worker would.
