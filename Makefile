@@ -22,7 +22,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-llamaindex demo test test-unit lint typecheck redis clean
+.PHONY: install install-llamaindex demo test test-hosts test-unit lint typecheck redis clean
 
 install: $(STAMP)
 
@@ -65,8 +65,15 @@ install-llamaindex:
 demo: install
 	$(PY) examples/coding_agent.py --start-cluster
 
+# The cross-host tests (`hosts` marker) run apart, in `make test-hosts`: the suite is at its
+# time limit without them.
 test: install lint typecheck redis
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -m "not hosts"
+
+# A turnkv cluster across simulated hosts (network namespaces: needs root, else skipped with
+# the reason): tests/integration/test_cross_host.py, about two minutes.
+test-hosts: install redis
+	$(PY) -m pytest -q -ra -m hosts
 
 # The router's shared-session tests run a real redis-server (Debian's package); they start
 # and stop their own, on a free port.

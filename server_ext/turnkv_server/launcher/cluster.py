@@ -7,7 +7,9 @@ Ports: every server binds port 0 and reports the port it got (`turnkv_server.por
 nothing can take a port between its choice and its bind; the router starts once the engines
 have reported theirs.
 
-Each engine's KV connector settings (vLLM's `--kv-transfer-config`) come from `kv_transfer`.
+Each engine's KV connector settings (vLLM's `--kv-transfer-config`) come from `kv_transfer`;
+where each process runs (here, or on a simulated host: `ClusterConfig.hosts`) from
+`placement`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import httpx
 from rich.console import Console
 from rich.markup import escape
 
+from turnkv_server.launcher import placement
 from turnkv_server.launcher.config import VLLM_CACHE_ENV, ClusterConfig
 from turnkv_server.launcher.engine import (
     EngineProcess,
@@ -114,12 +117,10 @@ class Cluster:
         cores = _core_sets(len(roles), cfg.cores_per_engine)
         # Unique per start: NIXL refuses a restarted peer that reuses its agent's name.
         run_tag = uuid.uuid4().hex[:8]
-        counters: dict[str, int] = {}
         specs = []
-        for role, port, nixl_port, core_set in zip(roles, ports, nixl_ports, cores, strict=True):
-            index = counters.get(role, 0)
-            counters[role] = index + 1
-            name = role if role == "single" else f"{role}-{index}"
+        for name, role, port, nixl_port, core_set in zip(
+                cfg.engine_names(), roles, ports, nixl_ports, cores, strict=True):
+            host = (cfg.hosts or {}).get(name)
             specs.append(
                 EngineSpec(
                     name=name,
@@ -127,6 +128,8 @@ class Cluster:
                     model=model_path,
                     served_model_name=served_name,
                     port=port,
+                    host=placement.bind_address(host),
+                    placed_on=host,
                     cores=core_set,
                     nixl_port=nixl_port,
                     kv_transfer_config=kv_transfer_config(
@@ -219,12 +222,14 @@ class Cluster:
     def router_command(self, port: int = 0, port_file: Path | None = None) -> list[str]:
         """The command line of a router in front of this cluster's engines (once healthy), on
         `port` (0: a free one, reported in `port_file`): the launcher's, or one sharing its
-        sessions (`--redis` in `router_args`)."""
+        sessions (`--redis` in `router_args`). With a "router" in `hosts`, it runs on that
+        host and listens on its address."""
         cfg, mode = self.config, str(self.config.mode)
         if mode == "standard" and not self.config.prefill_cache:
             mode = "standard-nocache"
-        cmd = [sys.executable, "-m", "turnkv_server.router", "--host", "127.0.0.1",
-               "--port", str(port), "--mode", mode,
+        host = (cfg.hosts or {}).get(placement.ROUTER)
+        cmd = [sys.executable, "-m", "turnkv_server.router",
+               "--host", placement.bind_address(host), "--port", str(port), "--mode", mode,
                "--decoder-kv-ttl", str(self.config.decoder_kv_ttl)]
         if port_file is not None:
             cmd += ["--port-file", str(port_file)]
@@ -240,7 +245,8 @@ class Cluster:
                     spec.role == "prefill" or mode == "turnkv"):
                 engine_id = spec.kv_transfer_config["engine_id"]
                 cmd += [f"--{spec.role}-nixl", f"{engine_id}@{spec.host}:{spec.nixl_port}"]
-        return cmd
+        # On a host, `ip netns exec` execs the router: its PID is still the router's.
+        return placement.wrap(host, cmd)
 
     def _record(self, served_name: str, model_path: Path, router_url: str) -> ClusterState:
         def server(name: str, role: str, url: str, ref: ProcessRef, cores: list[int],

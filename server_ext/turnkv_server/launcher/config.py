@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from turnkv_server.launcher.engine import Role
+from turnkv_server.launcher.host_plan import Host
+from turnkv_server.launcher.placement import ROUTER, unknown_names
 from turnkv_server.mode_names import CLUSTER_MODES as MODES
 from turnkv_server.mode_names import ClusterMode as Mode
 
@@ -60,6 +63,10 @@ class ClusterConfig:
     side_channel_secret: str | None = field(default=None, repr=False)
     # vLLM's cache, shared by the engines; None: $TURNKV_VLLM_CACHE_DIR, else the run folder's.
     vllm_cache_dir: Path | None = None
+    # Simulated hosts (`launcher.hosts`, up before the cluster starts) by process name: an
+    # engine's (`engine_names()`) or "router"; a process not named runs on 127.0.0.1 here.
+    # See `launcher.placement`.
+    hosts: Mapping[str, Host] | None = None
 
     def roles(self) -> list[Role]:
         """Each engine's role, in start order."""
@@ -70,6 +77,16 @@ class ClusterConfig:
         prefill: list[Role] = ["prefill"] * self.num_prefill
         decode: list[Role] = ["decode"] * self.num_decode
         return prefill + decode
+
+    def engine_names(self) -> list[str]:
+        """Each engine's name, in start order: "single", or its role and index ("decode-0")."""
+        counters: dict[str, int] = {}
+        names = []
+        for role in self.roles():
+            index = counters.get(role, 0)
+            counters[role] = index + 1
+            names.append(role if role == "single" else f"{role}-{index}")
+        return names
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -92,3 +109,10 @@ class ClusterConfig:
                 self.tier_host_blocks is None or self.tier_disk_bytes < 1):
             raise ValueError("tier_disk_bytes goes below a host tier (tier_host_blocks) and "
                              "must be positive")
+        if self.hosts:
+            # A `single` cluster has no router: its engine is the endpoint.
+            names = self.engine_names() + ([] if self.mode == "single" else [ROUTER])
+            unknown = unknown_names(self.hosts, names)
+            if unknown:
+                raise ValueError(f"hosts: no process named {', '.join(unknown)} in this "
+                                 f"cluster (its processes: {', '.join(names)})")

@@ -8,7 +8,8 @@ its log, its port reports) stays inside its own folder of the cluster's run fold
 Ports: an engine binds each of its ports itself (port 0: one the kernel picks) and reports
 the port it got in a file of its folder (`turnkv_server.ports`); `EngineProcess` reads the
 reports and records the ports in its spec. A restart asks for the same ports again (the
-router and the peers know them), held for it while it starts (`PortHold`).
+router and the peers know them), held for it while it starts (`PortHold`; not for an engine
+on a simulated host, see `placement`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any, Literal
 
 import httpx
 
+from turnkv_server.launcher import placement
+from turnkv_server.launcher.host_plan import Host
 from turnkv_server.launcher.processes import ProcessRef, pin_group, stop_group, unpinned_threads
 from turnkv_server.ports import SIDE_CHANNEL_REPORT_ENV, PortHold, read_report
 
@@ -77,7 +80,10 @@ class EngineSpec:
     prefix_caching: bool = True
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
-    host: str = "127.0.0.1"
+    # The address it listens on (HTTP, the side channel): `placed_on`'s, else loopback.
+    host: str = placement.LOOPBACK
+    # The simulated host it runs on (`launcher.placement`); None: the launcher's namespace.
+    placed_on: Host | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     # The turnkv connector's side-channel secret: in the environment, never on the command
     # line (which every user of the machine can read) nor in a repr or a log.
@@ -133,8 +139,8 @@ class EngineSpec:
                 "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": _cpu_list(self.cores),
-                # UCX otherwise listens on every interface.
-                "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
+                # Which network UCX moves KV on: loopback here, a host's interface there.
+                **placement.ucx_environment(self.placed_on, env),
                 "PYTHONUNBUFFERED": "1",
                 # vLLM sets this only if it imports NIXL first, which our connector module
                 # preempts; without it UCX's registration cache can grow without bound.
@@ -194,14 +200,16 @@ class EngineProcess:
         # Ports named in advance (a restart's, or the configuration's) stay bound for the
         # engine until it has bound them: the side channel binds only once the model loaded.
         if self._hold is None:
-            self._hold = PortHold(self.spec.host, self._known_ports())
+            self._hold = self._hold_ports()
         side_channel = self.side_channel_report if self.spec.nixl_port is not None else None
         self.started_at = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.log_offset = log.tell()
+            # `ip netns exec` (on a host) and taskset both exec: the PID is the server's.
             self._popen = subprocess.Popen(
-                ["taskset", "-c", _cpu_list(self.spec.cores),
-                 *self.spec.command(self.http_report)],
+                placement.wrap(self.spec.placed_on, [
+                    "taskset", "-c", _cpu_list(self.spec.cores),
+                    *self.spec.command(self.http_report)]),
                 cwd=self.workdir,
                 env=self.spec.environment(self.workdir, self.tmp_dir, side_channel),
                 stdin=subprocess.DEVNULL,
@@ -276,8 +284,7 @@ class EngineProcess:
             self._popen.wait(timeout=5)
         if self._own_short_tmp:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
-        if self._known_ports():
-            self._hold = PortHold(self.spec.host, self._known_ports())
+        self._hold = self._hold_ports()
 
     def release_ports(self) -> None:
         if self._hold is not None:
@@ -289,6 +296,14 @@ class EngineProcess:
 
     def _known_ports(self) -> list[int]:
         return [p for p in (self.spec.port, self.spec.nixl_port) if p]
+
+    def _hold_ports(self) -> PortHold | None:
+        """A hold on the ports the engine will ask for again, if any. None on a simulated
+        host: a hold binds in the launcher's namespace, where the host's address does not
+        exist, and inside the host nothing but its own processes listens."""
+        if self.spec.placed_on is not None or not self._known_ports():
+            return None
+        return PortHold(self.spec.host, self._known_ports())
 
     def _failure(self, reason: str) -> EngineStartError:
         return EngineStartError(self.spec.name, reason, self.log_path, self.log_tail())
