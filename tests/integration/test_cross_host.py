@@ -65,14 +65,14 @@ KV_BYTES_PER_TOKEN = TINY_BLOCK_BYTES // BLOCK_TOKENS
 # the timeout: the receiver gives up while the link is down, or the KV arrives once it is back
 # (both happen here, and both must leave the output exact).
 RECEIVE_TIMEOUT_S = 3.0
-# Kept within what the connector's fence assumes of the network: TCP resends what a cut held
-# back on a doubling backoff (about 0.2, 0.6, 1.4, 3.0, 6.2, 12.6 s after the first loss), and a
-# receiver that gave up reuses its blocks FENCE_S + WRITE_GRACE_S (15 s) after it last asked
-# for them, however silent the sender. After a 4 s cut they land well within that; after a
-# 7 s cut, one run of four heard nothing from the sender for those 15 s and the session's next
-# turn then differed from a single engine's: most likely those writes landing in blocks vLLM
-# had reused.
-CUT_S = 4.0
+# Longer than anything the receiver could wait out: TCP resends what a cut held back on a
+# doubling backoff (about 0.2, 0.6, 1.4, 3.0, 6.2, 12.6, 25.4 s after the first loss), so writes
+# the prefill engine posted before the cut land whenever the link is back, long after the
+# receive gave up. (With the receiver handing its blocks back 15 s after it last asked for the
+# KV, a 7 s cut once made the session's next turn differ from a single engine's: the late
+# writes landed in blocks in use again. Now a given-up receive's blocks are quarantined until
+# the sender says its writes settled.)
+CUT_S = 20.0
 # The decode host's link while the cut turn's KV moves: 16 Mbit/s spreads the prompt's KV
 # (about 5 MB) over seconds, so that the cut lands mid-transfer; it is cut once this much has
 # crossed it (the turn's HTTP requests to the decode engine are a few kB).
@@ -381,6 +381,14 @@ def test_the_engines_link_cut_mid_transfer(cross_host: CrossHost,
             held_before = held(c.state.router, "cut", client)
         idle(c.state.router, client)
         assert fetch_connector_counters(prefill.spec.url)["receives_done"] > pushed_before
+    # A given-up receive's blocks were kept out of use while late writes could land, and come
+    # back once the sender said its writes settled (and a grace): none stays held.
+    quarantined = (after[decode].get("receives_quarantined", 0)
+                   - before[decode].get("receives_quarantined", 0))
+    print(f"receives quarantined on the decode engine: {quarantined:.0f}")
+    wait_for(lambda: fetch_connector_counters(decode.spec.url).get("quarantined_blocks") == 0,
+             "the quarantined blocks given back", timeout=60)
+    assert fetch_connector_counters(decode.spec.url).get("quarantines_expired", 0) == 0
 
 
 def test_a_router_host_gone_the_other_router_carries_the_session(

@@ -230,14 +230,23 @@ def test_a_transfer_that_times_out(
                   if line.startswith("data: {")]
         stats = events[-1]["turnkv"]
         assert stats["prefill_node"] is None and stats["fallback"] == "engine_unavailable"
-        # The decode engine gave up on the KV that never came and let its blocks go.
+        # The decode engine gave up on the KV that never came. The stopped sender could still
+        # write once it runs again, so the receive's blocks stay out of use (quarantined).
         def given_up() -> bool:
             now = fetch_connector_counters(decode.spec.url)
             return now["receives_failed"] > before["receives_failed"] and \
-                now["kv_cache_usage"] == before["kv_cache_usage"]
-        wait_for(given_up, "the decode engine's receive timed out, its blocks free", timeout=60)
+                now.get("quarantined_blocks", 0) > 0
+        wait_for(given_up, "the decode engine's receive timed out, its blocks held", timeout=60)
     finally:
         os.killpg(prefill.ref.pid, signal.SIGCONT)
+    # Running again, the sender answers the cancel once its writes settled: the blocks come
+    # back (after a grace), none held.
+    def given_back() -> bool:
+        now = fetch_connector_counters(decode.spec.url)
+        return now.get("quarantined_blocks") == 0 and \
+            now["kv_cache_usage"] == before["kv_cache_usage"]
+    wait_for(given_back, "the quarantined blocks given back", timeout=60)
+    assert fetch_connector_counters(decode.spec.url).get("quarantines_expired", 0) == 0
     wait_for(lambda: all(e["healthy"] for e in client.get(
         f"{state.router}/v1/turnkv/stats").json()["engines"]), "the router sees it healthy")
     for turn in (1, 2):

@@ -261,6 +261,45 @@ def test_a_request_aborted_while_receiving_neither_holds_nor_sends() -> None:
     assert "s" in side.holder.leases  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("aborted", [False, True], ids=["gave-up", "aborted"])
+def test_a_quarantined_receive_keeps_its_blocks_from_every_request_until_settled(
+        aborted: bool) -> None:
+    """The worker gave the receive up while the sender might still write: vLLM frees the
+    request's blocks (to compute its prompt in others, or because it was aborted), and none of
+    them may reach another request until the worker says no write can land."""
+    pool, side = setup()
+    req = request("r1", 40, receive=Receive("t1", PEER))
+    side.on_new_request(req)
+    side.get_num_new_matched_tokens(req, 0)
+    ids = allocate(pool, 3)
+    side.update_state_after_alloc(req, ids, 40)
+    free = pool.get_num_free_blocks()
+    if aborted:
+        req.status = RequestStatus.FINISHED_ABORTED
+        assert side.request_finished(req, ids) == (False, None)
+    side.received({"r1"}, set(), {"r1"})
+    pool.free_blocks([pool.blocks[i] for i in reversed(ids)])  # vLLM, right after
+    assert pool.get_num_free_blocks() == free
+    taken = allocate(pool, pool.get_num_free_blocks())
+    assert not set(taken) & set(ids)
+    pool.free_blocks([pool.blocks[i] for i in taken])
+    assert side.take_stats()["quarantined_blocks"] == 3
+    if aborted:
+        # An idle engine steps now and then to hear the worker settle the quarantine.
+        assert not side.has_pending_push_work()
+        time.sleep(1.05)
+        assert side.has_pending_push_work()
+        side.build_orders()
+        assert not side.has_pending_push_work()
+    side.settled({"r1"})
+    assert pool.get_num_free_blocks() == free + 3
+    assert side.take_stats()["quarantined_blocks"] == 0
+    if not aborted:  # the reply says nothing arrived
+        req.status = RequestStatus.FINISHED_STOPPED
+        reply = side.request_finished(req, allocate(pool, 3))[1]
+        assert reply is not None and reply["turnkv"]["receive_failed"] is True
+
+
 def test_a_request_aborted_before_it_asked_for_its_kv_lets_the_sender_go() -> None:
     """Aborted while waiting (never allocated, never registered): the sender's finished
     request would keep its blocks for the whole send timeout if nobody told it."""

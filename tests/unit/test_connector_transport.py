@@ -1,8 +1,9 @@
 """The transfer protocol between two real NIXL agents in one process (UCX over loopback).
 
 Each agent owns a small CPU "KV cache"; the receiver registers blocks, the sender writes its
-own blocks into them. Failures end both sides: the receiver reports its blocks for recompute,
-and only once no write of the sender can still land in them.
+own blocks into them. Failures end both sides: the receiver reports its blocks for recompute
+once no write of the sender can still land in them, or, when it cannot know that, quarantines
+them (its request recomputes elsewhere) until it can.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 import zmq
 
-from turnkv_server.connector import sending
+from turnkv_server.connector import receiving, sending
 from turnkv_server.connector import side_channel as sc
 from turnkv_server.connector.blocktable import BlockTable
 from turnkv_server.connector.identity import Fingerprint, token_digest
@@ -66,6 +67,8 @@ class Engine:
         self.results.finished_sending |= new.finished_sending
         self.results.finished_recving |= new.finished_recving
         self.results.failed_blocks |= new.failed_blocks
+        self.results.quarantined |= new.quarantined
+        self.results.settled |= new.settled
         self.results.counters.add(new.counters)
         return self.results
 
@@ -74,6 +77,9 @@ class Engine:
 
     def sent(self, request_id: str) -> Callable[[], bool]:
         return lambda: request_id in self.collect().finished_sending
+
+    def settled(self, request_id: str) -> Callable[[], bool]:
+        return lambda: request_id in self.collect().settled
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -196,6 +202,31 @@ def test_a_restarted_sender_gets_a_new_handshake(pair: tuple[Engine, Engine, str
         restarted.send("tx2", "t2", [5])
         wait_until(receiver.received("rx2"))
         assert receiver.results.failed_blocks == set()
+        assert bool((receiver.buffer[:, 2] == 9.0).all())
+    finally:
+        restarted.agent.close()
+
+
+def test_a_sender_restarted_mid_transfer_settles_the_quarantine_after_the_grace(
+        pair: tuple[Engine, Engine, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    sender, receiver, address = pair
+    monkeypatch.setattr(sc, "WRITE_GRACE_S", 0.3)
+    sender.agent.expect("t1", PROMPT)
+    receiver.receive("rx", "t1", address, [1], first_block=0, timeout_s=30.0)
+    wait_until(registered(sender, "t1"))
+    sender.agent.close()
+    wait_until(receiver.received("rx"), timeout=3.0)
+    assert receiver.results.quarantined == {"rx"}
+    # Another agent answers at its address: the old process is gone and the network works,
+    # so what its connection still carried lands within the grace.
+    port = int(address.rsplit(":", 1)[1])
+    restarted = Engine("sender", fill=9.0, listen=True, port=port)
+    try:
+        receiver.receive("rx2", "t2", address, [2], first_block=0)
+        restarted.send("tx2", "t2", [5])
+        wait_until(receiver.received("rx2"))
+        wait_until(receiver.settled("rx"))
+        assert receiver.results.counters.quarantines_expired == 0
         assert bool((receiver.buffer[:, 2] == 9.0).all())
     finally:
         restarted.agent.close()
@@ -347,21 +378,25 @@ class SilentSender:
         self.context.term()
 
 
-def test_a_receiver_that_gives_up_waits_until_no_write_can_land(
-        pair: tuple[Engine, Engine, str]) -> None:
+def test_a_receiver_that_gives_up_on_a_silent_sender_quarantines_its_blocks(
+        pair: tuple[Engine, Engine, str], monkeypatch: pytest.MonkeyPatch) -> None:
     _, receiver, _ = pair
+    monkeypatch.setattr(receiving, "QUARANTINE_MAX_S", 3.0)
     silent = SilentSender()
     try:
         receiver.receive("rx", "t1", silent.address, [1, 2], first_block=0, timeout_s=0.5)
         silent.serve_until_registered()
         # The receive's deadline passes. The sender could still be about to write (it is only
-        # slow), so the blocks stay with the receive instead of going back to vLLM.
-        assert holds_for(lambda: "rx" not in receiver.collect().finished_recving, 3.0)
-        # The sender's process ends (its socket closes): nothing of it can write any more.
-        silent.close()
+        # slow, or cut off): its request goes on without these blocks, which stay held.
         wait_until(receiver.received("rx"), timeout=5)
-        assert receiver.results.failed_blocks == {1, 2}
+        assert receiver.results.quarantined == {"rx"} and not receiver.results.failed_blocks
         assert receiver.results.counters.receives_cancelled == 1
+        # Its socket closing says nothing certain (a broken link looks the same): still held.
+        silent.close()
+        assert holds_for(lambda: "rx" not in receiver.collect().settled, 1.0)
+        # No word from it for the longest a TCP connection retransmits: the blocks go back.
+        wait_until(receiver.settled("rx"), timeout=5)
+        assert receiver.results.counters.quarantines_expired == 1
     finally:
         silent.close()
 
@@ -399,20 +434,25 @@ def test_failed_is_sent_only_after_the_layer_writes_settle(
     assert receiver.results.failed_blocks == {6, 2}
 
 
-def test_a_cancel_while_writes_are_in_flight_is_acknowledged_after_them(
-        pair: tuple[Engine, Engine, str]) -> None:
+def test_a_cancel_while_writes_are_in_flight_is_settled_after_them(
+        pair: tuple[Engine, Engine, str], monkeypatch: pytest.MonkeyPatch) -> None:
     sender, receiver, address = pair
+    monkeypatch.setattr(sc, "WRITE_GRACE_S", 0.3)
     gate = GatedStates(sender.agent.writer.nixl)
     sender.agent.writer.nixl = gate
     sender.agent.expect("t1", PROMPT)
     receiver.receive("rx", "t1", address, [6, 2], first_block=0)
     wait_until(registered(sender, "t1"))
     sender.agent.write_layer("t1", 0, [(0, 3), (1, 4)])
-    receiver.agent.cancel_receive("t1")  # the receiving request was aborted
-    assert holds_for(lambda: "rx" not in receiver.collect().finished_recving, 1.0)
-    gate.open = True
+    # The receiving request is aborted: it ends at once, its blocks quarantined.
+    receiver.agent.cancel_receive("t1")
     wait_until(receiver.received("rx"))
-    assert receiver.results.failed_blocks == {6, 2}
+    assert receiver.results.quarantined == {"rx"} and not receiver.results.failed_blocks
+    # They come back only after the sender's writes settled and it said so, and a grace.
+    assert holds_for(lambda: "rx" not in receiver.collect().settled, 1.0)
+    gate.open = True
+    wait_until(receiver.settled("rx"))
+    assert receiver.results.counters.quarantines_expired == 0
 
 
 # -- item 6: a NIXL call that raises fails its transfer only ------------------------------------
@@ -648,12 +688,15 @@ def test_a_sender_that_died_is_not_waited_for(pair: tuple[Engine, Engine, str]) 
     receiver.receive("rx2", "t2", address, [2], first_block=0, timeout_s=30.0)
     wait_until(registered(sender, "t2"))
     sender.agent.close()  # the prefill engine is killed
-    wait_until(receiver.received("rx2"), timeout=3.0)  # not after the fence and the grace
+    # Its request goes on at once, in other blocks: whether the sender died or the link to it
+    # broke, the receiver cannot tell, so these stay held.
+    wait_until(receiver.received("rx2"), timeout=3.0)
+    assert receiver.results.quarantined == {"rx2"}
     # A turn that comes meanwhile: its receive waits for a sender to answer, and gives its
-    # blocks back at once when its request is aborted.
+    # blocks back at once when its request is aborted (it never registered: nothing writes).
     receiver.receive("rx3", "t3", address, [3], first_block=0, timeout_s=30.0)
     time.sleep(0.3)
     receiver.agent.cancel_receive("t3")
     wait_until(receiver.received("rx3"), timeout=2.0)
-    assert receiver.results.failed_blocks == {2, 3}
+    assert receiver.results.failed_blocks == {3}
     assert untouched(receiver, but=(1,))

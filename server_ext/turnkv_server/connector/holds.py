@@ -14,6 +14,7 @@ lease first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -40,6 +41,10 @@ class BlockPool(Protocol):
                          ) -> list[Any] | None: ...
 
 
+# How often an idle engine with quarantined blocks steps, to hear whether they may go.
+QUARANTINE_POLL_S = 1.0
+
+
 class BlockHolder:
     """One engine's held blocks: `leases` decides, this applies it to `pool`."""
 
@@ -47,6 +52,44 @@ class BlockHolder:
         self.pool = pool
         self.leases = leases
         self.freed_total = 0
+        # Blocks of given-up receives that a late write may still land in, by request: no
+        # request may use them until the transport says none can (`receiving`). The worker says
+        # so in a step's output: while any is held, an idle engine steps every
+        # QUARANTINE_POLL_S to hear it (`due`, `next_wake`).
+        self.quarantined: dict[str, list[int]] = {}
+        self._poll_at = math.inf
+
+    def quarantine(self, request_id: str, block_ids: Iterable[int]) -> None:
+        """Keep `block_ids` out of use; taken while the request still references them, so
+        that vLLM freeing the request leaves them allocated, to us."""
+        ids = [i for i in block_ids if not self.pool.blocks[i].is_null]
+        self.pool.touch([self.pool.blocks[i] for i in ids])
+        self.quarantined.setdefault(request_id, []).extend(ids)
+        self.stepped()
+
+    def settle(self, request_id: str) -> int:
+        """Give a quarantine's blocks back; returns how many."""
+        ids = self.quarantined.pop(request_id, [])
+        if ids:
+            self.pool.free_blocks([self.pool.blocks[i] for i in ids])
+        return len(ids)
+
+    @property
+    def quarantined_blocks(self) -> int:
+        return sum(map(len, self.quarantined.values()))
+
+    def stepped(self) -> None:
+        """The engine stepped (and heard the worker): the next check is a poll away."""
+        self._poll_at = (self.leases.now() + QUARANTINE_POLL_S if self.quarantined
+                         else math.inf)
+
+    def due(self) -> bool:
+        """Whether an idle engine must step: a lease is past its deadline, or a quarantine
+        is due a check."""
+        return self.leases.due() or self._poll_at <= self.leases.now()
+
+    def next_wake(self) -> float:
+        return min(self.leases.next_expiry(), self._poll_at)
 
     def hold(self, session_id: str, block_ids: Sequence[int], *, ttl_s: float | None = None,
              priority: int = 0, next_turn_in_s: float | None = None) -> int:

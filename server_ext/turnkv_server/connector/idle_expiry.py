@@ -1,4 +1,5 @@
 """Leases expire on time on an idle engine too: a timer thread wakes the engine at a deadline.
+(So do quarantined receive blocks come back: `holds.BlockHolder.next_wake`.)
 
 vLLM's engine core blocks on its input queue when it has no work, so no connector callback
 runs. The scheduler half's `has_pending_push_work` (which vLLM asks before blocking) says yes
@@ -17,8 +18,6 @@ import math
 import threading
 import time
 from collections.abc import Callable
-
-from turnkv_server.connector.leases import LeaseTable
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +81,11 @@ class IdleExpiry:
         self._alarm = WakeAlarm(wake) if wake is not None else None
         self._armed = math.inf
 
-    def arm(self, leases: LeaseTable) -> None:
-        """Tell the alarm the next lease deadline, if it changed."""
+    def arm(self, at: float) -> None:
+        """Tell the alarm the next deadline (a lease's, or a quarantine's check), if it
+        changed."""
         if self._alarm is None:
             return
-        at = leases.next_expiry()
         if at != self._armed:
             self._armed = at
             self._alarm.set(at)

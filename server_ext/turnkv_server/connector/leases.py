@@ -228,6 +228,9 @@ class LeaseTable:
         lease = self._next_to_expire()
         return math.inf if lease is None else lease.expires_at
 
+    def now(self) -> float:
+        return self._clock()
+
     def due(self) -> bool:
         """Whether some lease is past its deadline and waits for `expire`."""
         return self.next_expiry() <= self._clock()

@@ -16,6 +16,11 @@ class TransferResults:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)
+    # Receives given up while their sender might still write into their blocks: each request
+    # recomputes on other blocks (vLLM's failed receive, which frees the request's blocks),
+    # and these blocks stay held until `settled` names the request.
+    quarantined: set[str] = field(default_factory=set)
+    settled: set[str] = field(default_factory=set)
     counters: TransferCounters = field(default_factory=TransferCounters)
 
 
@@ -37,6 +42,20 @@ class Outcomes:
         with self._lock:
             self._results.finished_recving.add(request_id)
             self._results.failed_blocks.update(failed_blocks)
+            self._count(counts)
+
+    def quarantined(self, request_id: str, **counts: float) -> None:
+        """A receive ended without its KV while its sender may still write: its request goes
+        on with other blocks; its own blocks stay out of use until `settled`."""
+        with self._lock:
+            self._results.finished_recving.add(request_id)
+            self._results.quarantined.add(request_id)
+            self._count(counts)
+
+    def settled(self, request_id: str, **counts: float) -> None:
+        """No write of a quarantined receive's sender can land any more: its blocks may go."""
+        with self._lock:
+            self._results.settled.add(request_id)
             self._count(counts)
 
     def sent(self, request_id: str, **counts: float) -> None:

@@ -1,18 +1,28 @@
 """The receiving end of transfers: register blocks with a sender, hand them back only when safe.
 
 A receive's blocks belong to a request that waits for them. vLLM reuses them as soon as the
-receive is reported finished, so a receive is reported only once no write of the sender can
-still land in them (two-phase cancel):
+receive is reported finished, so they are handed back for the request to compute into only
+when no write of the sender can still land in them:
 
 - the sender's notification arrived: every write is in, the KV is complete;
-- the sender answered `Cancelled` or `Failed`: it settles every write of the transfer first;
-- the registration never left this engine (its hello was not answered): nobody can write;
-- the sender is known gone: its side-channel connection dropped and nothing listens at its
-  address any more (the kernel closes a dead process's sockets, and a reconnect is refused),
-  or another agent now answers there, or it says it does not know us;
-- the sender is silent (stopped, partitioned, wedged): it starts no write later than
-  `FENCE_S` after we last said we wanted the transfer, and a started write lands within
-  `WRITE_GRACE_S`; the blocks come back after both have passed.
+- the sender answered `Failed` before we gave up: it settles every write of the transfer first;
+- the registration never left this engine (its hello was not answered): nobody can write.
+
+Otherwise (the request was aborted, the deadline passed, the sender's connection dropped or
+another agent answers at its address) the receive is *quarantined*: its request is reported as
+a failed receive, which makes vLLM free the request's blocks and compute the prompt in other
+ones, while the scheduler side keeps these blocks out of use (`BlockHolder.quarantine`). No time
+bound on a write makes it safe to hand them back earlier: UCX over TCP delivers writes held up by
+a broken link whenever the link comes back, and a 7 s cut once landed a write in blocks a request
+was recomputing into, 15 s after we had last asked for it. The quarantine ends (`settled`):
+
+- when the notification arrives after all: every write is in;
+- `WRITE_GRACE_S` after the sender answers our `Cancel` (`Cancelled` or `Failed`, sent once
+  its writes settled), or after another agent answers at its address (it restarted): what the
+  old connection still carried has drained by then;
+- otherwise at `QUARANTINE_MAX_S`, longer than Linux keeps retransmitting on a TCP connection
+  (`tcp_retries2`, about 15 minutes), with a warning: a sender that neither answers nor can
+  be reached costs its receive's blocks for that long, never wrong KV.
 
 A receive gives up (and cancels) when its request is aborted, or at its deadline: the
 router's timeout from its start, extended for as long as the sender reports the request that
@@ -44,6 +54,8 @@ NOTIF_PREFIX = b"turnkv:"
 SILENCE_S = 5.0
 HELLO_RETRY_S = 1.0
 HELLO_RETRY_MAX_S = 8.0
+# The longest a quarantined receive's blocks are held without word from its sender (above).
+QUARANTINE_MAX_S = 1000.0
 
 
 @dataclass
@@ -63,9 +75,11 @@ class Receive:
     # When this engine last told the sender it wants the transfer (registration or ping).
     last_wanted: float = -math.inf
     retried: bool = False
-    # Set once given up: why, and when the blocks may come back without the sender's word.
+    # Set once given up (quarantined): why, when its blocks may go back into use, and whether
+    # that is the grace after the sender's word (`_drain`) rather than the long bound.
     giving_up: str | None = None
     release_at: float = math.inf
+    drained: bool = False
 
 
 @dataclass
@@ -158,13 +172,21 @@ class Receiving:
                 # Nothing listens at its address: its side channel is closed, so its agent
                 # (which lived in that process) writes nothing more.
                 suspect, link.suspect = link.suspect, None
-                self._sender_gone(link, suspect, "the sender's side channel closed")
+                # Or a broken network in between, which heals: then the writes it had posted
+                # land late. Quarantined until it answers again.
+                self._sender_gone(link, suspect, "the sender's side channel closed",
+                                  restarted=False)
 
     def _on_message(self, link: Link, msg: sc.AnyMessage) -> None:
         if isinstance(msg, sc.HelloOk):
             for known in (link.agent, link.suspect):
                 if known is not None and msg.agent != known:
-                    self._sender_gone(link, known, "the sender restarted")
+                    self._sender_gone(link, known, "the sender restarted", restarted=True)
+            for given_up in list(self.receives.values()):
+                # Quarantined for an agent that another one now replaces at its address.
+                if (given_up.peer == link.address and given_up.giving_up is not None
+                        and given_up.registered_with not in (None, msg.agent)):
+                    self._drain(given_up)
             link.suspect = None
             link.agent, link.hello, link.hello_wait_s = msg.agent, "ok", HELLO_RETRY_S
             waiting, link.waiting = link.waiting, []
@@ -183,7 +205,7 @@ class Receiving:
         elif isinstance(msg, sc.Pong):
             if link.agent is not None and msg.agent != link.agent:
                 link.hello = "none"
-                self._sender_gone(link, link.agent, "the sender restarted")
+                self._sender_gone(link, link.agent, "the sender restarted", restarted=True)
                 return
             keep = self._clock() + SILENCE_S
             for transfer_id in msg.pending:
@@ -194,8 +216,11 @@ class Receiving:
             rx = self.receives.get(msg.transfer_id)
             if rx is None or rx.registered_with != msg.agent:
                 return
-            reason = msg.reason if isinstance(msg, sc.Failed) else rx.giving_up or "cancelled"
-            self._release(rx, reason)
+            if rx.giving_up is not None:
+                self._drain(rx)
+            else:
+                reason = msg.reason if isinstance(msg, sc.Failed) else "cancelled"
+                self._release(rx, reason)
         elif isinstance(msg, sc.UnknownAgent):
             # The sender has no NIXL metadata of ours: it cannot write into our blocks.
             rx = self.receives.get(msg.transfer_id)
@@ -203,8 +228,10 @@ class Receiving:
             if rx is None:
                 return
             rx.registered_with = None
-            if rx.giving_up is not None or rx.retried:
-                self._release(rx, rx.giving_up or "the sender does not know this engine")
+            if rx.giving_up is not None:
+                self._drain(rx)
+            elif rx.retried:
+                self._release(rx, "the sender does not know this engine")
             else:
                 rx.retried = True
                 self._register(rx)
@@ -215,10 +242,13 @@ class Receiving:
         transfer_id = message[len(NOTIF_PREFIX):].decode(errors="replace")
         rx = self.receives.pop(transfer_id, None)
         if rx is None:
-            # Our blocks for it were handed back already: the protocol's bounds were broken
-            # (a write outlived FENCE_S + WRITE_GRACE_S). Say so loudly.
+            # Our blocks for it were handed back already: the protocol's bounds were broken.
+            # Say so loudly.
             log.error("turnkv: transfer %s completed after its receive was released",
                       transfer_id)
+            return
+        if rx.giving_up is not None:
+            self._settle(rx, "its writes completed after all")
             return
         self._outcomes.received(
             rx.request_id, receives_done=1, blocks_received=len(rx.blocks),
@@ -237,7 +267,8 @@ class Receiving:
             if rx.giving_up is None and now > rx.deadline:
                 self._give_up(rx, f"no KV within {rx.timeout_s:g} s")
             elif rx.giving_up is not None and now >= rx.release_at:
-                self._release(rx, f"{rx.giving_up}; the sender stayed silent")
+                self._settle(rx, "the grace after the sender's word passed" if rx.drained
+                             else f"no word from the sender in {QUARANTINE_MAX_S:g} s")
             elif rx.giving_up is None and rx.registered_with is not None:
                 wanted.setdefault(rx.peer, []).append(rx)
         for address, live in wanted.items():
@@ -294,14 +325,37 @@ class Receiving:
             self._release(rx, reason)
             return
         rx.giving_up = reason
-        rx.release_at = rx.last_wanted + sc.FENCE_S + sc.WRITE_GRACE_S
-        self._outcomes.count(receives_cancelled=1)
+        rx.release_at = self._clock() + QUARANTINE_MAX_S
+        log.warning("turnkv: receive %s for %s given up (%s); the request computes its prompt "
+                    "in other blocks, these stay out of use until no write can land",
+                    rx.transfer_id, rx.request_id, reason)
+        self._outcomes.quarantined(rx.request_id, receives_cancelled=1, receives_failed=1,
+                                   receives_quarantined=1)
         self._send(self._link(rx.peer), sc.Cancel(agent=self.name, transfer_id=rx.transfer_id))
 
-    def _sender_gone(self, link: Link, agent: str, reason: str) -> None:
+    def _sender_gone(self, link: Link, agent: str, reason: str, restarted: bool) -> None:
+        """The connection to `agent` dropped and cannot be restored (`restarted`: another
+        agent answers at its address), or the sender says it does not know us."""
         for rx in list(self.receives.values()):
             if rx.peer == link.address and rx.registered_with == agent:
-                self._release(rx, reason)
+                self._give_up(rx, reason)
+                if restarted:
+                    self._drain(rx)
+
+    def _drain(self, rx: Receive) -> None:
+        """The sender settled the transfer's writes (or its process is gone): hand the blocks
+        back once what the connection still carried has landed."""
+        if not rx.drained:
+            rx.drained, rx.release_at = True, self._clock() + sc.WRITE_GRACE_S
+
+    def _settle(self, rx: Receive, reason: str) -> None:
+        if self.receives.get(rx.transfer_id) is rx:
+            del self.receives[rx.transfer_id]
+        expired = not rx.drained and reason.startswith("no word")
+        (log.warning if expired else log.info)(
+            "turnkv: the blocks of given-up receive %s go back into use: %s", rx.transfer_id,
+            reason)
+        self._outcomes.settled(rx.request_id, quarantines_expired=int(expired))
 
     def _release(self, rx: Receive, reason: str) -> None:
         if self.receives.get(rx.transfer_id) is rx:

@@ -20,29 +20,15 @@ When no lease is left, sends that no receiver has registered for yet give their 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from enum import Enum
-from typing import Any, Protocol
+from collections.abc import Callable
 
 from turnkv_server.connector.holds import BlockHolder
 from turnkv_server.connector.pending_sends import PendingSends
+from turnkv_server.connector.request_view import Request
 
 # vLLM's statuses of a request that could run if it had the blocks (upstream
 # `v1/request.py`); one waiting for its KV to arrive could not.
 READY = frozenset({"WAITING", "PREEMPTED"})
-
-
-class Request(Protocol):
-    """The part of vLLM's `Request` read here."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def block_hashes(self) -> Sequence[Any]: ...
-    @property
-    def status(self) -> Enum: ...
 
 
 class Room:

@@ -4,11 +4,12 @@ Runs in vLLM's engine-core thread (scheduler callbacks, and the engine's own cal
 block pool); it owns the block pool's extra references (`holds`) and decides, per request:
 
 - receive: the prompt tokens a peer holds beyond this engine's own prefix hit are loaded
-  asynchronously; the request's blocks for them are registered with the peer under the
-  router's transfer ID (`ReceiveOrder`), with a digest of the tokens they will hold (from
-  token 0), which the sender checks against its own. Nothing to fetch: the peer is told so
-  (`decline`). A request aborted while its KV arrives cancels the receive (`cancels`): vLLM
-  keeps it, and its blocks, until the worker reports the receive over;
+  asynchronously into blocks registered with the peer under the router's transfer ID
+  (`ReceiveOrder`), with a digest of their tokens (from token 0) that the sender checks.
+  Nothing to fetch: the peer is told so (`decline`). An aborted request cancels its receive
+  (`cancels`); vLLM keeps its blocks until the worker reports the receive over. A receive
+  given up while the sender might still write is quarantined: its blocks are held out of use
+  (`holds`) until the worker says no write can land (`settled`);
 - send: when the request ends normally (stopped, length-capped, or stopped on repetition) its
   blocks stay allocated (delay-free) until the worker has written them to whichever engine
   registers the transfer ID, or gives up (`SendOrder`, with all its token IDs). Any other end
@@ -23,19 +24,13 @@ block pool); it owns the block pool's extra references (`holds`) and decides, pe
   steps; the next turn's prompt hits them as ordinary prefix-cache blocks. A `renew_only`
   request (a hint sent between turns) renews the session's lease and holds nothing.
 
-Held blocks are invisible to vLLM's admission, so `room` gives them back: before a waiting
-request is matched, when a running request cannot grow (`has_pending_block_frees`, which says
-yes only if blocks really went back to the pool) and after a step that scheduled nothing while
-a request could run. A lease never makes a request wait. When leases are not enough, sends
-that no receiver has registered for yet are abandoned; the router can also abandon a send it
-knows nobody will register for (`abandon`). The sends owed and their abandons are
-kept in `pending_sends`.
-
-Leases expire on time on an idle engine too: a timer thread wakes the engine at the next
-deadline (`idle_expiry`).
-
-A prefix-cache reset (new weights, sleep) needs every block free: the bound pool's
-`reset_prefix_cache` releases every lease first, and so does `reset_cache`.
+Held blocks are invisible to vLLM's admission, so `room` gives leases back: before a waiting
+request is matched, when a running request cannot grow (`has_pending_block_frees`: yes only if
+blocks went back to the pool) and after a step that scheduled nothing while a request could
+run. A lease never makes a request wait. When leases are not enough, sends no receiver has
+registered for yet are abandoned, as the router can ask too (`abandon`; `pending_sends`).
+Leases expire on an idle engine too: a timer wakes it at the next deadline (`idle_expiry`). A
+prefix-cache reset needs every block free: `reset_prefix_cache` releases every lease first.
 
 The worker learns its orders through `StepOrders` (`orders`), one per scheduler step.
 """
@@ -46,8 +41,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 from turnkv_server.connector.holds import BlockHolder, BlockPool, release_leases_before_reset
 from turnkv_server.connector.identity import token_digest
@@ -61,6 +55,7 @@ from turnkv_server.connector.orders import (
     StreamOrder,
 )
 from turnkv_server.connector.pending_sends import PendingSends
+from turnkv_server.connector.request_view import Request
 from turnkv_server.connector.room import Room
 from turnkv_server.connector.stats import SchedulerCounters
 from turnkv_server.engine.protocol import KEY, BadParams, TurnParams, TurnReply, parse
@@ -71,25 +66,6 @@ log = logging.getLogger(__name__)
 # (upstream's push connector sends after the first two only; a repetition stop is an ordinary
 # stop). Anything else (aborted, error, ignored) may have stopped mid-prompt.
 NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"})
-
-
-class Request(Protocol):
-    """The part of vLLM's `Request` read here."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def kv_transfer_params(self) -> dict[str, Any] | None: ...
-    @property
-    def num_prompt_tokens(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def all_token_ids(self) -> Sequence[int]: ...
-    @property
-    def block_hashes(self) -> Sequence[Any]: ...
-    @property
-    def status(self) -> Enum: ...
 
 
 @dataclass
@@ -255,11 +231,12 @@ class SchedulerSide:
         abandoned = False
         if send is not None:
             abandoned = self._sends.abandoned_early(send.transfer_id)
-        receiving = self._receiving.pop(request.request_id, None)
+        receiving = self._receiving.get(request.request_id)
         if receiving is not None:
             # Aborted while its KV was still arriving: vLLM keeps the request until the worker
             # reports the receive over, then frees its blocks; they hold nothing worth keeping
-            # or sending. The sender may still be writing: the transport cancels with it first.
+            # or sending. The sender may still be writing: the transport cancels with it, and
+            # `received` quarantines the blocks if it cannot be sure.
             self._orders.cancels.append(receiving[0])
             if send is not None:
                 self._orders.refusals.append(send.transfer_id)
@@ -293,14 +270,29 @@ class SchedulerSide:
                           receive_failed=tracked.receive_failed)
         return delay_free, {KEY: reply.to_wire()}
 
-    def received(self, request_ids: set[str], failed_blocks: set[int] | None = None) -> None:
+    def received(self, request_ids: set[str], failed_blocks: set[int] | None = None,
+                 quarantined: set[str] | None = None) -> None:
         """The worker reports these requests' KV arrived, or failed: `failed_blocks` are the
-        step's load errors, which vLLM recomputes."""
+        step's load errors, which vLLM recomputes in place; the `quarantined` requests' blocks
+        a late write may still reach, so they are held out of use (vLLM frees those requests'
+        blocks next and computes their prompts in others) until `settled`."""
+        quarantined = quarantined or set()
         for request_id in request_ids:
             _, blocks = self._receiving.pop(request_id, ("", frozenset()))
             tracked = self._tracked.get(request_id)
-            if tracked is not None and failed_blocks and blocks & failed_blocks:
+            if request_id in quarantined:
+                self._holder().quarantine(request_id, blocks)
+            if tracked is not None and (bool(failed_blocks and blocks & failed_blocks)
+                                        or request_id in quarantined):
                 tracked.receive_failed = True
+        if quarantined:
+            self._gauges()
+
+    def settled(self, request_ids: set[str]) -> None:
+        """No late write can reach these requests' quarantined blocks any more."""
+        for request_id in request_ids:
+            self._holder().settle(request_id)
+        self._gauges()
 
     def sent(self, request_ids: set[str]) -> None:
         """The worker reports these requests' sends ended (written, failed or abandoned)."""
@@ -319,14 +311,15 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         """Whether the engine must step although it has no request: a lease is past its
-        deadline (see `idle_expiry`)."""
-        return self.holder is not None and self.holder.leases.due()
+        deadline, or quarantined blocks are due a check (see `idle_expiry`)."""
+        return self.holder is not None and self.holder.due()
 
     def build_orders(self, scheduled_tokens: int | None = None) -> StepOrders:
         """The step's orders; `scheduled_tokens`: what the step computes (`Room`)."""
         self._expire()
         if scheduled_tokens is not None and self._room().for_stuck_step(scheduled_tokens):
             self._gauges()
+        self._holder().stepped()
         self._arm()
         orders, self._orders = self._orders, StepOrders()
         return orders
@@ -376,11 +369,12 @@ class SchedulerSide:
 
     def _arm(self) -> None:
         if self.holder is not None:
-            self._expiry.arm(self.holder.leases)
+            self._expiry.arm(self.holder.next_wake())
 
     def _gauges(self) -> None:
-        leases = self._holder().leases
-        self._stats.gauges(pinned_blocks=leases.pinned_blocks, leases=len(leases))
+        holder = self._holder()
+        self._stats.gauges(pinned_blocks=holder.leases.pinned_blocks, leases=len(holder.leases),
+                           quarantined_blocks=holder.quarantined_blocks)
 
     def _count(self, key: str, amount: float = 1) -> None:
         self._stats.count(key, amount)

@@ -30,6 +30,8 @@ class TransferCounters:
     receives_failed: int = 0
     sends_abandoned: int = 0
     receives_cancelled: int = 0
+    receives_quarantined: int = 0
+    quarantines_expired: int = 0
     transfers_mismatched: int = 0
     side_channel_rejected: int = 0
     send_seconds: float = 0.0
@@ -48,7 +50,7 @@ COUNTERS = (
     "lease_hits", "lease_misses", "blocks_held", "leases_renewed", "renewals_missed",
     "leases_released", "leases_expired", "leases_over_cap", "leases_pressure", "leases_stuck",
 )
-GAUGES = ("pinned_blocks", "leases")
+GAUGES = ("pinned_blocks", "leases", "quarantined_blocks")
 # Why a lease ended (the lease table's `released_total` keys) -> the counter it adds to.
 RELEASE_COUNTERS = {"release": "leases_released", "reset": "leases_released",
                     "expired": "leases_expired", "over_cap": "leases_over_cap",
@@ -68,6 +70,10 @@ HELP = {
                        "router said no receiver would come)",
     "receives_cancelled": "Receives this engine gave up on (timeout, abort) and cancelled with "
                           "the sender before reusing their blocks",
+    "receives_quarantined": "Receives given up while the sender might still write: the "
+                            "request recomputed on other blocks, its own held until safe",
+    "quarantines_expired": "Quarantined blocks given back with no word from the sender, after "
+                           "the longest a TCP connection retransmits",
     "transfers_mismatched": "Registrations refused because the two engines' tokens differ",
     "side_channel_rejected": "Side-channel messages dropped: bad signature, stale or malformed",
     "send_seconds": "Seconds from write start to completion, summed",
@@ -86,6 +92,7 @@ HELP = {
     "leases_stuck": "Leases ended after a step scheduled nothing while a request could run",
     "pinned_blocks": "Distinct KV blocks held under leases",
     "leases": "Live session leases",
+    "quarantined_blocks": "Blocks of given-up receives held until no late write can land",
 }
 
 
@@ -100,9 +107,10 @@ class SchedulerCounters:
     def count(self, key: str, amount: float = 1) -> None:
         self._data[key] = self._data.get(key, 0) + amount
 
-    def gauges(self, *, pinned_blocks: int, leases: int) -> None:
+    def gauges(self, *, pinned_blocks: int, leases: int, quarantined_blocks: int = 0) -> None:
         self._data["pinned_blocks"] = pinned_blocks
         self._data["leases"] = leases
+        self._data["quarantined_blocks"] = quarantined_blocks
 
     def take(self, released_total: Mapping[str, int]) -> dict[str, Any]:
         """The counts since the last call, the releases among them (from the lease table's

@@ -55,6 +55,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorPromMetrics,
@@ -69,6 +71,18 @@ from turnkv_server.connector.leases import LeasePolicy  # noqa: E402
 from turnkv_server.connector.orders import StepOrders  # noqa: E402
 from turnkv_server.connector.scheduler_side import SchedulerSide  # noqa: E402
 from turnkv_server.connector.worker_side import WorkerSide  # noqa: E402
+
+
+class SettledReceives(KVConnectorWorkerMetadata):
+    """Worker to scheduler: the requests whose quarantined receive blocks may go back into use
+    (`receiving`). One worker per engine (`check_parallelism`), so a union aggregates."""
+
+    def __init__(self, request_ids: set[str]) -> None:
+        self.request_ids = set(request_ids)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, SettledReceives)
+        return SettledReceives(self.request_ids | other.request_ids)
 
 
 def _flag(value: Any) -> bool:
@@ -265,9 +279,14 @@ class TurnkvConnector(KVConnectorBase_V1):
         return self._sched().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # Before vLLM frees the blocks of the requests it lists (it does so after this call).
         self._sched().received(set(connector_output.finished_recving or ()),
-                               set(connector_output.invalid_block_ids or ()))
+                               set(connector_output.invalid_block_ids or ()),
+                               set(connector_output.failed_recving or ()))
         self._sched().sent(set(connector_output.finished_sending or ()))
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, SettledReceives):
+            self._sched().settled(meta.request_ids)
 
     def has_pending_block_frees(self) -> bool:
         return self._sched().has_pending_block_frees()
@@ -306,8 +325,20 @@ class TurnkvConnector(KVConnectorBase_V1):
                      ) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """As vLLM's, with the receives given up while their sender might still write as
+        failed receives: vLLM then frees those requests' blocks and computes their prompts in
+        other ones, while the scheduler side keeps the freed blocks out of use."""
+        sending, recving = self._work().get_finished()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=self._work().take_quarantined())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_failed_blocks()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        settled = self._work().take_settled()
+        return SettledReceives(settled) if settled else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

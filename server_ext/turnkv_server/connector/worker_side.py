@@ -44,6 +44,8 @@ class WorkerSide:
         self.report_path = report_path
         self.agent: TransferAgent | None = None
         self._failed_blocks: set[int] = set()
+        self._quarantined: set[str] = set()
+        self._settled: set[str] = set()
         self._stats: dict[str, Any] = {}
         self.layer_writes = layer_writes
         self._layer_index: dict[str, int] = {}
@@ -113,8 +115,11 @@ class WorkerSide:
         if self.agent is None:
             return set(), set()
         results = self.agent.take_results()
-        # vLLM reads load errors right after this, in the same step: keep them until then.
+        # vLLM reads load errors (and the connector its failed receives and settled
+        # quarantines) right after this, in the same step: keep them until then.
         self._failed_blocks |= results.failed_blocks
+        self._quarantined |= results.quarantined
+        self._settled |= results.settled
         counters = results.counters
         for name in counters.__dataclass_fields__:
             value = getattr(counters, name)
@@ -125,6 +130,17 @@ class WorkerSide:
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def take_quarantined(self) -> set[str]:
+        """Requests whose receive failed while its sender might still write: vLLM recomputes
+        them in other blocks (`failed_recving`)."""
+        quarantined, self._quarantined = self._quarantined, set()
+        return quarantined
+
+    def take_settled(self) -> set[str]:
+        """Requests whose quarantined blocks may go back into use."""
+        settled, self._settled = self._settled, set()
+        return settled
 
     def take_stats(self) -> dict[str, Any]:
         stats, self._stats = self._stats, {}
