@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 
 from tests.unit.test_router_affinity import StandIn
 from turnkv.protocol import MAX_TTL_SECONDS, CacheHints, TurnTag
-from turnkv_server.router.app import BadRequest, create_app, extract_tag
+from turnkv_server.router.app import create_app
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.dialects import PROMPT_CACHE_PREFIX, DialectError
+from turnkv_server.router.tags import BadRequest, extract_tag
 
 DYNAMO = "X-Dynamo-Session-ID"
 FINAL = "X-Dynamo-Session-Final"
@@ -291,4 +292,35 @@ def test_dialect_sessions_are_the_tenants_own_and_engines_never_see_them() -> No
                 assert b"agent-1" not in orjson.dumps(body)
                 assert b"team-prompt" not in orjson.dumps(body)
 
+    asyncio.run(main())
+
+
+def test_turns_without_a_session_go_where_their_prompt_cache_key_is_warm() -> None:
+    """OpenAI clients send `prompt_cache_key` and no session: each such turn goes to the
+    engine its key's prefix warmed first; turns without a key keep the round robin."""
+    async def main() -> None:
+        engines = [StandIn(), StandIn()]
+        async with router_with_tenants(engines) as url, \
+                httpx.AsyncClient(timeout=30) as client:
+            async def chat(key: str, **extra: Any) -> httpx.Response:
+                body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 2, **extra}
+                return await client.post(f"{url}/v1/chat/completions", json=body,
+                                         headers={"Authorization": f"Bearer {key}"})
+
+            def counts() -> list[int]:
+                return [len(e.seen) for e in engines]
+
+            first = await chat("sk-a", prompt_cache_key="support-bot")
+            assert first.status_code == 200 and first.json()["turnkv"]["session_id"] is None
+            warm = counts().index(1)
+            for _ in range(4):
+                await chat("sk-a", prompt_cache_key="support-bot")
+            assert counts()[warm] == 5, counts()
+            assert all("prompt_cache_key" not in body for e in engines for body in e.seen)
+            # No key: the round robin, both engines.
+            before = counts()
+            for _ in range(2):
+                await chat("sk-a")
+            assert [a - b for a, b in zip(counts(), before, strict=True)] == [1, 1]
     asyncio.run(main())

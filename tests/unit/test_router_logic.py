@@ -4,7 +4,7 @@ import pytest
 
 from turnkv.protocol import CacheHints, TurnTag
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, prefill_request
-from turnkv_server.router.app import DEFAULT_TENANT, BadRequest, Tenants, extract_tag
+from turnkv_server.router.app import Tenants
 from turnkv_server.router.modes.base import NixlPeer
 from turnkv_server.router.modes.bidirectional import trim_offer
 from turnkv_server.router.placement import EnginePool
@@ -15,6 +15,7 @@ from turnkv_server.router.sessions import (
     common_prefix_len,
     prefix_break,
 )
+from turnkv_server.router.tags import DEFAULT_TENANT, BadRequest, extract_tag
 from turnkv_server.router.turn import strip_token_ids
 
 
@@ -251,7 +252,7 @@ def test_unreachable_engines_give_503_with_retry_after() -> None:
 
 @pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]], [1, "x"], [True, 2]])
 def test_a_batch_of_prompts_is_refused(prompt: object) -> None:
-    from turnkv_server.router.app import _check_supported
+    from turnkv_server.router.tags import check_supported as _check_supported
 
     # vLLM would serve each prompt as its own request with the same kv_transfer_params: two
     # receivers of one transfer.
@@ -261,7 +262,7 @@ def test_a_batch_of_prompts_is_refused(prompt: object) -> None:
 
 @pytest.mark.parametrize("prompt", ["text", [1, 2, 3], ["one"], [[1, 2]], []])
 def test_one_prompt_passes(prompt: object) -> None:
-    from turnkv_server.router.app import _check_supported
+    from turnkv_server.router.tags import check_supported as _check_supported
 
     _check_supported({"prompt": prompt})
 

@@ -7,8 +7,7 @@ never hit each other's cached prefixes even for identical prompts, and timing ca
 another tenant's prompts.
 
 The turnkv tag travels in the body (`"turnkv": {...}`) or, for clients that cannot change the
-body, in `X-TurnKV-*` headers. The body wins field by field. Either way it is validated by the
-same pydantic models the SDK uses and removed before the request reaches an engine.
+body, in `X-TurnKV-*` headers; `tags` reads it.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from pydantic import ValidationError
 
 from turnkv import protocol as p
 from turnkv_server.router.config import RouterConfig
-from turnkv_server.router.dialects import DialectError, read_dialects
+from turnkv_server.router.dialects import DialectError
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
 from turnkv_server.router.placement import Engine, EnginePool
@@ -43,11 +42,16 @@ from turnkv_server.router.sessions import (
     SessionTable,
 )
 from turnkv_server.router.stats import RouterMetrics
+from turnkv_server.router.tags import (
+    DEFAULT_TENANT,
+    BadRequest,
+    check_supported,
+    extract_tags,
+)
 from turnkv_server.router.turn import TurnFailed, Turns
 from turnkv_server.router.upstream import EngineConnectionError, EngineRejected, Upstream
 
 RETRY_AFTER_S = "2"
-DEFAULT_TENANT = "default"
 
 
 class Router:
@@ -94,15 +98,15 @@ class Router:
             return error_response(401, "missing or unknown API key")
         try:
             body = await self._read_body(request)
-            tag = extract_tag(body, request.headers, tenant)
-            _check_supported(body)
+            tag, prefix_id = extract_tags(body, request.headers, tenant)
+            check_supported(body)
         except (BadRequest, DialectError) as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
             return error_response(exc.status, exc.message, param=exc.param)
         if self.tenants.enforced:
             body["cache_salt"] = self.tenants.cache_salt(tenant, body.get("cache_salt"))
         try:
-            return await self.turns.serve(path, body, tag, tenant)
+            return await self.turns.serve(path, body, tag, tenant, prefix_id)
         except TurnFailed as exc:
             self.metrics.errors.labels("503").inc()
             return error_response(503, str(exc), headers={"Retry-After": RETRY_AFTER_S})
@@ -182,14 +186,6 @@ def _bearer(authorization: str | None) -> str | None:
     return value.strip() or None
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-
-
 def error_response(
     status: int, message: str, *, kind: str | None = None, param: str | None = None,
     headers: dict[str, str] | None = None,
@@ -206,69 +202,6 @@ def error_response(
     )
 
 
-_HEADER_FIELDS: dict[str, tuple[str, ...]] = {
-    p.HEADER_SESSION: ("session_id",),
-    p.HEADER_TURN: ("turn",),
-    p.HEADER_PREFIX: ("prefix_id",),
-    p.HEADER_TTL: ("hints", "ttl"),
-    p.HEADER_NEXT_TURN_IN: ("hints", "next_turn_in"),
-    p.HEADER_FINAL: ("hints", "final"),
-    p.HEADER_PRIORITY: ("hints", "priority"),
-}
-
-
-def extract_tag(body: dict[str, Any], headers: Mapping[str, str],
-                tenant: str = DEFAULT_TENANT) -> p.TurnTag | None:
-    """Pop the tag from ``body`` (mutates it), merge the headers under it and peers' dialects
-    under both; raises `DialectError` for a dialect field it cannot read."""
-    raw = body.pop("turnkv", None)
-    if raw is not None and not isinstance(raw, dict):
-        raise BadRequest("'turnkv' must be an object", param="turnkv")
-    merged: dict[str, Any] = {}
-    for header, path in _HEADER_FIELDS.items():
-        value = headers.get(header)
-        if value is None:
-            continue
-        target = merged
-        for part in path[:-1]:
-            target = target.setdefault(part, {})
-        target[path[-1]] = value
-    if raw:
-        for key, value in raw.items():
-            if key == "hints" and isinstance(value, dict):
-                merged.setdefault("hints", {}).update(value)
-            else:
-                merged[key] = value
-    merged = read_dialects(body, headers, tenant).under(merged)
-    if not merged:
-        return None
-    try:
-        return p.TurnTag.model_validate(merged)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        raise BadRequest(f"invalid turnkv.{where}: {first['msg']}",
-                         param=f"turnkv.{where}") from exc
-
-
-def _check_supported(body: dict[str, Any]) -> None:
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise BadRequest("n > 1 is not supported: each choice would need its own KV transfer",
-                         param="n")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        # vLLM serves a list of prompts as one request per prompt, all with the same
-        # kv_transfer_params: they would share one KV transfer.
-        raise BadRequest("a batch of prompts is not supported: send one request per prompt",
-                         param="prompt")
-    if "kv_transfer_params" in body:
-        raise BadRequest("kv_transfer_params is set by the router, not by clients",
-                         param="kv_transfer_params")
-    for name in ("model", "cache_salt"):
-        if not isinstance(body.get(name, ""), str):
-            raise BadRequest(f"{name} must be a string", param=name)
 def create_app(config: RouterConfig) -> FastAPI:
     router = Router(config)
 

@@ -2,7 +2,7 @@
 
 `Turns.serve` takes a request the app has authenticated and read (`app`), and:
 1. opens its session (`sessions`), in flight until the turn ends;
-2. places it on a prefill/decode pair (`upstream`);
+2. places it on a prefill/decode pair (`placement`), by its session, else by its prefix;
 3. asks the mode for the attempt's plan (`modes`): whether the decode engine serves alone, each
    engine's `kv_transfer_params`, whether both requests go out together;
 4. sends the prefill request (unless the decode engine serves alone) and the decode request,
@@ -68,15 +68,16 @@ class Turns:
     retries: int  # a turn that fails on an unavailable engine is replayed this many times
 
     async def serve(self, path: str, body: dict[str, Any], tag: p.TurnTag | None,
-                    tenant: str) -> Response:
-        """The turn's response; raises `TurnFailed`, or `EngineRejected` (the engine's 4xx,
-        for the client as it is)."""
+                    tenant: str, prefix_id: str | None = None) -> Response:
+        """The turn's response (`prefix_id`: a sessionless turn's); raises `TurnFailed`, or
+        `EngineRejected` (the engine's 4xx, for the client as it is)."""
         session, opened = None, False
         if tag is not None:
             session, opened = await self.sessions.begin_turn(SessionKey(tenant, tag.session_id))
+            prefix_id = tag.prefix_id
         turn = Turn(path=path, body=body, tag=tag, session=session,
                     want_token_ids=bool(body.get("return_token_ids")),
-                    stream=bool(body.get("stream")))
+                    stream=bool(body.get("stream")), prefix_id=prefix_id)
         response: Response | None = None
         try:
             response = await self._attempts(turn)
@@ -112,15 +113,16 @@ class Turns:
 
     def _place(self, turn: Turn) -> Placement:
         session = turn.session
-        if not self.mode.affinity or session is None:
+        if not self.mode.affinity or (session is None and turn.prefix_id is None):
             return self.pool.round_robin()
+        prefill, decode = (session.prefill, session.decode) if session else (None, None)
         homed: Counter[str] = Counter()
-        if session.decode is None:  # a new session: where the live ones live, or will
+        if decode is None:  # no home yet: where the live sessions live, or will
             homed.update(h for s in self.sessions.table if (h := s.decode or s.placed))
-        placement = self.pool.place(prefill=session.prefill, decode=session.decode,
-                                    prefix_id=turn.tag.prefix_id if turn.tag else None,
+        placement = self.pool.place(prefill=prefill, decode=decode, prefix_id=turn.prefix_id,
                                     homed=homed)
-        session.placed = placement.decode.name
+        if session is not None:
+            session.placed = placement.decode.name
         return placement
 
     async def _attempt(self, turn: Turn, placement: Placement,
@@ -301,10 +303,10 @@ class Turns:
 
     async def _remember(self, turn: Turn, plan: TurnPlan, turn_stats: p.TurnStats) -> None:
         self.metrics.record(turn_stats, tagged=turn.session is not None)
+        if turn.prefix_id:
+            self.pool.remember_prefix(turn.prefix_id, plan.placement)
         if turn.session is None:
             return
-        if turn.tag and turn.tag.prefix_id:
-            self.pool.remember_prefix(turn.tag.prefix_id, plan.placement)
         history = (None if turn.prompt_token_ids is None
                    else [*turn.prompt_token_ids, *turn.output_token_ids])
         await self.sessions.remember(turn.session, turn.tag, plan.placement, turn_stats,
@@ -391,9 +393,6 @@ def strip_token_ids(data: dict[str, Any]) -> None:
 
 
 def has_output(chunk: dict[str, Any]) -> bool:
-    for choice in chunk.get("choices") or []:
-        delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("tool_calls") or choice.get("text") \
-                or delta.get("reasoning") or choice.get("token_ids"):
-            return True
-    return False
+    return any(choice.get("text") or choice.get("token_ids") or any(
+        (choice.get("delta") or {}).get(key) for key in ("content", "tool_calls", "reasoning"))
+        for choice in chunk.get("choices") or [])

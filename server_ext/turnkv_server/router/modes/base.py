@@ -47,6 +47,9 @@ class Turn:
     request_id: str = ""
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # The prefix it shares with other sessions' turns (the tag's, or for a turn with no
+    # session, OpenAI's `prompt_cache_key`): placed where that prefix is warm.
+    prefix_id: str | None = None
 
 
 @dataclass(frozen=True)
