@@ -131,6 +131,8 @@ class TurnTimes(BaseModel):
     total_ms: float = 0.0
 
 
+PrefetchOutcome = Literal["in_time", "awaited", "early"]
+
 FallbackReason = Literal[
     "engine_unavailable", "session_moved", "lease_expired", "transfer_failed",
 ]
@@ -157,6 +159,10 @@ class TurnStats(BaseModel):
     # was under one), or why a short delta went to the prefill engine (the router's ITL
     # target).
     note: str | None = None
+    # A prefetch of the session's history before this turn (after a `next_turn_in` hint):
+    # "in_time" (done before the turn arrived), "awaited" (the turn waited for it), "early"
+    # (the turn came before it started; it was called off); None: none was scheduled.
+    prefetch: PrefetchOutcome | None = None
 
 
 __all__ = [

@@ -23,6 +23,7 @@ tier, and releases the lease when the session is deleted. Nothing here is timed.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,12 +123,12 @@ def no_leases(urls: dict[str, str]) -> bool:
 
 def turn(state: ClusterState, client: httpx.Client, number: int,
          messages: list[dict[str, Any]], expected: Completion, session: str = SESSION,
-         side: str = "prefill") -> RoutedCompletion:
+         side: str = "prefill", hints: CacheHints | None = None) -> RoutedCompletion:
     """One turn of `session`, its output equal to a single engine's; the `side` engine's
     parts of the prompt (its own hits, the tier's, computed) sum to the prompt."""
+    tag = TurnTag(session_id=session, turn=number, hints=hints or CacheHints())
     out = routed_chat(state.router, state.served_model_name, messages, TIER_SCRIPT.max_tokens,
-                      session=None, stream=False, client=client,
-                      headers=tag_headers(TurnTag(session_id=session, turn=number)),
+                      session=None, stream=False, client=client, headers=tag_headers(tag),
                       extra={"cache_salt": session})
     verdict = compare(expected, out.completion)
     print(f"turn {number}: {verdict.describe()}; {out.stats['prompt_tokens']}")
@@ -267,6 +268,48 @@ def test_an_aggregated_engine_holds_the_sessions_lease_and_restores_it_from_its_
             tokens["decode_restored"] // BLOCK * TINY_BLOCK_BYTES), tokens
 
         # Deleting the session ends its lease on the engine now, not at its TTL.
+        assert client.delete(f"{state.router}/v1/turnkv/sessions/{session}").status_code == 200
+        wait_for(lambda: no_leases(urls), "the session's lease released")
+    wait_for(lambda: tier_in_use(engine) == 0.0, "no tier chunk held")
+
+
+# The pause the prefetch test's session announces before its fourth turn: long enough for the
+# two eviction prompts to run first (the router prefetches one second before it is over).
+PREFETCH_PAUSE_S = 8.0
+
+
+@pytest.mark.cluster(TIER_AFFINITY)
+def test_a_session_back_after_a_hinted_pause_finds_its_history_prefetched(
+    reference: Reference, clusters: ClusterPool
+) -> None:
+    """The aggregated engine with its tier: turn 3 says the session is back in
+    PREFETCH_PAUSE_S; two long prompts then evict its history to the tier; shortly before the
+    pause is over the router has the engine load it back, so that turn 4 finds it in the
+    engine's cache (cached, none restored on arrival) with a single engine's output."""
+    _, state = clusters.get(TIER_AFFINITY)
+    engine = state.endpoints()["decode"][0]  # type: ignore[index]
+    urls = {"engine": engine}
+    session = "tier-prefetch"
+    with httpx.Client(timeout=600) as client:
+        wait_for(lambda: no_leases(urls), "no lease left from the previous test")
+        for number in (1, 2):
+            turn(state, client, number, reference.messages[number - 1],
+                 reference.turns[number - 1], session, side="decode")
+        turn(state, client, 3, reference.messages[2], reference.turns[2], session,
+             side="decode", hints=CacheHints(next_turn_in=PREFETCH_PAUSE_S))
+        hinted_at = time.monotonic()
+        restored = restored_bytes(engine)
+        evict(state, client, urls, "prefetch")
+        # The test means something only if the eviction ended before the prefetch began.
+        assert time.monotonic() - hinted_at < PREFETCH_PAUSE_S - 2.0
+        wait_for(lambda: restored_bytes(engine) > restored, "the prefetch's load from the tier",
+                 timeout=PREFETCH_PAUSE_S + 10)
+        time.sleep(max(0.0, hinted_at + PREFETCH_PAUSE_S - time.monotonic()))
+        out = turn(state, client, 4, reference.messages[3], reference.turns[3], session,
+                   side="decode")
+        tokens = out.stats["prompt_tokens"]
+        assert out.stats["prefetch"] == "in_time", out.stats
+        assert tokens["decode_restored"] == 0 and tokens["decode_cached"] >= 3 * BLOCK, tokens
         assert client.delete(f"{state.router}/v1/turnkv/sessions/{session}").status_code == 200
         wait_for(lambda: no_leases(urls), "the session's lease released")
     wait_for(lambda: tier_in_use(engine) == 0.0, "no tier chunk held")

@@ -207,6 +207,8 @@ class StandIn:
         self.paths.append(request.path)
         self.seen.append(body)
         await asyncio.sleep(self.delay_s)
+        if request.path == "/tokenize":
+            return web.json_response({"tokens": list(range(self.prompt)), "count": self.prompt})
         usage = {"prompt_tokens": self.prompt, "completion_tokens": 2,
                  "prompt_tokens_details": {"cached_tokens": self.cached}}
         if not body.get("stream"):
@@ -229,11 +231,12 @@ async def _health(_: web.Request) -> web.Response:
 
 
 @contextlib.asynccontextmanager
-async def affinity_router(engines: list[StandIn]) -> AsyncIterator[tuple[Router, str]]:
+async def affinity_router(engines: list[StandIn], engine_leases: bool = False
+                          ) -> AsyncIterator[tuple[Router, str]]:
     for engine in engines:
         await engine.start()
     app = create_app(RouterConfig(mode="affinity", engine=[e.url for e in engines],
-                                  health_interval=60.0))
+                                  health_interval=60.0, engine_leases=engine_leases))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.create_task(server.serve())
     try:
@@ -405,3 +408,65 @@ def test_sessions_that_start_together_count_each_others_placement() -> None:
     counts = sorted(asyncio.run(run()))
     # Warm engine: s0 and every second newcomer; the other: the rest (balance_sessions 1).
     assert counts == [2, 4], counts
+
+
+def test_a_hinted_pause_prefetches_the_history_before_the_session_is_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With engine leases, a turn hinting `next_turn_in` makes the router send its engine,
+    `LEAD_S` before then, a one-token request over the session's history (prompt and output
+    token IDs, the turn's cache salt) under the session's lease; the next turn says whether it
+    was in time, waited for it, or came first (and called it off)."""
+    from turnkv_server.engine.protocol import parse
+    from turnkv_server.router.modes import prefetch
+
+    monkeypatch.setattr(prefetch, "LEAD_S", 0.3)
+    monkeypatch.setattr(prefetch, "MIN_PAUSE_S", 0.5)
+
+    def body(session: str, next_turn_in: float | None = None) -> dict[str, Any]:
+        hints = {} if next_turn_in is None else {"next_turn_in": next_turn_in}
+        return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "cache_salt": "salt", "turnkv": {"session_id": session, "hints": hints}}
+
+    async def main() -> None:
+        engine = StandIn()
+        async with affinity_router([engine], engine_leases=True) as (_, url), \
+                httpx.AsyncClient(timeout=30) as client:
+            async def chat(session: str, next_turn_in: float | None = None) -> dict[str, Any]:
+                reply = await client.post(f"{url}/v1/chat/completions",
+                                          json=body(session, next_turn_in))
+                assert reply.status_code == 200, reply.text
+                return dict(reply.json()["turnkv"])
+
+            def prefetches() -> list[dict[str, Any]]:
+                return [b for path, b in zip(engine.paths, engine.seen, strict=True)
+                        if path == "/v1/completions"]
+
+            # In time: sent LEAD_S before the hinted return, the turn after finds it done.
+            assert (await chat("s", next_turn_in=0.8))["prefetch"] is None
+            await asyncio.sleep(0.7)
+            [warm] = prefetches()
+            assert warm["prompt"] == [*range(engine.prompt), 1, 2] and warm["max_tokens"] == 1
+            assert warm["cache_salt"] == "salt"
+            lease = parse(warm["kv_transfer_params"])
+            assert lease is not None and lease.session and not lease.release
+            assert lease.next_turn_in_s == prefetch.LEAD_S
+            assert (await chat("s"))["prefetch"] == "in_time"
+            # Early: the turn comes before the prefetch started; none is ever sent.
+            await chat("t", next_turn_in=5.0)
+            assert (await chat("t"))["prefetch"] == "early"
+            await asyncio.sleep(0.2)
+            assert len(prefetches()) == 1
+            # Awaited: the turn arrives while the (slow) prefetch runs, and waits for it.
+            await chat("u", next_turn_in=0.6)
+            engine.delay_s = 0.6
+            await asyncio.sleep(0.4)
+            started = asyncio.get_running_loop().time()
+            stats = await chat("u")
+            assert stats["prefetch"] == "awaited"
+            assert asyncio.get_running_loop().time() - started >= 0.9  # the prefetch, then it
+            # No hint, or `final`: nothing scheduled.
+            engine.delay_s = 0.0
+            await chat("v")
+            assert (await chat("v"))["prefetch"] is None
+            assert len(prefetches()) == 2
+    asyncio.run(main())

@@ -93,6 +93,7 @@ def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
         prefix_break_at=break_at,
         fallback=fallback,
         fallback_detail=detail,
+        prefetch=turn.prefetch,
     )
 
 

@@ -23,11 +23,21 @@ evictions by the session's hints, and with a lower tier below it loads an evicte
 
 from __future__ import annotations
 
+from typing import Any
+
 from turnkv.protocol import CacheHints
 from turnkv_server.engine.protocol import TurnParams
-from turnkv_server.router.modes.base import DecodeAlone, Mode, ModeContext, Turn, TurnPlan
+from turnkv_server.router.modes.base import (
+    DecodeAlone,
+    Mode,
+    ModeContext,
+    Turn,
+    TurnEnd,
+    TurnPlan,
+)
 from turnkv_server.router.modes.engine_orders import EngineOrders
-from turnkv_server.router.modes.leases import lease_key, lease_params
+from turnkv_server.router.modes.leases import lease_key, lease_params, turn_hints
+from turnkv_server.router.modes.prefetch import Prefetches, prefetch_lease
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session
 
@@ -41,6 +51,7 @@ class Affinity(Mode):
     def __init__(self, ctx: ModeContext) -> None:
         super().__init__(ctx)
         self._orders = EngineOrders(ctx, wait_before_renewal_s=0.0)
+        self._prefetches = Prefetches(ctx.upstream, self._orders)
 
     async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
         # Plain engines get no kv_transfer_params: nothing is sent or kept. `held` False:
@@ -48,12 +59,24 @@ class Affinity(Mode):
         params = None
         if self.ctx.engine_leases and turn.session is not None:
             turn.session.mode_state[MODEL] = turn.body.get("model")
+            turn.prefetch = await self._prefetches.before_turn(turn.session.key)
             params = lease_params(turn, self.ctx.session_policy)
         return TurnPlan(placement, prefill_params=None, decode_params=params,
                         alone=DecodeAlone(None, new_tokens=0, held=False))
 
+    def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
+        """A hinted pause ahead: the engine is told to make the history resident shortly
+        before the session is back (`prefetch`)."""
+        session, hints = turn.session, turn_hints(turn)
+        if self.ctx.engine_leases and session is not None and end.how == "complete" \
+                and not hints.final:
+            self._prefetches.schedule(session.key, [plan.placement.decode], turn,
+                                      self._prefetch_lease(session, hints),
+                                      hints.next_turn_in)
+
     def drop_session(self, session: Session) -> None:
         """Its engine's lease ends now rather than at its TTL."""
+        self._prefetches.cancel(session.key)
         engine = self._engine_of(session)
         if engine is not None:
             release = TurnParams(session=lease_key(session), release=True)
@@ -68,6 +91,11 @@ class Affinity(Mode):
                             ttl_s=self.ctx.session_policy.engine_ttl(hints),
                             priority=session.priority, next_turn_in_s=hints.next_turn_in)
         self._orders.spawn(self._orders.renew(engine, model, params, None))
+        self._prefetches.rescheduled(session.key, hints.next_turn_in,
+                                     self._prefetch_lease(session, hints))
+
+    def _prefetch_lease(self, session: Session, hints: CacheHints) -> dict[str, Any]:
+        return prefetch_lease(session, hints, self.ctx.session_policy)
 
     def _engine_of(self, session: Session) -> Engine | None:
         """The healthy engine holding the session's lease, with `--engine-leases`."""

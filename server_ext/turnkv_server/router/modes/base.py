@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from turnkv.protocol import CacheHints, FallbackReason, TurnStats, TurnTag
+from turnkv.protocol import CacheHints, FallbackReason, PrefetchOutcome, TurnStats, TurnTag
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.placement import EnginePool, Placement
 from turnkv_server.router.sessions import LeasePolicy, Session
@@ -50,6 +50,8 @@ class Turn:
     # The prefix it shares with other sessions' turns (the tag's, or for a turn with no
     # session, OpenAI's `prompt_cache_key`): placed where that prefix is warm.
     prefix_id: str | None = None
+    # Whether a prefetch of its history had finished when it arrived (`modes.prefetch`).
+    prefetch: PrefetchOutcome | None = None
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ from turnkv_server.router.modes.base import (
 from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
 from turnkv_server.router.modes.leases import lease_key, lease_params, turn_hints
+from turnkv_server.router.modes.prefetch import Prefetches, prefetch_lease
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session, common_prefix_len
 from turnkv_server.router.upstream import EngineConnectionError, Reply
@@ -117,6 +118,7 @@ class Turnkv(Mode):
         super().__init__(ctx)
         # Push backs, releases, give-ups and renewals run on after their turn.
         self._orders = EngineOrders(ctx, wait_before_renewal_s=PUSH_BACK_TIMEOUT_S)
+        self._prefetches = Prefetches(ctx.upstream, self._orders)
         # Decode engines whose turns skip short deltas; prefill engines turns keep nothing to
         # push back to.
         self._pressure = Backoff(PRESSURE_BACKOFF_S, PRESSURE_BACKOFF_MAX_S, ctx.clock)
@@ -133,6 +135,7 @@ class Turnkv(Mode):
     async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
         session = turn.session
         if session is not None:
+            turn.prefetch = await self._prefetches.before_turn(session.key)
             # Releasing the session's leases when it ends takes a request of its model.
             session.mode_state[MODEL] = turn.body.get("model")
         # The decode engine keeps the turn for the push back, unless there is nothing to keep,
@@ -228,6 +231,14 @@ class Turnkv(Mode):
                 # prefill engine's send (a request dropped before it reached the engine).
                 self._orders.abandon(prefill, model, plan.prefill_send)
             return
+        hints = turn_hints(turn)
+        if turn.session is not None and not hints.final:
+            # A hinted pause ahead: both engines make the history resident shortly before the
+            # session is back (the prefill engine's copy arrives with the push back, below).
+            self._prefetches.schedule(
+                turn.session.key, [prefill, decode], turn,
+                prefetch_lease(turn.session, hints, self.ctx.session_policy),
+                hints.next_turn_in)
         if plan.alone is not None and plan.alone.held and end.stats is not None:
             computed = end.stats.prompt_tokens.decode_computed
             self._judge_short_delta(decode.name, plan.alone.new_tokens, computed)
@@ -256,6 +267,7 @@ class Turnkv(Mode):
             self._push_back(prefill, decode, request, plan.decode_send))
 
     def drop_session(self, session: Session) -> None:
+        self._prefetches.cancel(session.key)
         task = session.mode_state.pop(PUSH_BACK, None)
         if isinstance(task, asyncio.Task) and not task.done():
             # Its own ending gives the decode engine's send up (`_push_back`).
@@ -287,6 +299,9 @@ class Turnkv(Mode):
             if engine.healthy and engine.name in (session.prefill, session.decode):
                 after = landing if engine.name == session.prefill else None
                 self._orders.spawn(self._orders.renew(engine, model, params, after))
+        self._prefetches.rescheduled(
+            session.key, hints.next_turn_in,
+            prefetch_lease(session, hints, self.ctx.session_policy))
 
     def _judge_short_delta(self, decode: str, delta: int, computed: int | None) -> None:
         """A short delta that found its history gone backs that decode engine off short
