@@ -268,7 +268,8 @@ class Receiving:
                 self._give_up(rx, f"no KV within {rx.timeout_s:g} s")
             elif rx.giving_up is not None and now >= rx.release_at:
                 self._settle(rx, "the grace after the sender's word passed" if rx.drained
-                             else f"no word from the sender in {QUARANTINE_MAX_S:g} s")
+                             else f"no word from the sender in {QUARANTINE_MAX_S:g} s",
+                             expired=not rx.drained)
             elif rx.giving_up is None and rx.registered_with is not None:
                 wanted.setdefault(rx.peer, []).append(rx)
         for address, live in wanted.items():
@@ -348,10 +349,10 @@ class Receiving:
         if not rx.drained:
             rx.drained, rx.release_at = True, self._clock() + sc.WRITE_GRACE_S
 
-    def _settle(self, rx: Receive, reason: str) -> None:
+    def _settle(self, rx: Receive, reason: str, expired: bool = False) -> None:
+        """The quarantine ends; `expired`: with no word from the sender at all."""
         if self.receives.get(rx.transfer_id) is rx:
             del self.receives[rx.transfer_id]
-        expired = not rx.drained and reason.startswith("no word")
         (log.warning if expired else log.info)(
             "turnkv: the blocks of given-up receive %s go back into use: %s", rx.transfer_id,
             reason)
