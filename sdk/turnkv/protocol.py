@@ -129,6 +129,11 @@ class TurnTimes(BaseModel):
     engine_prefill_ms: float | None = None
     first_token_ms: float | None = None
     total_ms: float = 0.0
+    # How long the engine's lower tier took to load the KV it restored (`prompt_tokens`'s
+    # `*_restored`) into the request's blocks, as the engine's scheduler saw it: from the
+    # blocks' allocation to the load's end, so at the granularity of its steps. None where no
+    # tier loaded anything, or the engine's reply was not read (a streamed turn's decode side).
+    restore_ms: float | None = None
 
 
 PrefetchOutcome = Literal["in_time", "awaited", "early"]

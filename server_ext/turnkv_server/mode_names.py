@@ -30,17 +30,20 @@ CLUSTER_MODES: tuple[ClusterMode, ...] = get_args(ClusterMode)
 # is `affinity` with caches that hold every session (the no-pressure bound of a pressure preset);
 # `turnkv-tier` is turnkv with a host-memory tier under each engine's cache, as big as `bound`'s;
 # `affinity-tier` the aggregated flavour: affinity engines with the turnkv connector (leases,
-# hint-aware eviction) and the same tier.
+# hint-aware eviction) and the same tier; `turnkv-pool` is turnkv-tier whose router keeps each
+# session on one engine of the pair (`--pair-pool`).
 BENCH_VARIANTS: dict[str, ClusterMode] = {"standard-nocache": "standard",
                                           "turnkv-end-write": "turnkv",
                                           "turnkv-tier": "turnkv",
+                                          "turnkv-pool": "turnkv",
                                           "affinity-tier": "affinity",
                                           "single-2core": "single",
                                           "bound": "affinity"}
 # In the order the benchmark's help lists them.
 BENCH_MODES: tuple[str, ...] = (
     "single", "single-2core", "affinity", "bound", "standard", "standard-nocache",
-    "bidirectional", "push", "turnkv", "turnkv-end-write", "turnkv-tier", "affinity-tier")
+    "bidirectional", "push", "turnkv", "turnkv-end-write", "turnkv-tier", "turnkv-pool",
+    "affinity-tier")
 # `turnkv bench`'s default: the P/D modes beside what a platform would run instead on the same
 # two cores (aggregated engines with session affinity; one engine on both cores).
 DEFAULT_BENCH_MODES = "affinity,single-2core,standard,bidirectional,turnkv"

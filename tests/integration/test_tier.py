@@ -34,6 +34,7 @@ from tests.support.clusters import (
     TIER,
     TIER_AFFINITY,
     TIER_DISK_BLOCKS,
+    TIER_POOL,
     TINY_BLOCK_BYTES,
     ClusterPool,
 )
@@ -178,6 +179,7 @@ def test_an_evicted_session_is_restored_from_the_tier_with_a_single_engines_outp
         tokens = out.stats["prompt_tokens"]
         assert tokens["prefill_restored"] >= BLOCK, tokens
         assert tokens["prefill_computed"] < tokens["total"] - BLOCK, tokens
+        assert out.stats["times"]["restore_ms"] > 0, out.stats  # the load, timed
         wait_for(lambda: restored_bytes(urls["prefill"]) > before, "the tier's load counted")
         loaded = restored_bytes(urls["prefill"]) - before
         assert loaded == tokens["prefill_restored"] // BLOCK * TINY_BLOCK_BYTES, (loaded, tokens)
@@ -267,6 +269,7 @@ def test_an_aggregated_engine_holds_the_sessions_lease_and_restores_it_from_its_
                    side="decode")
         tokens = out.stats["prompt_tokens"]
         assert tokens["decode_restored"] >= BLOCK, tokens
+        assert out.stats["times"]["restore_ms"] > 0, out.stats
         wait_for(lambda: restored_bytes(engine) > restored, "the tier's load counted")
         assert restored_bytes(engine) - restored == (
             tokens["decode_restored"] // BLOCK * TINY_BLOCK_BYTES), tokens
@@ -314,6 +317,44 @@ def test_a_session_back_after_a_hinted_pause_finds_its_history_prefetched(
         tokens = out.stats["prompt_tokens"]
         assert out.stats["prefetch"] == "in_time", out.stats
         assert tokens["decode_restored"] == 0 and tokens["decode_cached"] >= 3 * BLOCK, tokens
+        assert out.stats["times"]["restore_ms"] is None, out.stats  # nothing left to load
         assert client.delete(f"{state.router}/v1/turnkv/sessions/{session}").status_code == 200
         wait_for(lambda: no_leases(urls), "the session's lease released")
     wait_for(lambda: tier_in_use(engine) == 0.0, "no tier chunk held")
+
+
+@pytest.mark.cluster(TIER_POOL)
+def test_the_pair_as_one_pool_serves_each_session_whole_on_one_engine(
+    reference: Reference, clusters: ClusterPool
+) -> None:
+    """A turnkv router with `--pair-pool` in front of the pair: two sessions, each served whole
+    by an engine of its own (no prefill request, no KV moved), whose cache holds its history
+    from one turn to the next; outputs equal a single engine's, and each engine holds the lease
+    of its own session only."""
+    _, state = clusters.get(TIER_POOL)
+    urls = engine_urls(state)
+    sessions = ("pool-a", "pool-b")
+    homes: dict[str, set[str]] = {session: set() for session in sessions}
+    with httpx.Client(timeout=600) as client:
+        wait_for(lambda: no_leases(urls), "no lease left from the previous test")
+        before = {url: fetch_connector_counters(url) for url in urls.values()}
+        for number in (1, 2, 3):
+            for session in sessions:
+                out = turn(state, client, number, reference.messages[number - 1],
+                           reference.turns[number - 1], session, side="decode")
+                assert out.stats["prefill_node"] is None, out.stats
+                assert out.stats["kv"]["to_decode_tokens"] in (None, 0), out.stats
+                homes[session].add(out.stats["decode_node"])
+                if number > 1:  # the history its engine kept, found again
+                    assert out.stats["prompt_tokens"]["decode_cached"] >= BLOCK, out.stats
+        assert all(len(found) == 1 for found in homes.values()), homes
+        assert homes["pool-a"] != homes["pool-b"], homes  # one session on each engine
+        for url in urls.values():
+            counters = fetch_connector_counters(url)
+            assert counters.get("leases") == 1, counters
+            for name in ("transfers_declined", "tokens_requested"):
+                assert counters.get(name, 0.0) == before[url].get(name, 0.0), (name, counters)
+        for session in sessions:
+            assert client.delete(f"{state.router}/v1/turnkv/sessions/{session}"
+                                 ).status_code == 200
+        wait_for(lambda: no_leases(urls), "both sessions' leases released")

@@ -317,6 +317,9 @@ TIER = ClusterSpec("tier", LEASE_EVICTION.engines)
 # front of the decode engine alone, which serves whole turns with its connector and tier.
 TIER_AFFINITY = ClusterSpec("tier-affinity", TIER.engines, RouterView(
     prefill=0, decode=1, mode="affinity", args=("--engine-leases",)))
+# The pair as one pool on the same engines: a turnkv router with `--pair-pool` in front of both,
+# each session served whole by one of them.
+TIER_POOL = ClusterSpec("tier-pool", TIER.engines, RouterView(args=("--pair-pool",)))
 
 # test_router_security.py's and test_load.py's pair: one prefill and one decode engine (tiny
 # model, float32) whose KV caches hold LOAD_BLOCKS blocks each, so that the load test's 64 live

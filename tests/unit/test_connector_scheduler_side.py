@@ -330,6 +330,26 @@ def test_the_reply_says_what_arrived_and_what_failed() -> None:
         "held_blocks": 0, "local_tokens": 16, "received_tokens": 0, "receive_failed": True}}
 
 
+def test_a_load_by_the_tier_below_is_timed_from_the_blocks_allocation() -> None:
+    """A request that no receive of ours loads, reported loaded all the same (vLLM's
+    offloading connector beside this one loaded it from the tier), says how long it took; one
+    whose blocks nobody loaded says nothing."""
+    pool, side = setup()
+    restored, computed = request("r1", 40, session="s"), request("r2", 40, session="s2")
+    blocks = {}
+    for req in (restored, computed):
+        side.on_new_request(req)
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        blocks[req.request_id] = allocate(pool, 3)
+        side.update_state_after_alloc(req, blocks[req.request_id], 0)
+    time.sleep(0.02)
+    side.received({"r1"})
+    reply = finish(pool, side, restored, blocks["r1"])[1]
+    assert reply is not None and reply["turnkv"]["restore_ms"] >= 20
+    reply = finish(pool, side, computed, blocks["r2"])[1]
+    assert reply is not None and "restore_ms" not in reply["turnkv"]
+
+
 def test_sends_nobody_registered_for_are_abandoned_when_leases_are_not_enough() -> None:
     pool, side = setup()
     senders = [request(f"s{n}", 160, send=Send(f"t{n}")) for n in range(3)]

@@ -62,7 +62,7 @@ def pick_baseline(modes: list[str], baseline: str | None) -> str:
 
 
 # The modes with a host-memory tier under each engine's cache.
-TIER_MODES = ("turnkv-tier", "affinity-tier")
+TIER_MODES = ("turnkv-tier", "turnkv-pool", "affinity-tier")
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,8 @@ def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> Cluster
         decoder_kv_ttl=settings.decoder_kv_ttl,
         kv_recompute_threshold=settings.kv_recompute_threshold,
         short_delta_tokens=settings.short_delta_tokens,
-        router_args=itl_target_args(settings.itl_target_ms),
+        router_args=(*itl_target_args(settings.itl_target_ms),
+                     *(["--pair-pool"] if mode == "turnkv-pool" else [])),
         connector_settings={"layer_writes": False} if mode == "turnkv-end-write" else {},
         tier_host_blocks=settings.tier_host_blocks if mode in TIER_MODES else None,
         engine_leases=mode == "affinity-tier",

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -78,6 +79,10 @@ class _Tracked:
     external_tokens: int = 0
     receive_done: bool = False
     receive_failed: bool = False
+    # When vLLM gave the request its blocks, and how long a lower tier (vLLM's offloading
+    # connector beside this one) then took to load its KV into them.
+    allocated_at: float | None = None
+    restore_ms: float | None = None
 
 
 class SchedulerSide:
@@ -174,6 +179,8 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
         tracked = self._tracked.get(request.request_id)
+        if tracked is not None and tracked.allocated_at is None:
+            tracked.allocated_at = time.monotonic()
         if tracked is None or tracked.params.receive is None or tracked.receive_done:
             return
         # Once per request: a preempted request recomputes rather than asking twice.
@@ -267,7 +274,7 @@ class SchedulerSide:
         received = tracked.external_tokens if tracked.receive_done else 0
         reply = TurnReply(held_blocks=held, local_tokens=tracked.local_tokens,
                           received_tokens=0 if tracked.receive_failed else received,
-                          receive_failed=tracked.receive_failed)
+                          receive_failed=tracked.receive_failed, restore_ms=tracked.restore_ms)
         return delay_free, {KEY: reply.to_wire()}
 
     def received(self, request_ids: set[str], failed_blocks: set[int] | None = None,
@@ -278,8 +285,12 @@ class SchedulerSide:
         blocks next and computes their prompts in others) until `settled`."""
         quarantined = quarantined or set()
         for request_id in request_ids:
-            _, blocks = self._receiving.pop(request_id, ("", frozenset()))
+            ours = self._receiving.pop(request_id, None)
+            _, blocks = ours or ("", frozenset())
             tracked = self._tracked.get(request_id)
+            if ours is None and tracked is not None and tracked.allocated_at is not None:
+                # Not a receive of ours: the tier below loaded it (a step's granularity).
+                tracked.restore_ms = (time.monotonic() - tracked.allocated_at) * 1000
             if request_id in quarantined:
                 self._holder().quarantine(request_id, blocks)
             if tracked is not None and (bool(failed_blocks and blocks & failed_blocks)

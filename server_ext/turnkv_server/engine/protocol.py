@@ -189,9 +189,12 @@ class TurnReply:
     local_tokens: int = 0  # prompt tokens found in the engine's own prefix cache
     received_tokens: int = 0  # prompt tokens the peer wrote (0 when the receive failed)
     receive_failed: bool = False  # the peer's KV did not arrive: the engine recomputed it
+    # From the request's blocks being allocated to a lower tier's load into them ending, ms;
+    # None when no tier loaded anything for it.
+    restore_ms: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "restore_ms" or v is not None}
 
     @classmethod
     def from_wire(cls, raw: Any) -> TurnReply:
@@ -200,7 +203,13 @@ class TurnReply:
         return cls(held_blocks=int(raw.get("held_blocks", 0)),
                    local_tokens=int(raw.get("local_tokens", 0)),
                    received_tokens=int(raw.get("received_tokens", 0)),
-                   receive_failed=bool(raw.get("receive_failed", False)))
+                   receive_failed=bool(raw.get("receive_failed", False)),
+                   restore_ms=_optional_ms(raw.get("restore_ms")))
+
+
+def _optional_ms(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        else None
 
 
 def parse_reply(kv_transfer_params: dict[str, Any] | None) -> TurnReply | None:

@@ -103,6 +103,10 @@ class RouterConfig:
     engine_leases: bool = field(default=False, metadata=cli(
         "affinity mode: the engines run the turnkv connector; tell each the session's lease "
         "with every turn (its TTL, priority and expected return; `final` releases it)"))
+    pair_pool: bool = field(default=False, metadata=cli(
+        "turnkv mode: the pair as one pool: each session lives on one engine of its pair, "
+        "which serves its turns whole (no KV moves; the pair holds twice the histories, and a "
+        "long delta is computed beside other sessions' decoding); for memory pressure"))
     # None: this router's memory only.
     redis_url: str | None = field(default=None, metadata=cli(
         "share sessions with other routers through this Redis server, redis://HOST:PORT/DB "
@@ -134,6 +138,8 @@ class RouterConfig:
                                       or len(self.decode_nixl) != len(self.decode)):
             raise ValueError("turnkv mode needs --prefill-nixl and --decode-nixl "
                              "ENGINE_ID@HOST:PORT for every engine")
+        if self.pair_pool and self.mode != "turnkv":
+            raise ValueError("--pair-pool is for turnkv mode")
 
 
 def itl_target_args(target_ms: float | None) -> tuple[str, ...]:

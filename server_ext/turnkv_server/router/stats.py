@@ -89,12 +89,18 @@ def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
         prompt_tokens=_prompt_tokens(plan, prefill, len(prompt_ids or [])),
         times=p.TurnTimes(prefill_ms=prefill.elapsed_ms if prefill is not None else 0.0,
                           engine_prefill_ms=prefill.engine_ms if prefill is not None else None,
+                          restore_ms=_restore_ms(prefill),
                           queue_ms=prefill.queue_ms if prefill is not None else None),
         prefix_break_at=break_at,
         fallback=fallback,
         fallback_detail=detail,
         prefetch=turn.prefetch,
     )
+
+
+def _restore_ms(prefill: PrefillResult | None) -> float | None:
+    figures = parse_reply(prefill.transfer_params) if prefill is not None else None
+    return figures.restore_ms if figures is not None else None
 
 
 def _prompt_tokens(plan: TurnPlan, prefill: PrefillResult | None,
@@ -138,6 +144,7 @@ def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: in
         if alone is not None:  # non-streamed: the reply splits the engine's own hits off
             tokens.decode_cached = min(alone.local_tokens, int(cached))
             tokens.decode_restored = int(cached) - tokens.decode_cached
+            stats.times.restore_ms = alone.restore_ms
     if plan.alone is not None:
         # It computed the prompt itself: its timing is the turn's prefill. (In P/D it computed
         # at most a token: the prefill engine's timing stays.)
@@ -151,6 +158,8 @@ def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: in
         tokens.decode_computed = max(0, tokens.total - figures.local_tokens
                                      - figures.received_tokens)
         stats.kv.to_decode_tokens = figures.received_tokens
+        if figures.restore_ms is not None:  # the decode engine's tier loaded some too
+            stats.times.restore_ms = (stats.times.restore_ms or 0.0) + figures.restore_ms
         if figures.receive_failed and stats.fallback is None:
             stats.fallback = "transfer_failed"
             stats.fallback_detail = ("the prefill engine's KV did not arrive; the decode engine "

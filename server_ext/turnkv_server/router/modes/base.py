@@ -144,6 +144,8 @@ class ModeContext:
     itl_target_ms: float | None = None
     # affinity: the engines run the turnkv connector and hold each session's lease.
     engine_leases: bool = False
+    # turnkv: each session lives on one engine of its pair, which serves its turns whole.
+    pair_pool: bool = False
     # The router's session TTLs (turnkv passes the engines the TTL a session's hints give it).
     session_policy: LeasePolicy = field(default_factory=LeasePolicy)
     # Counts each renew-only request sent for a hint between turns, by outcome ("sent",
@@ -165,6 +167,7 @@ class ModeContext:
                    clock=clock, side_channels=side_channels, pool=pool,
                    short_delta_tokens=config.short_delta_tokens,
                    itl_target_ms=config.itl_target_ms, engine_leases=config.engine_leases,
+                   pair_pool=config.pair_pool,
                    session_policy=LeasePolicy(config.default_ttl, config.max_ttl),
                    count_renewal=count_renewal)
 

@@ -69,6 +69,7 @@ from turnkv_server.router.modes.base import (
 from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
 from turnkv_server.router.modes.leases import lease_key, lease_params, turn_hints
+from turnkv_server.router.modes.pair_pool import PairPool
 from turnkv_server.router.modes.prefetch import Prefetches, prefetch_lease
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session, common_prefix_len
@@ -124,6 +125,7 @@ class Turnkv(Mode):
         self._pressure = Backoff(PRESSURE_BACKOFF_S, PRESSURE_BACKOFF_MAX_S, ctx.clock)
         self._no_push_back = Backoff(PUSH_BACK_BACKOFF_S, PUSH_BACK_BACKOFF_MAX_S, ctx.clock)
         self._itl = ItlTarget(ctx.itl_target_ms)
+        self._pool = PairPool(ctx.upstream) if ctx.pair_pool else None
         names = [e.name for e in ctx.pool.engines()] if ctx.pool is not None else []
         missing = [name for name in names if name not in ctx.side_channels]
         if missing:
@@ -138,6 +140,8 @@ class Turnkv(Mode):
             turn.prefetch = await self._prefetches.before_turn(session.key)
             # Releasing the session's leases when it ends takes a request of its model.
             session.mode_state[MODEL] = turn.body.get("model")
+            if self._pool is not None:
+                return await self._pool.plan(turn, session, placement, self._params(turn))
         # The decode engine keeps the turn for the push back, unless there is nothing to keep,
         # or nobody to keep it for: a push back to a prefill engine that is down is refused.
         keep = (session is not None and not turn_hints(turn).final and placement.prefill.healthy
@@ -236,7 +240,7 @@ class Turnkv(Mode):
             # A hinted pause ahead: both engines make the history resident shortly before the
             # session is back (the prefill engine's copy arrives with the push back, below).
             self._prefetches.schedule(
-                turn.session.key, [prefill, decode], turn,
+                turn.session.key, [decode] if prefill is decode else [prefill, decode], turn,
                 prefetch_lease(turn.session, hints, self.ctx.session_policy),
                 hints.next_turn_in)
         if plan.alone is not None and plan.alone.held and end.stats is not None:
@@ -268,6 +272,8 @@ class Turnkv(Mode):
 
     def drop_session(self, session: Session) -> None:
         self._prefetches.cancel(session.key)
+        if self._pool is not None:
+            self._pool.forget(session.key)
         task = session.mode_state.pop(PUSH_BACK, None)
         if isinstance(task, asyncio.Task) and not task.done():
             # Its own ending gives the decode engine's send up (`_push_back`).

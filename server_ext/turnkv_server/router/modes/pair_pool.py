@@ -1,0 +1,71 @@
+"""The pair as one pool (`turnkv` mode with `--pair-pool`): each session lives on one engine of
+its prefill/decode pair, which serves the session's turns whole, as an aggregated engine would.
+
+Why: a P/D turn keeps the session's history on both engines (the decode engine holds the
+turn, the push back gives the prefill engine its copy), so under memory pressure the pair
+holds half the sessions it could, and every turn that finds its history gone on either side
+pays for it again. With the pool each engine holds only its own sessions (its lease,
+hint-ordered eviction, its tier and the prefetch work as before, on that one engine), no KV
+crosses the link and the pair holds twice as many histories. What it gives up is what P/D is
+for: a long delta is computed on an engine that is decoding other sessions meanwhile, so
+their inter-token latency suffers. docs/benchmarks.md measures the trade under pressure.
+
+A new session's home is the engine of its pair home to fewer live sessions (then the one with
+fewer requests in flight); the router's placement keeps it there by naming that engine as both
+the session's prefill and decode engine, as it keeps an aggregated engine's sessions. A home
+that goes down or is overloaded moves the session to its pair's engines, and a home is chosen
+again. Sessionless turns are served by the pair as ever.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from typing import Any
+
+from turnkv_server.router.modes.base import DecodeAlone, Turn, TurnPlan
+from turnkv_server.router.placement import Engine, Placement
+from turnkv_server.router.sessions import Session, SessionKey, common_prefix_len
+from turnkv_server.router.upstream import Upstream
+
+# The homes remembered, at most (the router's session table evicts without telling the mode).
+MAX_HOMES = 100_000
+
+
+class PairPool:
+    def __init__(self, upstream: Upstream, max_homes: int = MAX_HOMES) -> None:
+        self._upstream = upstream
+        self._homes: OrderedDict[SessionKey, str] = OrderedDict()
+        self._max_homes = max_homes
+
+    async def plan(self, turn: Turn, session: Session, placement: Placement,
+                   params: dict[str, Any]) -> TurnPlan:
+        """The session's home serves the turn alone, under the session's lease (`params`),
+        computing what its cache and tier do not hold; nothing is sent for a push back."""
+        home = self.home(session, placement)
+        prompt_ids = await self._upstream.tokenize(home, turn.body)
+        history = session.tokens if session.decode == home.name else []
+        # `held` False: what the engine computed says nothing about a short delta's backoff.
+        alone = DecodeAlone(prompt_ids, len(prompt_ids) - common_prefix_len(prompt_ids, history),
+                            held=False)
+        return TurnPlan(Placement(home, home, placement.reason), prefill_params=None,
+                        decode_params=params, alone=alone)
+
+    def home(self, session: Session, placement: Placement) -> Engine:
+        """The engine that serves `session`: its home, where the placement kept it there (both
+        places name it), else the one of the pair home to fewer sessions, now its home."""
+        if placement.prefill is placement.decode:
+            engine = placement.decode
+        else:
+            pair = [e for e in (placement.prefill, placement.decode) if e.healthy]
+            homed = Counter(self._homes.values())
+            engine = min(pair or [placement.decode],
+                         key=lambda e: (homed[e.name], e.in_flight))
+        self._homes[session.key] = engine.name
+        self._homes.move_to_end(session.key)
+        while len(self._homes) > self._max_homes:
+            self._homes.popitem(last=False)
+        return engine
+
+    def forget(self, key: SessionKey) -> None:
+        """The session ended: it is nobody's any more."""
+        self._homes.pop(key, None)
