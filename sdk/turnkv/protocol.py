@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 # Session and prefix IDs travel in headers and URLs: keep them to a safe, bounded alphabet.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
@@ -112,20 +112,24 @@ class KvMoved(BaseModel):
 
 
 class TurnTimes(BaseModel):
-    """Milliseconds. `prefill_ms`, `first_token_ms` and `total_ms` are measured at the router
-    from the moment it accepted the turn; `queue_ms` and `engine_prefill_ms` are the engine's
-    own figures for the request that computed the prompt (vLLM's per-request metrics: the
-    prefill engine's, or the decode engine's for a turn it served alone).
+    """Milliseconds. `queue_ms`, `prefill_ms`, `first_token_ms` and `total_ms` are measured
+    at the router: `queue_ms` is how long the turn waited for admission (a new session's first
+    turn while the live sessions' histories fill the engines; 0.0 when it did not wait), and
+    `first_token_ms` and `total_ms` run from the moment it accepted the turn, so they include
+    it. `engine_queue_ms` and `engine_prefill_ms` are the engine's own figures for the request
+    that computed the prompt (vLLM's per-request metrics: the prefill engine's, or the decode
+    engine's for a turn it served alone).
 
     None where not measured (an engine started without `--enable-per-request-metrics`, a
     streamed turn without usage).
     """
 
-    queue_ms: float | None = None
+    queue_ms: float = 0.0
+    engine_queue_ms: float | None = None
     prefill_ms: float = 0.0
     # From the engine scheduling the request to its first token: the prompt's computation
-    # without the HTTP round trip or the queue (vLLM schedules a request that loads KV from
-    # another engine once it has arrived: that wait is queue time).
+    # without the HTTP round trip or the engine's queue (vLLM schedules a request that loads KV
+    # from another engine once it has arrived: that wait is in `engine_queue_ms`).
     engine_prefill_ms: float | None = None
     first_token_ms: float | None = None
     total_ms: float = 0.0
@@ -134,6 +138,13 @@ class TurnTimes(BaseModel):
     # blocks' allocation to the load's end, so at the granularity of its steps. None where no
     # tier loaded anything, or the engine's reply was not read (a streamed turn's decode side).
     restore_ms: float | None = None
+
+    @field_validator("queue_ms", mode="before")
+    @classmethod
+    def _null_is_unqueued(cls, value: object) -> object:
+        # Routers before admission sent the engine's queue time here, null where unmeasured:
+        # their stats still parse.
+        return 0.0 if value is None else value
 
 
 PrefetchOutcome = Literal["in_time", "awaited", "early"]

@@ -231,12 +231,14 @@ async def _health(_: web.Request) -> web.Response:
 
 
 @contextlib.asynccontextmanager
-async def affinity_router(engines: list[StandIn], engine_leases: bool = False
-                          ) -> AsyncIterator[tuple[Router, str]]:
+async def affinity_router(engines: list[StandIn], engine_leases: bool = False,
+                          **settings: Any) -> AsyncIterator[tuple[Router, str]]:
+    """An affinity router under uvicorn in front of `engines`, with these `settings` too."""
     for engine in engines:
         await engine.start()
     app = create_app(RouterConfig(mode="affinity", engine=[e.url for e in engines],
-                                  health_interval=60.0, engine_leases=engine_leases))
+                                  health_interval=60.0, engine_leases=engine_leases,
+                                  **settings))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.create_task(server.serve())
     try:

@@ -82,7 +82,7 @@ def test_engine_times_read_vllms_per_request_metrics() -> None:
     assert stats.engine_times(None) == (None, None)
     read = stats.PrefillResult.read({"usage": {"prompt_tokens": 3}, "metrics": {
         "time_to_first_token_ms": 12.0, "queue_time_ms": 0.5}}, elapsed_ms=30.0)
-    assert (read.engine_ms, read.queue_ms, read.elapsed_ms) == (12.0, 0.5, 30.0)
+    assert (read.engine_ms, read.engine_queue_ms, read.elapsed_ms) == (12.0, 0.5, 30.0)
 
 
 def test_a_short_delta_is_timed_by_the_decode_engine() -> None:
@@ -91,7 +91,7 @@ def test_a_short_delta_is_timed_by_the_decode_engine() -> None:
     record = p.TurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=300))
     stats.finish(turn(prompt[:280], prompt), plan, record, 8, None, usage(256), None,
                  {"time_to_first_token_ms": 15.0, "queue_time_ms": 1.0})
-    assert (record.times.engine_prefill_ms, record.times.queue_ms) == (15.0, 1.0)
+    assert (record.times.engine_prefill_ms, record.times.engine_queue_ms) == (15.0, 1.0)
     assert record.prompt_tokens.decode_computed == 44
 
 

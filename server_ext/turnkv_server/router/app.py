@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from turnkv import protocol as p
+from turnkv_server.router.admission import Admission, ClientLeft
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.dialects import DialectError
 from turnkv_server.router.modes import make_mode
@@ -69,10 +70,14 @@ class Router:
             config, self.upstream, self.pool, clock=table.clock,
             count_renewal=self.metrics.count_renewal))
         store = RedisStore(config.redis_url) if config.redis_url else None
-        self.sessions = SessionService(table, store, on_end=self.mode.drop_session)
+        self.admission = Admission(table, config.admission_tokens, config.admission_max_wait_s,
+                                   self.metrics)
+        self.sessions = SessionService(table, store, on_end=self.mode.drop_session,
+                                       on_change=self.admission.recheck)
         self.turns = Turns(pool=self.pool, mode=self.mode, mode_name=config.mode,
                            upstream=self.upstream, sessions=self.sessions,
-                           metrics=self.metrics, retries=config.retries)
+                           admission=self.admission, metrics=self.metrics,
+                           retries=config.retries)
 
     async def health_loop(self) -> None:
         while True:
@@ -106,7 +111,10 @@ class Router:
         if self.tenants.enforced:
             body["cache_salt"] = self.tenants.cache_salt(tenant, body.get("cache_salt"))
         try:
-            return await self.turns.serve(path, body, tag, tenant, prefix_id)
+            return await self.turns.serve(path, body, tag, tenant, prefix_id,
+                                          gone=lambda: disconnected(request))
+        except ClientLeft:
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except TurnFailed as exc:
             self.metrics.errors.labels("503").inc()
             return error_response(503, str(exc), headers={"Retry-After": RETRY_AFTER_S})
@@ -175,6 +183,14 @@ class Tenants:
     def cache_salt(self, tenant: str, client_salt: str | None) -> str:
         digest = hmac.new(self._secret, tenant.encode(), hashlib.sha256).hexdigest()[:32]
         return digest if not client_salt else f"{digest}:{client_salt}"
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection: its body has been read whole, so the
+    next ASGI message is the disconnect. (uvicorn cancels no handler whose client has gone: a
+    turn waiting for admission would wait on, and then be served to nobody.)"""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _bearer(authorization: str | None) -> str | None:

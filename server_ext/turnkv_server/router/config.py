@@ -107,6 +107,13 @@ class RouterConfig:
         "turnkv mode: the pair as one pool: each session lives on one engine of its pair, "
         "which serves its turns whole (no KV moves; the pair holds twice the histories, and a "
         "long delta is computed beside other sessions' decoding); for memory pressure"))
+    # None: admission off, every turn goes to the engines at once (router/admission.py).
+    admission_tokens: int | None = field(default=None, metadata=cli(
+        "tokens of session history the engines hold together (their KV caches and any tier "
+        "below them): a new session's first turn waits while the live sessions' histories, "
+        "and its own estimated as their mean, would exceed it (default: off)", load=int))
+    admission_max_wait_s: float = field(default=120.0, metadata=cli(
+        "seconds a turn waits for admission at most; then it goes anyway"))
     # None: this router's memory only.
     redis_url: str | None = field(default=None, metadata=cli(
         "share sessions with other routers through this Redis server, redis://HOST:PORT/DB "
@@ -138,6 +145,10 @@ class RouterConfig:
                                       or len(self.decode_nixl) != len(self.decode)):
             raise ValueError("turnkv mode needs --prefill-nixl and --decode-nixl "
                              "ENGINE_ID@HOST:PORT for every engine")
+        if self.admission_tokens is not None and self.admission_tokens <= 0:
+            raise ValueError("admission_tokens must be positive")
+        if not self.admission_max_wait_s > 0:
+            raise ValueError("admission_max_wait_s must be positive")
         if self.pair_pool and self.mode != "turnkv":
             raise ValueError("--pair-pool is for turnkv mode")
 

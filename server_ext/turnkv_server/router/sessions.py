@@ -258,13 +258,17 @@ def _json_safe(value: Any) -> bool:
 class SessionService:
     """The router's sessions: its table, kept in step with the shared store when there is one.
     `on_end` runs for each session that ends (released, or expired on every router): the
-    mode releases what it holds for it."""
+    mode releases what it holds for it. `on_change` runs whenever the histories the table
+    holds may have shrunk (a session ended, a turn's history replaced the last): admission
+    re-checks its queue."""
 
     def __init__(self, table: SessionTable, store: RedisStore | None,
-                 on_end: Callable[[Session], None]) -> None:
+                 on_end: Callable[[Session], None],
+                 on_change: Callable[[], None] = lambda: None) -> None:
         self.table = table
         self.store = store
         self._on_end = on_end
+        self._on_change = on_change
 
     async def begin_turn(self, key: SessionKey) -> tuple[Session, bool]:
         """The session a tagged turn belongs to, in flight from now on; and whether the turn
@@ -300,6 +304,8 @@ class SessionService:
             await self.release(session)
         else:
             await self.renew(session, hints)
+            # An edited history may be shorter; a first turn's replaces an estimate.
+            self._on_change()
 
     async def find(self, key: SessionKey) -> Session | None:
         await self.sync(key)
@@ -316,6 +322,7 @@ class SessionService:
         if self.store is not None:
             await self.store.delete(session.key)
         self._on_end(session)
+        self._on_change()
 
     async def expire(self) -> None:
         """End the sessions whose lease ran out (with a store: on every router)."""
@@ -323,6 +330,9 @@ class SessionService:
             # Expired here; with a shared store, another router may have renewed it.
             if not await self._alive_elsewhere(gone.key):
                 self._on_end(gone)
+        # On every sweep, not only when it found some: the table also drops expired sessions
+        # on the way (`get`) and evicts idle ones when full, and says so to nobody.
+        self._on_change()
 
     async def sync(self, key: SessionKey) -> None:
         """With a shared store, take the session as the routers last left it: another router

@@ -38,18 +38,19 @@ class PrefillResult:
     elapsed_ms: float
     # The engine's own timing of the request (vLLM's per-request `metrics`).
     engine_ms: float | None = None
-    queue_ms: float | None = None
+    engine_queue_ms: float | None = None
 
     @classmethod
     def read(cls, data: dict[str, Any], elapsed_ms: float) -> PrefillResult:
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
-        engine_ms, queue_ms = engine_times(data.get("metrics"))
+        engine_ms, engine_queue_ms = engine_times(data.get("metrics"))
         return cls(transfer_params=data.get("kv_transfer_params"),
                    prompt_token_ids=data.get("prompt_token_ids"),
                    prompt_tokens=int(usage.get("prompt_tokens") or 0),
                    cached_tokens=int(details.get("cached_tokens") or 0),
-                   elapsed_ms=elapsed_ms, engine_ms=engine_ms, queue_ms=queue_ms)
+                   elapsed_ms=elapsed_ms, engine_ms=engine_ms,
+                   engine_queue_ms=engine_queue_ms)
 
 
 def engine_times(metrics: Any) -> tuple[float | None, float | None]:
@@ -90,7 +91,9 @@ def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
         times=p.TurnTimes(prefill_ms=prefill.elapsed_ms if prefill is not None else 0.0,
                           engine_prefill_ms=prefill.engine_ms if prefill is not None else None,
                           restore_ms=_restore_ms(prefill),
-                          queue_ms=prefill.queue_ms if prefill is not None else None),
+                          queue_ms=turn.queued_ms,
+                          engine_queue_ms=prefill.engine_queue_ms if prefill is not None
+                          else None),
         prefix_break_at=break_at,
         fallback=fallback,
         fallback_detail=detail,
@@ -148,7 +151,7 @@ def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: in
     if plan.alone is not None:
         # It computed the prompt itself: its timing is the turn's prefill. (In P/D it computed
         # at most a token: the prefill engine's timing stays.)
-        stats.times.engine_prefill_ms, stats.times.queue_ms = engine_times(metrics)
+        stats.times.engine_prefill_ms, stats.times.engine_queue_ms = engine_times(metrics)
     # The plan's own note first (a short delta the ITL target sent to the prefill engine).
     stats.note = "; ".join(n for n in (plan.note, block_note(turn, plan, stats)) if n) or None
     figures = parse_reply(reply)
@@ -270,6 +273,12 @@ class RouterMetrics:
         self.sessions = Gauge("turnkv_sessions", "Sessions in the table", registry=r)
         self.engine_healthy = Gauge("turnkv_engine_healthy", "1 if the engine answers /health",
                                     ["engine"], registry=r)
+        self.admission_queued = Counter("turnkv_admission_queued", "Turns of new sessions "
+                                        "that waited for admission", registry=r)
+        self.admission_timeouts = Counter("turnkv_admission_timeouts", "Turns admitted after "
+                                          "waiting the longest wait allowed", registry=r)
+        self.admission_waiting = Gauge("turnkv_admission_waiting", "Turns waiting for "
+                                       "admission now", registry=r)
         self.hint_renewals = Counter("turnkv_hint_renewals", "Renew-only requests sent to "
                                      "engines for hints between turns, by outcome",
                                      ["outcome"], registry=r)

@@ -1,7 +1,7 @@
 """One turn through the router, top to bottom.
 
 `Turns.serve` takes a request the app has authenticated and read (`app`), and:
-1. opens its session (`sessions`), in flight until the turn ends;
+1. opens its session (`sessions`), in flight until the turn ends, and admits it (`admission`);
 2. places it on a prefill/decode pair (`placement`), by its session, else by its prefix;
 3. asks the mode for the attempt's plan (`modes`): whether the decode engine serves alone, each
    engine's `kv_transfer_params`, whether both requests go out together;
@@ -35,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 from turnkv import protocol as p
 from turnkv_server.engine.requests import decode_request, prefill_request
 from turnkv_server.router import stats
+from turnkv_server.router.admission import Admission, ClientGone
 from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.placement import EnginePool, Placement
 from turnkv_server.router.sessions import SessionKey, SessionService
@@ -64,13 +65,14 @@ class Turns:
     mode_name: str
     upstream: Upstream
     sessions: SessionService
+    admission: Admission
     metrics: stats.RouterMetrics
     retries: int  # a turn that fails on an unavailable engine is replayed this many times
 
-    async def serve(self, path: str, body: dict[str, Any], tag: p.TurnTag | None,
-                    tenant: str, prefix_id: str | None = None) -> Response:
-        """The turn's response (`prefix_id`: a sessionless turn's); raises `TurnFailed`, or
-        `EngineRejected` (the engine's 4xx, for the client as it is)."""
+    async def serve(self, path: str, body: dict[str, Any], tag: p.TurnTag | None, tenant: str,
+                    prefix_id: str | None = None, gone: ClientGone | None = None) -> Response:
+        """The turn's response (`prefix_id`: a sessionless turn's); raises `TurnFailed`,
+        `EngineRejected` (the engine's 4xx, for the client as it is) or `ClientLeft`."""
         session, opened = None, False
         if tag is not None:
             session, opened = await self.sessions.begin_turn(SessionKey(tenant, tag.session_id))
@@ -80,6 +82,7 @@ class Turns:
                     stream=bool(body.get("stream")), prefix_id=prefix_id)
         response: Response | None = None
         try:
+            turn.queued_ms = await self.admission.admit(session, gone)
             response = await self._attempts(turn)
             return response
         finally:
@@ -125,8 +128,8 @@ class Turns:
             session.placed = placement.decode.name
         return placement
 
-    async def _attempt(self, turn: Turn, placement: Placement,
-                       fallback: p.FallbackReason | None, detail: str | None) -> Response:
+    async def _attempt(self, turn: Turn, placement: Placement, fallback: p.FallbackReason | None,
+                       detail: str | None) -> Response:
         try:
             plan = await self.mode.plan(turn, placement)
         except EngineConnectionError as exc:
@@ -192,8 +195,7 @@ class Turns:
 
     async def _open_decode(self, turn: Turn, plan: TurnPlan,
                            params: dict[str, Any] | None) -> Decode:
-        """Send the decode request; returns once its headers are in. The caller owns the
-        returned `Decode` and must end it."""
+        """The decode request, once its headers are in: a `Decode` the caller must end."""
         engine = plan.placement.decode
         request = decode_request(turn.body, params,
                                  token_ids=turn.session is not None or turn.want_token_ids)
@@ -277,8 +279,7 @@ class Turns:
                     stats.correct_usage(usage, decode.plan, turn_stats)
                 if not turn.want_token_ids:
                     strip_token_ids(chunk)
-                    if not chunk.get("choices") and not chunk.get("usage") \
-                            and "error" not in chunk:
+                    if not chunk.get("choices") and not chunk.get("usage") and "error" not in chunk:
                         continue
                 yield stats.sse(chunk)
         except EngineConnectionError as exc:
@@ -309,8 +310,7 @@ class Turns:
             return
         history = (None if turn.prompt_token_ids is None
                    else [*turn.prompt_token_ids, *turn.output_token_ids])
-        await self.sessions.remember(turn.session, turn.tag, plan.placement, turn_stats,
-                                     history)
+        await self.sessions.remember(turn.session, turn.tag, plan.placement, turn_stats, history)
 
 
 class RelayResponse(StreamingResponse):

@@ -52,6 +52,8 @@ class Turn:
     prefix_id: str | None = None
     # Whether a prefetch of its history had finished when it arrived (`modes.prefetch`).
     prefetch: PrefetchOutcome | None = None
+    # How long it waited for admission, in ms (`router.admission`).
+    queued_ms: float = 0.0
 
 
 @dataclass(frozen=True)
