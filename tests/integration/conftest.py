@@ -23,7 +23,7 @@ from turnkv_server.models import build_tiny
 #   engine, which its test still needs (to size a prompt and play its reference) before the
 #   pair starts; then the same pair with a host tier (`tier`), then an affinity router in
 #   front of its decode engine (`tier-affinity`), then a turnkv router with the pair as one
-#   pool (`tier-pool`);
+#   pool (`tier-pool`), then one that admits new sessions by a budget (`tier-admission`);
 # - the tiny turnkv pair with 128-block caches and 3 s leases: the router with tenants' keys
 #   (`security`, which ends with every block free), then the load test (`load`);
 # - tiny turnkv engines: the shared-session routers (every block must be free at the end),
@@ -37,7 +37,8 @@ from turnkv_server.models import build_tiny
 # - SmolLM2 turnkv engines (`connector`, after the single SmolLM2 engine played its
 #   references): the demo agent's test (test_examples.py; every block free at its end), then
 #   test_turnkv_connector.py, whose last test stops them.
-SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "tier-pool", "security",
+SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "tier-pool",
+            "tier-admission", "security",
             "load", "shared-sessions",
             "usage-turnkv", "faults", "router-turnkv", "router-affinity", "router-standard",
             "router-cluster", "router-bidirectional", "router-push", "connector")

@@ -24,6 +24,7 @@ tier, and releases the lease when the session is deleted. Nothing here is timed.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import pytest
 
 from tests.support.clusters import (
     TIER,
+    TIER_ADMISSION,
     TIER_AFFINITY,
     TIER_DISK_BLOCKS,
     TIER_POOL,
@@ -358,3 +360,42 @@ def test_the_pair_as_one_pool_serves_each_session_whole_on_one_engine(
             assert client.delete(f"{state.router}/v1/turnkv/sessions/{session}"
                                  ).status_code == 200
         wait_for(lambda: no_leases(urls), "both sessions' leases released")
+
+
+def own_client_turn(state: ClusterState, *args: Any) -> RoutedCompletion:
+    """`turn` on a client of its own (another thread's)."""
+    with httpx.Client(timeout=600) as client:
+        return turn(state, client, *args)
+
+
+def admission_waiting(router: str, client: httpx.Client) -> float:
+    for family in families(client.get(f"{router}/metrics").text):
+        if family.name == "turnkv_admission_waiting":
+            return sum(s.value for s in family.samples)
+    return 0.0
+
+
+@pytest.mark.cluster(TIER_ADMISSION)
+def test_a_new_session_waits_for_room_and_is_then_served_exactly(
+    reference: Reference, clusters: ClusterPool
+) -> None:
+    """A router whose admission budget holds one session: b's first turn waits while a lives
+    (a's own turns go on meanwhile), and is served once a ends, with a single engine's output
+    and its wait in its stats."""
+    _, state = clusters.get(TIER_ADMISSION)
+    with httpx.Client(timeout=600) as client, ThreadPoolExecutor(1) as pool:
+        first = turn(state, client, 1, reference.messages[0], reference.turns[0], "admit-a")
+        assert first.stats["times"]["queue_ms"] == 0.0, first.stats
+        waiting = pool.submit(own_client_turn, state, 1, reference.messages[0],
+                              reference.turns[0], "admit-b")
+        wait_for(lambda: admission_waiting(state.router, client) == 1, "b's turn queued")
+        second = turn(state, client, 2, reference.messages[1], reference.turns[1], "admit-a")
+        assert second.stats["times"]["queue_ms"] == 0.0, second.stats
+        assert not waiting.done()
+        turn(state, client, 3, reference.messages[2], reference.turns[2], "admit-a",
+             hints=CacheHints(final=True))
+        admitted = waiting.result(timeout=300)
+        assert admitted.stats["times"]["queue_ms"] > 0, admitted.stats
+        assert admission_waiting(state.router, client) == 0
+        assert client.delete(f"{state.router}/v1/turnkv/sessions/admit-b").status_code == 200
+        wait_for(lambda: no_leases(engine_urls(state)), "both sessions' leases released")

@@ -65,21 +65,19 @@ def test_new_sessions_get_one_engine_each_and_keep_it() -> None:
         # session's lease on that engine.
         assert plan.placement.prefill is plan.placement.decode
         assert plan.prefill_params is None and plan.prefill_send is plan.decode_send is None
-        assert plan.alone == DecodeAlone([1, 2, 3, 4, 5], new_tokens=5, held=False)
+        # Not tokenized (the engine's prefix cache finds the history by itself).
+        assert plan.alone == DecodeAlone(None, new_tokens=0, held=False)
         params = parse(plan.decode_params)
         assert params is not None and params.session is not None and params.ttl_s == 60
         assert params.send is None and params.receive is None
-    assert upstream.asked == homes  # each prompt counted by its own engine
-    # Its next turn: the placement names the home in both places, the plan keeps it there,
-    # and only what the prompt adds to the history is new.
+    assert upstream.asked == []
+    # Its next turn: the placement names the home in both places, the plan keeps it there.
     session = first.session
     assert session is not None
     session.prefill = session.decode = homes[0]
-    session.tokens = [1, 2, 3]
     placement = pool.place(prefill=session.prefill, decode=session.decode, prefix_id=None)
     again = asyncio.run(mode.plan(first, placement))
-    assert again.placement.decode.name == homes[0]
-    assert again.alone == DecodeAlone([1, 2, 3, 4, 5], new_tokens=2, held=False)
+    assert again.placement.decode.name == homes[0] and again.placement.reason == "affinity"
 
 
 def test_a_session_whose_home_is_down_moves_to_the_other_engine_and_an_ended_one_frees_it(

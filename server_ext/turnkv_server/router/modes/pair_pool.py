@@ -22,33 +22,32 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Any
 
-from turnkv_server.router.modes.base import DecodeAlone, Turn, TurnPlan
+from turnkv_server.router.modes.base import DecodeAlone, TurnPlan
 from turnkv_server.router.placement import Engine, Placement
-from turnkv_server.router.sessions import Session, SessionKey, common_prefix_len
-from turnkv_server.router.upstream import Upstream
+from turnkv_server.router.sessions import Session, SessionKey
 
 # The homes remembered, at most (the router's session table evicts without telling the mode).
 MAX_HOMES = 100_000
 
 
 class PairPool:
-    def __init__(self, upstream: Upstream, max_homes: int = MAX_HOMES) -> None:
-        self._upstream = upstream
+    def __init__(self, max_homes: int = MAX_HOMES) -> None:
         self._homes: OrderedDict[SessionKey, str] = OrderedDict()
         self._max_homes = max_homes
 
-    async def plan(self, turn: Turn, session: Session, placement: Placement,
-                   params: dict[str, Any]) -> TurnPlan:
+    def plan(self, session: Session, placement: Placement, params: dict[str, Any]) -> TurnPlan:
         """The session's home serves the turn alone, under the session's lease (`params`),
-        computing what its cache and tier do not hold; nothing is sent for a push back."""
+        computing what its cache and tier do not hold; nothing is sent for a push back.
+
+        The router does not tokenize the prompt, as in `affinity`: the engine's prefix cache
+        finds the history by itself, and a `/tokenize` round trip per turn, queued behind the
+        engine's own work, cost the pool about a tenth of its median TTFT under pressure. (The
+        stats read as an aggregated engine's: the total from the engine's usage, no
+        `prefix_break_at`; a prefetch tokenizes when it runs.) `held` False: what the engine
+        computed says nothing about a short delta's backoff."""
         home = self.home(session, placement)
-        prompt_ids = await self._upstream.tokenize(home, turn.body)
-        history = session.tokens if session.decode == home.name else []
-        # `held` False: what the engine computed says nothing about a short delta's backoff.
-        alone = DecodeAlone(prompt_ids, len(prompt_ids) - common_prefix_len(prompt_ids, history),
-                            held=False)
         return TurnPlan(Placement(home, home, placement.reason), prefill_params=None,
-                        decode_params=params, alone=alone)
+                        decode_params=params, alone=DecodeAlone(None, new_tokens=0, held=False))
 
     def home(self, session: Session, placement: Placement) -> Engine:
         """The engine that serves `session`: its home, where the placement kept it there (both

@@ -125,7 +125,7 @@ class Turnkv(Mode):
         self._pressure = Backoff(PRESSURE_BACKOFF_S, PRESSURE_BACKOFF_MAX_S, ctx.clock)
         self._no_push_back = Backoff(PUSH_BACK_BACKOFF_S, PUSH_BACK_BACKOFF_MAX_S, ctx.clock)
         self._itl = ItlTarget(ctx.itl_target_ms)
-        self._pool = PairPool(ctx.upstream) if ctx.pair_pool else None
+        self._pool = PairPool() if ctx.pair_pool else None
         names = [e.name for e in ctx.pool.engines()] if ctx.pool is not None else []
         missing = [name for name in names if name not in ctx.side_channels]
         if missing:
@@ -141,7 +141,7 @@ class Turnkv(Mode):
             # Releasing the session's leases when it ends takes a request of its model.
             session.mode_state[MODEL] = turn.body.get("model")
             if self._pool is not None:
-                return await self._pool.plan(turn, session, placement, self._params(turn))
+                return self._pool.plan(session, placement, self._params(turn))
         # The decode engine keeps the turn for the push back, unless there is nothing to keep,
         # or nobody to keep it for: a push back to a prefill engine that is down is refused.
         keep = (session is not None and not turn_hints(turn).final and placement.prefill.healthy
