@@ -321,10 +321,11 @@ TIER_AFFINITY = ClusterSpec("tier-affinity", TIER.engines, RouterView(
 # each session served whole by one of them.
 TIER_POOL = ClusterSpec("tier-pool", TIER.engines, RouterView(args=("--pair-pool",)))
 # Admission on the same engines: a turnkv router whose budget of session history
-# (ADMISSION_TOKENS) holds one session of test_tier.py's conversation, not two.
+# (ADMISSION_TOKENS) holds one session of test_tier.py's conversation, not two; every turn
+# through the prefill engine, as with the launcher's router.
 ADMISSION_TOKENS = 300
 TIER_ADMISSION = ClusterSpec("tier-admission", TIER.engines, RouterView(
-    args=("--admission-tokens", str(ADMISSION_TOKENS))))
+    short_delta_tokens=0, args=("--admission-tokens", str(ADMISSION_TOKENS))))
 
 # test_router_security.py's and test_load.py's pair: one prefill and one decode engine (tiny
 # model, float32) whose KV caches hold LOAD_BLOCKS blocks each, so that the load test's 64 live

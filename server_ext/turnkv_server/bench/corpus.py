@@ -1,11 +1,11 @@
 """Local text that workloads are made of: files every install has.
 
-Three sources, none downloaded: the package's own `data/tiny_corpus.txt` (prose), the
-repository's `docs/*.md` when the package runs from a checkout (prose), and the `.py` files of
-Python's standard library (code, for the outputs of file-reading and search tools). Files are
-taken in sorted order so that one seed gives one workload on one install; the standard library
-differs between Python versions, so save a workload with `trace.write_trace` to replay it
-elsewhere.
+Two sources, none downloaded: the package's own `data/tiny_corpus.txt` (prose) and the `.py`
+files of Python's standard library (code, for the outputs of file-reading and search tools).
+Files are taken in sorted order so that one seed gives one workload on one install; the standard
+library differs between Python versions, so save a workload with `trace.write_trace` to replay
+it elsewhere. (The checkout's `docs/*.md` were prose too once: every edit of the docs then
+changed the benchmark's workload, 58, 57 and 56 turns of `agent-pressure` at three commits.)
 """
 
 from __future__ import annotations
@@ -49,11 +49,6 @@ class Corpus:
         return self.prose + self.code
 
 
-def default_docs_dir() -> Path:
-    """`docs/` of the checkout this package runs from (it may not exist in an install)."""
-    return Path(__file__).resolve().parents[3] / "docs"
-
-
 def stdlib_dir() -> Path:
     """The folder of the standard library's `.py` files."""
     source = inspect.getsourcefile(json)
@@ -62,14 +57,10 @@ def stdlib_dir() -> Path:
     return Path(source).resolve().parent.parent
 
 
-def load_corpus(docs_dir: Path | None = None, max_code_files: int = MAX_CODE_FILES) -> Corpus:
-    """Read the local sources; `docs_dir` defaults to the checkout's `docs/`."""
+def load_corpus(max_code_files: int = MAX_CODE_FILES) -> Corpus:
+    """Read the local sources."""
     tiny = resources.files("turnkv_server") / "data" / "tiny_corpus.txt"
     prose = [_source("data/tiny_corpus.txt", tiny.read_text(encoding="utf-8"))]
-    docs = docs_dir if docs_dir is not None else default_docs_dir()
-    if docs.is_dir():
-        prose += [_source(f"docs/{p.name}", p.read_text(encoding="utf-8"))
-                  for p in sorted(docs.glob("*.md"))]
     code_paths = sorted(stdlib_dir().glob("*.py"))[:max_code_files]
     code = [_source(f"lib/{p.name}", p.read_text(encoding="utf-8", errors="replace"))
             for p in code_paths]
