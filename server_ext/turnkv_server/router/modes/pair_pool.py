@@ -40,8 +40,9 @@ class PairPool:
         computing what its cache and tier do not hold; nothing is sent for a push back.
 
         The router does not tokenize the prompt, as in `affinity`: the engine's prefix cache
-        finds the history by itself, and a `/tokenize` round trip per turn, queued behind the
-        engine's own work, cost the pool about a tenth of its median TTFT under pressure. (The
+        finds the history by itself, and a `/tokenize` round trip per turn waits behind the
+        engine's own work (with it the pool measured 10% slower than `affinity-tier` under
+        pressure, without it 5%: docs/benchmarks.md). (The
         stats read as an aggregated engine's: the total from the engine's usage, no
         `prefix_break_at`; a prefetch tokenizes when it runs.) `held` False: what the engine
         computed says nothing about a short delta's backoff."""
