@@ -638,30 +638,106 @@ def test_room_counts_the_unheld_blocks_of_a_prefix_hit_as_taken_from_the_free_on
     assert pool.get_num_free_blocks() == 11
 
 
-def test_a_step_that_schedules_nothing_while_a_request_could_run_ends_a_lease() -> None:
+def test_a_step_that_schedules_nothing_while_a_request_lacks_blocks_ends_a_lease() -> None:
     """vLLM asks for room only before a new request's admission and when a running request
     cannot grow: a request whose KV arrived, waiting for the blocks of its last tokens, asks
     nothing, and behind a lease would wait for ever (every step empty). Each such step ends
-    the least valuable lease; steps that compute something, or whose requests all wait for
-    their KV, end none."""
+    the least valuable lease; steps that compute something, whose requests all wait for their
+    KV, or whose waiting request lacks no block (a tier's deferred lookup), end none."""
     pool, side = setup()
     for n, session in enumerate(("a", "b")):
         req = request(f"r{n}", 160, session=session)
         side.on_new_request(req)
         finish(pool, side, req, allocate(pool, 10))
     leases = side.holder.leases  # type: ignore[union-attr]
-    stuck = request("r2", 320, session="c")
+    stuck = request("r2", 180, session="c")
     side.on_new_request(stuck)
+    allocate(pool, 11)  # its blocks, into which 176 tokens' KV is arriving
+    stuck.num_computed_tokens = 176
     stuck.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert pool.get_num_free_blocks() == 0
     side.build_orders(scheduled_tokens=0)  # its KV is still arriving: nothing to do
     side.build_orders(scheduled_tokens=8)
     assert sorted(leases) == ["a", "b"]
-    stuck.status = RequestStatus.WAITING  # arrived; now it waits for room
+    stuck.status = RequestStatus.WAITING  # arrived; now it waits for its 12th block
     side.build_orders(scheduled_tokens=8)  # something ran: not stuck
     assert sorted(leases) == ["a", "b"]
     side.build_orders(scheduled_tokens=0)
     assert sorted(leases) == ["b"]
     assert side.take_stats()["leases_stuck"] == 1
+    # Its block is free now: if vLLM still schedules nothing, it is not for want of blocks.
+    side.build_orders(scheduled_tokens=0)
+    assert sorted(leases) == ["b"]
     finish(pool, side, stuck, [])  # gone: an empty step is an idle one
     side.build_orders(scheduled_tokens=0)
     assert sorted(leases) == ["b"]
+
+
+def test_a_quarantine_made_in_an_idle_engines_last_step_wakes_it_to_be_heard() -> None:
+    """A client aborts during a receive, and the engine has nothing else to do: the worker
+    reports the quarantine in the output of the engine's last step, after that step's orders
+    set the alarm. The alarm must be set again, or the engine sleeps on its queue with the
+    blocks held until some other request arrives."""
+    pool, side = setup()
+    woken = threading.Event()
+    side.bind(pool, BLOCKS, wake=woken.set)
+    req = request("r1", 40, receive=Receive("t1", PEER))
+    side.on_new_request(req)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, allocate(pool, 3), 40)
+    side.build_orders()
+    req.status = RequestStatus.FINISHED_ABORTED
+    side.request_finished(req, [])
+    side.build_orders()  # the last step: it cancels the receive
+    side.received({"r1"}, set(), {"r1"})  # that step's output: quarantined
+    assert side.has_pending_push_work() is False  # the engine sleeps...
+    assert woken.wait(10)  # ...until the alarm wakes it to poll the worker
+    assert side.has_pending_push_work() is True
+    side.close()
+
+
+def test_receives_are_declined_while_quarantined_blocks_are_over_their_cap() -> None:
+    """Quarantined blocks cannot be handed back early (a late write would land in another
+    request's KV), so their share of the cache is bounded by taking no new receive while they
+    are over the cap: the request computes its prompt itself and the sender is told."""
+    pool, side = setup()  # the default cap: a quarter of the cache, 7 of 31 blocks
+
+    def receive(rid: str, blocks: int) -> tuple[Request, list[int]]:
+        req = request(rid, blocks * BLOCK, receive=Receive(f"t-{rid}", PEER))
+        side.on_new_request(req)
+        matched = side.get_num_new_matched_tokens(req, 0)
+        ids = allocate(pool, blocks)
+        side.update_state_after_alloc(req, ids, matched[0])
+        return req, ids
+
+    first, ids = receive("r1", 8)
+    assert side.build_orders().receives != []
+    side.received({"r1"}, set(), {"r1"})  # given up while the sender might still write
+    pool.free_blocks([pool.blocks[i] for i in reversed(ids)])
+    assert side.holder is not None and side.holder.quarantined_blocks == 8
+    second = request("r2", 40, receive=Receive("t-r2", PEER))
+    side.on_new_request(second)
+    assert side.get_num_new_matched_tokens(second, 0) == (0, False)
+    side.update_state_after_alloc(second, allocate(pool, 3), 0)
+    orders = side.build_orders()
+    assert orders.receives == [] and orders.declines == [("t-r2", PEER)]
+    assert side.take_stats()["receives_declined_quarantine"] == 1
+    side.settled({"r1"})
+    receive("r3", 3)
+    assert len(side.build_orders().receives) == 1
+
+
+def test_the_reply_counts_no_token_another_connector_or_a_trim_took() -> None:
+    """The connector offered 40 tokens, but vLLM loaded none through it (the tier beside it
+    under MultiConnector won the request, or vLLM's partial-tail rule kept a local hit):
+    nothing was received."""
+    pool, side = setup()
+    req = request("r1", 40, receive=Receive("t1", PEER))
+    side.on_new_request(req)
+    assert side.get_num_new_matched_tokens(req, 0) == (40, True)
+    ids = allocate(pool, 3)
+    side.update_state_after_alloc(req, ids, 0)
+    assert side.build_orders().declines == [("t1", PEER)]
+    assert finish(pool, side, req, ids)[1] == {"turnkv": {
+        "held_blocks": 0, "local_tokens": 0, "received_tokens": 0, "receive_failed": False}}
+

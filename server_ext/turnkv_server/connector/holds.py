@@ -10,6 +10,11 @@ decides when the references go: on release, expiry, the pin cap, a prefix-cache 
 held blocks as used and cannot give them back itself. A prefix-cache reset fails while any
 block is in use, so `release_leases_before_reset` makes the pool's own reset release every
 lease first.
+
+Quarantined blocks cannot be handed back early (a late write would land in whatever KV used
+them next), so their share of the cache is bounded the safe way: while they are over
+`max_quarantined` blocks, no new receive starts (`quarantine_full`; the scheduler side
+declines it and the request computes its prompt itself).
 """
 
 from __future__ import annotations
@@ -48,10 +53,12 @@ QUARANTINE_POLL_S = 1.0
 class BlockHolder:
     """One engine's held blocks: `leases` decides, this applies it to `pool`."""
 
-    def __init__(self, pool: BlockPool, leases: LeaseTable) -> None:
+    def __init__(self, pool: BlockPool, leases: LeaseTable,
+                 max_quarantined: float = math.inf) -> None:
         self.pool = pool
         self.leases = leases
         self.freed_total = 0
+        self.max_quarantined = max_quarantined
         # Blocks of given-up receives that a late write may still land in, by request: no
         # request may use them until the transport says none can (`receiving`). The worker says
         # so in a step's output: while any is held, an idle engine steps every
@@ -77,6 +84,11 @@ class BlockHolder:
     @property
     def quarantined_blocks(self) -> int:
         return sum(map(len, self.quarantined.values()))
+
+    @property
+    def quarantine_full(self) -> bool:
+        """Whether quarantined blocks are over their cap: no receive may start."""
+        return self.quarantined_blocks > self.max_quarantined
 
     def stepped(self) -> None:
         """The engine stepped (and heard the worker): the next check is a poll away."""
@@ -118,7 +130,8 @@ class BlockHolder:
         """Free the holds past their deadline; returns the references freed."""
         return self._free(self.leases.expire())
 
-    def make_room(self, blocks_needed: int | Callable[[], int], keep: Iterable[str] = ()) -> int:
+    def make_room(self, blocks_needed: int | Callable[[], int], keep: Iterable[str] = (),
+                  reason: str = "pressure") -> int:
         """Free holds until `blocks_needed` blocks are free, or no hold is left to free (a
         request never waits on a lease). Returns the blocks that came back to the pool.
 
@@ -132,7 +145,7 @@ class BlockHolder:
         need = blocks_needed if callable(blocks_needed) else lambda: blocks_needed
         start = pool.get_num_free_blocks()
         while pool.get_num_free_blocks() < need():
-            released = self.leases.evict(keep)
+            released = self.leases.evict(keep, reason)
             if not released.leases:
                 break
             self._free(released)

@@ -6,10 +6,12 @@ block pool); it owns the block pool's extra references (`holds`) and decides, pe
 - receive: the prompt tokens a peer holds beyond this engine's own prefix hit are loaded
   asynchronously into blocks registered with the peer under the router's transfer ID
   (`ReceiveOrder`), with a digest of their tokens (from token 0) that the sender checks.
-  Nothing to fetch: the peer is told so (`decline`). An aborted request cancels its receive
-  (`cancels`); vLLM keeps its blocks until the worker reports the receive over. A receive
-  given up while the sender might still write is quarantined: its blocks are held out of use
-  (`holds`) until the worker says no write can land (`settled`);
+  Nothing to fetch, or quarantined blocks over their cap: the peer is told so (`decline`).
+  An aborted request cancels its receive (`cancels`); vLLM keeps its blocks until the worker
+  reports the receive over. A receive given up while the sender might still write is
+  quarantined: its blocks are held out of use (`holds`) until the worker says no write can
+  land (`settled`). The reply counts the tokens whose received KV vLLM kept: not those it
+  loaded through another connector or computes again (the last one of a whole prompt);
 - send: when the request ends normally (stopped, length-capped, or stopped on repetition) its
   blocks stay allocated (delay-free) until the worker has written them to whichever engine
   registers the transfer ID, or gives up (`SendOrder`, with all its token IDs). Any other end
@@ -19,15 +21,15 @@ block pool); it owns the block pool's extra references (`holds`) and decides, pe
 - stream: while a request whose send is marked `stream` computes its prompt, each step names
   the blocks it completes, so that the worker can write them layer by layer as the model
   computes them, if the receiver has registered already (`StreamOrder`);
-- lease: when the request ends its blocks are held for its session (the router's
-  tenant-scoped key, never vLLM's own `session_id`) by reference, which costs the engine no
-  steps; the next turn's prompt hits them as ordinary prefix-cache blocks. A `renew_only`
-  request (a hint sent between turns) renews the session's lease and holds nothing.
+- lease: when the request ends its blocks are held for its session by reference, which costs
+  the engine no steps; the next turn's prompt hits them as ordinary prefix-cache blocks
+  (`session_leases`: renewals and releases).
 
 Held blocks are invisible to vLLM's admission, so `room` gives leases back: before a waiting
-request is matched, when a running request cannot grow (`has_pending_block_frees`: yes only if
-blocks went back to the pool) and after a step that scheduled nothing while a request could
-run. A lease never makes a request wait. When leases are not enough, sends no receiver has
+request is matched, after each step (a free block per running request), when a running
+request cannot grow (`has_pending_block_frees`: yes only if blocks went back to the pool) and
+after a step that scheduled nothing while a request that could run lacks blocks. A lease never
+makes a request wait. When leases are not enough, sends no receiver has
 registered for yet are abandoned, as the router can ask too (`abandon`; `pending_sends`).
 Leases expire on an idle engine too: a timer wakes it at the next deadline (`idle_expiry`). A
 prefix-cache reset needs every block free: `reset_prefix_cache` releases every lease first.
@@ -41,7 +43,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from turnkv_server.connector.holds import BlockHolder, BlockPool, release_leases_before_reset
@@ -58,7 +60,9 @@ from turnkv_server.connector.orders import (
 from turnkv_server.connector.pending_sends import PendingSends
 from turnkv_server.connector.request_view import Request
 from turnkv_server.connector.room import Room
+from turnkv_server.connector.session_leases import SessionLeases
 from turnkv_server.connector.stats import SchedulerCounters
+from turnkv_server.connector.tracked import TrackedRequest
 from turnkv_server.engine.protocol import KEY, BadParams, TurnParams, TurnReply, parse
 
 log = logging.getLogger(__name__)
@@ -69,29 +73,20 @@ log = logging.getLogger(__name__)
 NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"})
 
 
-@dataclass
-class _Tracked:
-    params: TurnParams
-    prompt_tokens: int = 0
-    # The request's block IDs as its steps were scheduled (streaming sends only).
-    blocks: list[int] | None = None
-    local_tokens: int = 0
-    external_tokens: int = 0
-    receive_done: bool = False
-    receive_failed: bool = False
-    # When vLLM gave the request its blocks, and how long a lower tier (vLLM's offloading
-    # connector beside this one) then took to load its KV into them.
-    allocated_at: float | None = None
-    restore_ms: float | None = None
-
-
 class SchedulerSide:
-    def __init__(self, block_size: int, policy: LeasePolicy | None = None) -> None:
+    def __init__(self, block_size: int, policy: LeasePolicy | None = None,
+                 max_quarantined_fraction: float = 0.25) -> None:
+        """`max_quarantined_fraction`: the share of the cache above which quarantined blocks
+        stop new receives."""
+        if not 0 <= max_quarantined_fraction <= 1:
+            raise ValueError("max_quarantined_fraction must be in [0, 1]")
         self.block_size = block_size
         self.policy = policy or LeasePolicy()
+        self.max_quarantined_fraction = max_quarantined_fraction
         self.holder: BlockHolder | None = None
         self.room: Room | None = None
-        self._tracked: dict[str, _Tracked] = {}
+        self.sessions: SessionLeases | None = None
+        self._tracked: dict[str, TrackedRequest] = {}
         # Requests whose blocks a peer is still writing: their transfer ID and those blocks.
         # vLLM frees them when the receive ends.
         self._receiving: dict[str, tuple[str, frozenset[int]]] = {}
@@ -104,9 +99,12 @@ class SchedulerSide:
              wake: Callable[[], None] | None = None) -> None:
         """Hold leases on `pool`. `wake` (called from another thread) makes an idle engine
         step; without it, leases expire at the engine's next step."""
-        # vLLM keeps one block as its null block; the cap is a share of the usable ones.
-        self.holder = BlockHolder(pool, LeaseTable(max(1, total_blocks - 1), self.policy))
+        # vLLM keeps one block as its null block; the caps are shares of the usable ones.
+        usable = max(1, total_blocks - 1)
+        self.holder = BlockHolder(pool, LeaseTable(usable, self.policy),
+                                  int(usable * self.max_quarantined_fraction))
         self.room = Room(self.holder, self._sends, self.block_size, self._abandon)
+        self.sessions = SessionLeases(self.holder, self._count)
         # vLLM's prefix-cache reset fails while a block is in use: leases are released first.
         release_leases_before_reset(pool, self.reset_cache)
         self._expiry.bind(wake)
@@ -128,32 +126,14 @@ class SchedulerSide:
             return
         if (params.send or params.receive) and not _kv_follows_tokens(request):
             params = self._without_transfers(request, params)
-        self._tracked[request.request_id] = _Tracked(params, request.num_prompt_tokens)
+        self._tracked[request.request_id] = TrackedRequest(params, request.num_prompt_tokens)
         if params.send is not None:
             prompt = tuple(request.all_token_ids[:request.num_prompt_tokens])
             self._orders.expects.append(ExpectOrder(params.send.transfer_id, prompt))
         for transfer_id in params.abandon:
             self._abandon(transfer_id)
-        holder = self._holder()
         self._expire()
-        if params.session is not None:
-            # A hinted session is back now: this request needs its lease, and the hinted time
-            # counts from the request's end (`hold` sets it then). Un-hinted: LRU as ever.
-            back_now = None if params.next_turn_in_s is None else 0.0
-            if params.release:
-                holder.release(params.session)
-            elif params.renew_only:
-                # A hint between turns: the lease takes its TTL, priority and expected return
-                # (counted from now); this request's blocks are not held (`request_finished`).
-                renewed = holder.leases.renew(params.session, ttl_s=params.ttl_s,
-                                              priority=params.priority,
-                                              next_turn_in_s=params.next_turn_in_s)
-                self._count("leases_renewed" if renewed else "renewals_missed")
-            elif holder.leases.renew(params.session, ttl_s=params.ttl_s,
-                                     priority=params.priority, next_turn_in_s=back_now):
-                self._count("lease_hits")
-            else:
-                self._count("lease_misses")
+        self._session_leases().arrived(params)
         self._arm()
 
     def get_num_new_matched_tokens(self, request: Request,
@@ -167,6 +147,11 @@ class SchedulerSide:
         if tracked is not None:  # the reply's local hit, receiving or not
             tracked.local_tokens = num_computed_tokens
         if tracked is None or tracked.params.receive is None or tracked.receive_done:
+            return 0, False
+        # Quarantined blocks cannot come back early: over their cap, no receive starts (the
+        # request computes its prompt), so that they cannot take the cache.
+        tracked.over_quarantine = self._holder().quarantine_full
+        if tracked.over_quarantine:
             return 0, False
         receive = tracked.params.receive
         available = request.num_prompt_tokens
@@ -186,9 +171,13 @@ class SchedulerSide:
         # Once per request: a preempted request recomputes rather than asking twice.
         tracked.receive_done = True
         receive = tracked.params.receive
+        # What vLLM loads through this connector: none when another connector beside it won the
+        # request, or its partial-tail rule kept a local hit.
+        tracked.external_tokens = max(0, num_external_tokens)
         if num_external_tokens <= 0:
             self._orders.declines.append((receive.transfer_id, receive.peer))
-            self._count("transfers_declined")
+            self._count("receives_declined_quarantine" if tracked.over_quarantine
+                        else "transfers_declined")
             return
         tokens = tracked.local_tokens + num_external_tokens
         first = tracked.local_tokens // self.block_size
@@ -207,21 +196,12 @@ class SchedulerSide:
         `computed_tokens` on, with `new_blocks` added to its blocks (or, `replace`, as all
         of them: a new or resumed request). Emits the blocks the step completes."""
         tracked = self._tracked.get(request_id)
+        if tracked is not None and not tracked.scheduled:
+            tracked.first_scheduled(computed_tokens)  # the reply's received tokens
         if tracked is None or tracked.params.send is None or not tracked.params.send.stream:
             return
-        restart = replace and tracked.blocks is not None
-        if replace or tracked.blocks is None:
-            tracked.blocks = list(new_blocks)
-        else:
-            tracked.blocks += new_blocks
-        prompt = tracked.prompt_tokens
-        start, end = computed_tokens, min(computed_tokens + scheduled_tokens, prompt)
-        if start >= end:
-            return  # decoding: the prompt's blocks are complete
-        size = self.block_size
-        done = [(k, tracked.blocks[k])
-                for k in range(start // size, (end - 1) // size + 1)
-                if min((k + 1) * size, prompt) <= end and k < len(tracked.blocks)]
+        done, restart = tracked.completed_blocks(new_blocks, replace, computed_tokens,
+                                                 scheduled_tokens, self.block_size)
         if done or restart:
             self._orders.streams.append(StreamOrder(tracked.params.send.transfer_id, done,
                                                     restart))
@@ -233,7 +213,6 @@ class SchedulerSide:
         if tracked is None:
             return False, None
         params = tracked.params
-        holder = self._holder()
         send = params.send
         abandoned = False
         if send is not None:
@@ -262,13 +241,7 @@ class SchedulerSide:
                 delay_free = True
             else:
                 self._orders.refusals.append(send.transfer_id)
-        held = 0
-        # Holding an aborted request's blocks is safe: vLLM hashes only full blocks of
-        # computed tokens, so the next turn can hit only KV of its own tokens.
-        if params.session is not None and not (params.release or params.renew_only) and block_ids:
-            held = holder.hold(params.session, block_ids, ttl_s=params.ttl_s,
-                               priority=params.priority, next_turn_in_s=params.next_turn_in_s)
-            self._count("blocks_held", held)
+        held = self._session_leases().ended(params, block_ids)
         self._gauges()
         self._arm()
         received = tracked.external_tokens if tracked.receive_done else 0
@@ -298,12 +271,16 @@ class SchedulerSide:
                 tracked.receive_failed = True
         if quarantined:
             self._gauges()
+            # Reported after the step's orders set the alarm: an idle engine must still wake
+            # to hear the quarantine settle.
+            self._arm()
 
     def settled(self, request_ids: set[str]) -> None:
         """No late write can reach these requests' quarantined blocks any more."""
         for request_id in request_ids:
             self._holder().settle(request_id)
         self._gauges()
+        self._arm()
 
     def sent(self, request_ids: set[str]) -> None:
         """The worker reports these requests' sends ended (written, failed or abandoned)."""
@@ -328,7 +305,10 @@ class SchedulerSide:
     def build_orders(self, scheduled_tokens: int | None = None) -> StepOrders:
         """The step's orders; `scheduled_tokens`: what the step computes (`Room`)."""
         self._expire()
-        if scheduled_tokens is not None and self._room().for_stuck_step(scheduled_tokens):
+        room = self._room()
+        if scheduled_tokens is not None and room.for_stuck_step(scheduled_tokens):
+            self._gauges()
+        if room.for_running():
             self._gauges()
         self._holder().stepped()
         self._arm()
@@ -373,6 +353,11 @@ class SchedulerSide:
         self._holder()
         assert self.room is not None
         return self.room
+
+    def _session_leases(self) -> SessionLeases:
+        self._holder()
+        assert self.sessions is not None
+        return self.sessions
 
     def _expire(self) -> None:
         if self._holder().expire():

@@ -46,7 +46,7 @@ class TransferCounters:
 # come from `TransferCounters`, so a field added there reaches `/metrics` too.
 COUNTERS = (
     *(f.name for f in fields(TransferCounters)),
-    "tokens_requested", "transfers_declined",
+    "tokens_requested", "transfers_declined", "receives_declined_quarantine",
     "lease_hits", "lease_misses", "blocks_held", "leases_renewed", "renewals_missed",
     "leases_released", "leases_expired", "leases_over_cap", "leases_pressure", "leases_stuck",
 )
@@ -80,6 +80,9 @@ HELP = {
     "receive_seconds": "Seconds from registration to arrival, summed",
     "tokens_requested": "Prompt tokens this engine asked a peer for",
     "transfers_declined": "Transfers not needed because every block was already here",
+    "receives_declined_quarantine": "Receives declined (the prompt computed here instead) "
+                                    "while quarantined blocks were over their share of the "
+                                    "cache",
     "lease_hits": "Requests whose session still held a lease here",
     "lease_misses": "Requests of a session with no lease here (new, expired or released)",
     "blocks_held": "Blocks held under a lease when a turn ended",
@@ -89,7 +92,8 @@ HELP = {
     "leases_expired": "Leases ended by their TTL",
     "leases_over_cap": "Leases ended because pinned blocks passed the cap",
     "leases_pressure": "Leases ended to make room for a request",
-    "leases_stuck": "Leases ended after a step scheduled nothing while a request could run",
+    "leases_stuck": "Leases ended after a step scheduled nothing while a request that could "
+                    "run lacked blocks",
     "pinned_blocks": "Distinct KV blocks held under leases",
     "leases": "Live session leases",
     "quarantined_blocks": "Blocks of given-up receives held until no late write can land",
