@@ -6,6 +6,7 @@ from vllm.v1.core.block_pool import BlockPool
 
 from turnkv_server.connector.holds import BlockHolder
 from turnkv_server.connector.leases import LeasePolicy, LeaseTable
+from turnkv_server.connector.session_epochs import ReleasedSessions
 
 BLOCKS = 32
 
@@ -104,3 +105,27 @@ def test_release_all_gives_every_block_back() -> None:
     finish_request(pool, holder, "b", 2, shared=first[:2])
     assert holder.release_all("reset") == 7
     assert pool.get_num_free_blocks() == start and len(holder.leases) == 0
+
+
+def test_a_released_life_is_remembered_until_the_longest_lease_has_passed() -> None:
+    """The holder remembers which lives of a session were released, on the lease table's
+    clock, for the operator's longest lease; then forgets them (a bounded table)."""
+    pool, holder, clock = setup()
+    finish_request(pool, holder, "s", 3)
+    holder.release("s", epoch=5)
+    assert not holder.current("s", 5) and not holder.current("s", 4)
+    assert holder.current("s", 6) and holder.current("s", None)
+    holder.release("s", epoch=3)  # a late release of an earlier life ends nothing new
+    assert not holder.current("s", 5)
+    clock.now += holder.leases.policy.max_ttl_s + 1
+    assert holder.current("s", 5)
+    assert len(holder.released) == 0
+
+
+def test_released_lives_past_the_table_size_are_forgotten_oldest_first() -> None:
+    released = ReleasedSessions(lambda: 0.0, memory_s=60.0, max_entries=2)
+    for n, session in enumerate(("a", "b", "c")):
+        released.record(session, n)
+    assert len(released) == 2
+    assert not released.ended("a", 0)
+    assert released.ended("b", 1) and released.ended("c", 2)

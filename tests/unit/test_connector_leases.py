@@ -79,6 +79,16 @@ def test_release_ends_a_lease_once() -> None:
     assert len(leases) == 0 and leases.pinned_blocks == 0
 
 
+def test_a_release_of_an_earlier_life_leaves_a_later_lives_lease() -> None:
+    leases, _ = table()
+    leases.pin("s", [7, 8], epoch=6)
+    assert leases.renew("s", ttl_s=30)
+    assert leases.release("s", epoch=5).blocks == []  # renewed, still life 6's
+    assert leases.release("s", epoch=6).blocks == [8, 7]
+    leases.pin("s", [7], epoch=None)
+    assert leases.release("s", epoch=5).blocks == [7]  # a lease of no known life: ended
+
+
 def test_shared_blocks_count_once_against_the_cap() -> None:
     leases, _ = table(total=10, fraction=0.5)  # cap: 5 blocks
     leases.pin("a", [0, 1, 2, 3])  # a shared head of 3 blocks and one of its own

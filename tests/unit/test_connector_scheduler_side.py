@@ -741,3 +741,61 @@ def test_the_reply_counts_no_token_another_connector_or_a_trim_took() -> None:
     assert finish(pool, side, req, ids)[1] == {"turnkv": {
         "held_blocks": 0, "local_tokens": 0, "received_tokens": 0, "receive_failed": False}}
 
+
+def turn_of(rid: str, tokens: int, **wire: Any) -> Request:
+    """A request carrying these turnkv params as the router writes them."""
+    return raw_request(rid, tokens, {"turnkv": wire})
+
+
+def test_a_request_in_flight_when_its_session_is_released_holds_nothing() -> None:
+    """DELETE reaches the engine while a prefetch (or an aborted push back) of the session
+    still runs: when that request ends, its blocks must not re-create the released lease."""
+    pool, side = setup()
+    free = pool.get_num_free_blocks()
+    prefetch = turn_of("p", 40, session="s", epoch=5, next_turn_in_s=1.0)
+    side.on_new_request(prefetch)
+    side.on_new_request(turn_of("rel", 1, session="s", epoch=5, release=True))
+    finish(pool, side, prefetch, allocate(pool, 3), RequestStatus.FINISHED_ABORTED)
+    assert "s" not in side.holder.leases  # type: ignore[union-attr]
+    assert pool.get_num_free_blocks() == free
+    # The session's next life (a new epoch) holds as ever.
+    turn = turn_of("t", 40, session="s", epoch=6)
+    side.on_new_request(turn)
+    finish(pool, side, turn, allocate(pool, 3))
+    assert "s" in side.holder.leases  # type: ignore[union-attr]
+
+
+def test_a_request_of_a_released_session_arriving_late_holds_and_renews_nothing() -> None:
+    """The release overtook a request of the same session (a push back or a hint between
+    turns still in the API server): the request is older than the release, by its epoch."""
+    pool, side = setup()
+    first = turn_of("t1", 40, session="s", epoch=5)
+    side.on_new_request(first)
+    finish(pool, side, first, allocate(pool, 3))
+    side.on_new_request(turn_of("rel", 1, session="s", epoch=5, release=True))
+    assert "s" not in side.holder.leases  # type: ignore[union-attr]
+    free = pool.get_num_free_blocks()
+    push_back = turn_of("pb", 40, session="s", epoch=5)
+    side.on_new_request(push_back)
+    finish(pool, side, push_back, allocate(pool, 3))
+    assert "s" not in side.holder.leases  # type: ignore[union-attr]
+    assert pool.get_num_free_blocks() == free
+    assert side.take_stats()["holds_stale"] == 1
+
+
+def test_a_stale_release_leaves_the_sessions_next_life_alone() -> None:
+    """A release of the session's previous life that reaches the engine after the next life's
+    first turn has ended must not end that turn's lease."""
+    pool, side = setup()
+    turn = turn_of("t", 40, session="s", epoch=6)
+    side.on_new_request(turn)
+    finish(pool, side, turn, allocate(pool, 3))
+    side.on_new_request(turn_of("rel", 1, session="s", epoch=5, release=True))
+    assert "s" in side.holder.leases  # type: ignore[union-attr]
+    # Nor does a hint of the earlier life renew it.
+    lease = side.holder.leases.get("s")  # type: ignore[union-attr]
+    side.on_new_request(turn_of("h", 1, session="s", epoch=5, renew_only=True, ttl_s=1.0))
+    assert side.holder.leases.get("s") == lease  # type: ignore[union-attr]
+    assert side.take_stats()["holds_stale"] == 1
+    side.on_new_request(turn_of("rel2", 1, session="s", epoch=6, release=True))
+    assert "s" not in side.holder.leases  # type: ignore[union-attr]

@@ -46,6 +46,15 @@ def test_a_renew_only_request_round_trips_and_is_left_out_when_unset() -> None:
     assert parse({"turnkv": {"session": "s"}}) == TurnParams(session="s")
 
 
+def test_the_epoch_round_trips_and_is_left_out_when_unset() -> None:
+    """Which life of the session a request belongs to; 0 is an epoch too."""
+    for epoch in (0, 1_700_000_000_000_000):
+        params = TurnParams(session="s", release=True, epoch=epoch)
+        assert params.to_wire() == {"session": "s", "release": True, "epoch": epoch}
+        assert parse({"turnkv": params.to_wire()}) == params
+    assert "epoch" not in TurnParams(session="s").to_wire()
+
+
 @pytest.mark.parametrize("raw", [
     {"session": "s", "renew_only": "yes"},
     {"session": "s", "renew_only": 1},
@@ -84,6 +93,10 @@ def test_other_connectors_params_are_not_ours() -> None:
     ({"receive": {"transfer_id": "t", "peer": "h:1", "timeout_s": 0}}, "timeout_s"),
     ({"send": {"transfer_id": "a b"}}, "transfer_id"),
     ({"send": []}, "send"),
+    ({"epoch": -1}, "epoch"),
+    ({"epoch": 1.5}, "epoch"),
+    ({"epoch": True}, "epoch"),
+    ({"epoch": "7"}, "epoch"),
 ])
 def test_malformed_params_name_the_field(raw: object, field: str) -> None:
     with pytest.raises(BadParams, match=field):

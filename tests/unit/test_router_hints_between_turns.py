@@ -85,8 +85,10 @@ def test_a_hint_between_turns_renews_the_session_on_both_engines() -> None:
                 [body] = renewals(engine)
                 assert body["prompt"] == [0] and body["max_tokens"] == 1
                 assert body["model"] == "m"
+                # The same life of the session as the turn's (`epoch`).
+                epoch = params(c.decode.requests("/v1/chat/completions")[0].body)["epoch"]
                 assert params(body) == {"session": key, "renew_only": True, "ttl_s": 600.0,
-                                        "priority": 4, "next_turn_in_s": 400}
+                                        "priority": 4, "next_turn_in_s": 400, "epoch": epoch}
             assert renewal_counts(c) == {"sent": 2, "refused": 0, "failed": 0}
             reply = await client.post(f"{c.url}/v1/turnkv/sessions/s/hints",
                                       json={"final": True})

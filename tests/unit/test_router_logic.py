@@ -65,6 +65,21 @@ def test_leases_expire_lazily_and_renew() -> None:
     assert len(table) == 0
 
 
+def test_a_session_opened_again_after_it_ended_is_a_later_life() -> None:
+    """The engines tell a session's lives apart by their epochs: a release ends every life up
+    to its own, so the next life's must be greater (it is the wall clock, in microseconds)."""
+    clock = Clock()
+    table = SessionTable(LeasePolicy(default_ttl=10, max_ttl=60), clock=clock)
+    key = SessionKey("t", "s")
+    first = table.open(key)
+    assert table.open(key).epoch == first.epoch  # the same life
+    table.release(key)
+    released = table.open(key)
+    assert released.epoch > first.epoch
+    clock.now += 11  # expired
+    assert table.open(key).epoch > released.epoch
+
+
 def test_a_session_mid_turn_never_expires_or_is_evicted() -> None:
     clock = Clock()
     table = SessionTable(LeasePolicy(default_ttl=1, max_ttl=1), max_sessions=1, clock=clock)

@@ -86,3 +86,13 @@ def test_an_unreachable_redis_degrades_to_local_sessions(tmp_path: Path) -> None
         await store.close()
 
     asyncio.run(run())
+
+
+def test_a_record_keeps_the_sessions_epoch() -> None:
+    """Every router serving the session tells the engines the same life of it."""
+    key = SessionKey("tenant", "s1")
+    source = session(key)
+    target = Session(key=key, created_at=5.0, last_used=5.0, expires_at=9.0)
+    assert target.epoch != source.epoch
+    apply_record(target, to_record(source))
+    assert target.epoch == source.epoch

@@ -20,6 +20,7 @@ from turnkv_server.router.modes.base import (
     TurnEnd,
     TurnPlan,
 )
+from turnkv_server.router.modes.prefetch import prefetch_lease
 from turnkv_server.router.modes.turnkv import (
     PRESSURE_BACKOFF_S,
     PUSH_BACK,
@@ -29,7 +30,7 @@ from turnkv_server.router.modes.turnkv import (
     new_tokens,
 )
 from turnkv_server.router.placement import Engine, EnginePool
-from turnkv_server.router.sessions import Session, SessionKey
+from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey
 from turnkv_server.router.upstream import Reply, Upstream
 
 PREFILL, DECODE = "http://127.0.0.1:1", "http://127.0.0.1:2"
@@ -356,3 +357,41 @@ def test_a_push_back_that_recomputed_the_history_stops_push_backs_for_a_while() 
     engines.receive_failed = False
     assert keeps_a_send()  # this one landed: the backoff ends
     assert keeps_a_send()
+
+
+def test_every_request_of_a_session_carries_its_epoch_and_its_next_life_a_later_one() -> None:
+    """Engines ignore a hold or renewal older than the session's release: each request says
+    which life of the session it belongs to (its epoch), the release too, and a session
+    opened again after its release is a later life."""
+    ctx = context()
+    recorder = Recorder()
+    ctx.upstream = recorder
+    mode = make_mode("turnkv", ctx)
+    placement = ctx.pool.place(prefill=None, decode=None, prefix_id=None)  # type: ignore[union-attr]
+    t = turn(CacheHints(ttl=60, next_turn_in=8.5))
+    session = t.session
+    assert session is not None
+
+    async def scenario() -> TurnPlan:
+        plan = await mode.plan(t, placement)
+        t.prompt_token_ids, t.output_token_ids = [7, 8, 9], [1, 2]
+        mode.finish(t, plan, TurnEnd("complete", None, None))
+        await session.mode_state[PUSH_BACK]
+        session.prefill, session.decode = placement.prefill.name, placement.decode.name
+        mode.hinted(session, CacheHints(next_turn_in=30))
+        mode.drop_session(session)
+        for _ in range(20):  # the renewals and releases, spawned
+            await asyncio.sleep(0)
+        return plan
+
+    plan = asyncio.run(scenario())
+    sent = [parse(plan.prefill_params), parse(plan.decode_params),
+            *(parse(body["kv_transfer_params"]) for _, _, body in recorder.posted)]
+    kinds = {(p.renew_only, p.release, p.receive is not None) for p in sent if p is not None}
+    assert kinds == {(False, False, False), (False, False, True), (True, False, False),
+                     (False, True, False)}  # turn, push back, renewals, releases
+    assert {p.epoch for p in sent if p is not None} == {session.epoch}
+    prefetch = parse(prefetch_lease(session, CacheHints(next_turn_in=8), LeasePolicy()))
+    assert prefetch is not None and prefetch.epoch == session.epoch
+    again = turn().session
+    assert again is not None and again.epoch > session.epoch

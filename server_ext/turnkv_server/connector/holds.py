@@ -11,8 +11,10 @@ held blocks as used and cannot give them back itself. A prefix-cache reset fails
 block is in use, so `release_leases_before_reset` makes the pool's own reset release every
 lease first.
 
-Quarantined blocks cannot be handed back early (a late write would land in whatever KV used
-them next), so their share of the cache is bounded the safe way: while they are over
+Two bounds keep what the holder keeps from going stale or eating the cache. A session's
+released lives (`session_epochs`) hold and renew nothing: `current` says whether a request's
+life still may. Quarantined blocks cannot be handed back early (a late write would land in
+whatever KV used them next), so their share is bounded the safe way: while they are over
 `max_quarantined` blocks, no new receive starts (`quarantine_full`; the scheduler side
 declines it and the request computes its prompt itself).
 """
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from turnkv_server.connector.leases import LeaseTable, Released
+from turnkv_server.connector.session_epochs import ReleasedSessions
 
 
 class Block(Protocol):
@@ -58,6 +61,8 @@ class BlockHolder:
         self.pool = pool
         self.leases = leases
         self.freed_total = 0
+        # The session lives released here: the operator's longest lease outlives any request.
+        self.released = ReleasedSessions(leases.now, leases.policy.max_ttl_s)
         self.max_quarantined = max_quarantined
         # Blocks of given-up receives that a late write may still land in, by request: no
         # request may use them until the transport says none can (`receiving`). The worker says
@@ -103,8 +108,18 @@ class BlockHolder:
     def next_wake(self) -> float:
         return min(self.leases.next_expiry(), self._poll_at)
 
+    def current(self, session_id: str, epoch: int | None) -> bool:
+        """Whether a request of the session's life `epoch` may hold or renew its lease: its life
+        has not been released, and the lease is not a later life's. No epoch: yes."""
+        if epoch is None:
+            return True
+        lease = self.leases.get(session_id)
+        return not (self.released.ended(session_id, epoch)
+                    or (lease is not None and lease.epoch is not None and lease.epoch > epoch))
+
     def hold(self, session_id: str, block_ids: Sequence[int], *, ttl_s: float | None = None,
-             priority: int = 0, next_turn_in_s: float | None = None) -> int:
+             priority: int = 0, next_turn_in_s: float | None = None,
+             epoch: int | None = None) -> int:
         """Keep a finished turn's blocks for its session (expected back in `next_turn_in_s`,
         when its client said); returns how many it now holds.
 
@@ -114,13 +129,16 @@ class BlockHolder:
         ids = [i for i in block_ids if not self.pool.blocks[i].is_null]
         self.pool.touch([self.pool.blocks[i] for i in ids])
         self._free(self.leases.pin(session_id, ids, ttl_s=ttl_s, priority=priority,
-                                   next_turn_in_s=next_turn_in_s))
+                                   next_turn_in_s=next_turn_in_s, epoch=epoch))
         lease = self.leases.get(session_id)
         return len(lease.blocks) if lease else 0
 
-    def release(self, session_id: str, reason: str = "release") -> int:
-        """End a session's hold (`final`, DELETE); returns the references freed."""
-        return self._free(self.leases.release(session_id, reason))
+    def release(self, session_id: str, reason: str = "release", epoch: int | None = None) -> int:
+        """End a session's hold (`final`, DELETE) and, with its `epoch`, every request of that
+        life or an earlier one (`current`); returns the references freed."""
+        if epoch is not None:
+            self.released.record(session_id, epoch)
+        return self._free(self.leases.release(session_id, reason, epoch))
 
     def release_all(self, reason: str = "reset") -> int:
         """End every hold (the prefix cache is being reset); returns the references freed."""

@@ -89,8 +89,9 @@ def _back_at(now: float, next_turn_in_s: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class Lease:
-    """One session's hold: its blocks in prompt order, its priority, its deadline and, when
-    its client hinted it, when the session is expected back."""
+    """One session's hold: its blocks in prompt order, its priority, its deadline, when its
+    client hinted it, when the session is expected back, and which life of the session
+    (`epoch`, the router's) the request that pinned it belonged to."""
 
     session_id: str
     blocks: tuple[int, ...]
@@ -98,6 +99,7 @@ class Lease:
     expires_at: float
     last_used: float
     expected_back: float | None = None
+    epoch: int | None = None
 
     @property
     def back_by(self) -> float:
@@ -161,7 +163,8 @@ class LeaseTable:
         return len(self._refs)
 
     def pin(self, session_id: str, blocks: Sequence[int], *, ttl_s: float | None = None,
-            priority: int = 0, next_turn_in_s: float | None = None) -> Released:
+            priority: int = 0, next_turn_in_s: float | None = None,
+            epoch: int | None = None) -> Released:
         """Hold `blocks` for the session (its turn just ended), replacing its previous lease;
         `next_turn_in_s`: the client's hint of when its next turn comes.
 
@@ -173,7 +176,7 @@ class LeaseTable:
         expires_at, back = now + self.policy.ttl(ttl_s), _back_at(now, next_turn_in_s)
         previous = self._drop(session_id)
         ended = [previous] if previous else []
-        lease = Lease(session_id, tuple(blocks), priority, expires_at, now, back)
+        lease = Lease(session_id, tuple(blocks), priority, expires_at, now, back, epoch)
         if len(set(lease.blocks)) > self.cap_blocks:
             self.released_total["over_cap"] += 1
             ended.append(lease)
@@ -199,13 +202,16 @@ class LeaseTable:
         expires_at, back = now + self.policy.ttl(ttl_s), _back_at(now, next_turn_in_s)
         self._index(Lease(session_id, lease.blocks,
                           lease.priority if priority is None else priority,
-                          expires_at, now, back))
+                          expires_at, now, back, lease.epoch))
         return True
 
-    def release(self, session_id: str, reason: str = "release") -> Released:
-        """End a session's lease (`final`, DELETE): its blocks to free, if it had one."""
+    def release(self, session_id: str, reason: str = "release",
+                epoch: int | None = None) -> Released:
+        """End a session's lease (`final`, DELETE): its blocks to free, if it had one. A
+        release of the session's life `epoch` leaves a later life's lease alone."""
         lease = self._leases.get(session_id)
-        if lease is None:
+        if lease is None or (epoch is not None and lease.epoch is not None
+                             and lease.epoch > epoch):
             return Released((), reason)
         return Released((self._end(lease, reason),), reason)
 

@@ -23,7 +23,7 @@ block pool); it owns the block pool's extra references (`holds`) and decides, pe
   computes them, if the receiver has registered already (`StreamOrder`);
 - lease: when the request ends its blocks are held for its session by reference, which costs
   the engine no steps; the next turn's prompt hits them as ordinary prefix-cache blocks
-  (`session_leases`: renewals and releases).
+  (`session_leases`: renewals, releases, and requests of a session's ended life).
 
 Held blocks are invisible to vLLM's admission, so `room` gives leases back: before a waiting
 request is matched, after each step (a free block per running request), when a running

@@ -3,15 +3,18 @@
 The session is the router's tenant-scoped key (`TurnParams.session`), never vLLM's own
 `session_id`. When the request arrives (`arrived`):
 
-- ``release`` (`final`, DELETE): the lease ends;
+- ``release`` (`final`, DELETE): the lease ends, and with the request's epoch so does every
+  request of that life of the session (`holds.BlockHolder.current`);
 - ``renew_only`` (a hint sent between turns): the lease takes the request's TTL, priority and
   expected return, counted from now; the request's own blocks are not held;
 - otherwise the session is back: its lease is renewed (a hit) so that it survives until the
   request ends, or it has none (a miss).
 
 When the request ends (`ended`) its blocks become the session's lease, unless it released or
-only renewed. Holding an aborted request's blocks is safe: vLLM hashes only full blocks of
-computed tokens, so the next turn can hit only KV of its own tokens.
+only renewed, or it belongs to a life of the session that has ended since (or to an earlier
+life than the lease's): such a request holds nothing (`holds_stale`), nor does it renew on
+arrival. Holding an aborted request's blocks is safe: vLLM hashes only full blocks of computed
+tokens, so the next turn can hit only KV of its own tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ class SessionLeases:
         if session is None:
             return
         if params.release:
-            holder.release(session)
+            holder.release(session, epoch=params.epoch)
+        elif not holder.current(session, params.epoch):
+            if params.renew_only:  # (any other request is counted when it ends)
+                self._count("holds_stale", 1)
         elif params.renew_only:
             renewed = holder.leases.renew(session, ttl_s=params.ttl_s, priority=params.priority,
                                           next_turn_in_s=params.next_turn_in_s)
@@ -50,7 +56,11 @@ class SessionLeases:
         session = params.session
         if session is None or params.release or params.renew_only or not block_ids:
             return 0
+        if not self.holder.current(session, params.epoch):
+            self._count("holds_stale", 1)
+            return 0
         held = self.holder.hold(session, block_ids, ttl_s=params.ttl_s,
-                                priority=params.priority, next_turn_in_s=params.next_turn_in_s)
+                                priority=params.priority, next_turn_in_s=params.next_turn_in_s,
+                                epoch=params.epoch)
         self._count("blocks_held", held)
         return held

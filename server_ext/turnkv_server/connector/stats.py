@@ -49,6 +49,7 @@ COUNTERS = (
     "tokens_requested", "transfers_declined", "receives_declined_quarantine",
     "lease_hits", "lease_misses", "blocks_held", "leases_renewed", "renewals_missed",
     "leases_released", "leases_expired", "leases_over_cap", "leases_pressure", "leases_stuck",
+    "holds_stale",
 )
 GAUGES = ("pinned_blocks", "leases", "quarantined_blocks")
 # Why a lease ended (the lease table's `released_total` keys) -> the counter it adds to.
@@ -94,6 +95,8 @@ HELP = {
     "leases_pressure": "Leases ended to make room for a request",
     "leases_stuck": "Leases ended after a step scheduled nothing while a request that could "
                     "run lacked blocks",
+    "holds_stale": "Holds and renewals ignored: their request belonged to a life of its "
+                   "session that had been released (or to one before its lease's)",
     "pinned_blocks": "Distinct KV blocks held under leases",
     "leases": "Live session leases",
     "quarantined_blocks": "Blocks of given-up receives held until no late write can land",

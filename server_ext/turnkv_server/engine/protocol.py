@@ -26,7 +26,12 @@ One request may carry (`TurnParams`):
   prefill has no receiver before it ends, so streaming it would be wasted work);
 - ``abandon``: transfer IDs of this engine's sends to give up now: the router knows their
   receiver will never register (the push back is not coming), so their blocks go back at once
-  instead of after the send timeout.
+  instead of after the send timeout;
+- ``epoch``: which life of ``session`` the request belongs to (a number that grows each time
+  the router opens the session again after it ended). A ``release`` ends every life up to its
+  epoch: a request of such a life that ends later (a prefetch or push back in flight at the
+  DELETE, or one the release overtook) holds nothing and renews nothing, and a release of an
+  earlier life leaves a later life's lease alone. Without an epoch, none of this is checked.
 
 The engine answers (`TurnReply`) with the blocks it now holds for the session and where the
 prompt's tokens came from: its own prefix hit, written by the peer, or (what is left) computed.
@@ -75,6 +80,7 @@ class TurnParams:
     abandon: tuple[str, ...] = ()
     next_turn_in_s: float | None = None
     renew_only: bool = False
+    epoch: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The dict to put under ``kv_transfer_params["turnkv"]``; unset fields left out."""
@@ -82,6 +88,8 @@ class TurnParams:
         if self.next_turn_in_s is not None:
             # 0.0 == False: the filter above drops "back at once", which is a hint.
             wire["next_turn_in_s"] = self.next_turn_in_s
+        if self.epoch is not None:
+            wire["epoch"] = self.epoch  # (0 == False: dropped above)
         if self.priority == 0:
             wire.pop("priority", None)
         if self.send is not None and not self.send.stream:
@@ -117,6 +125,10 @@ def parse(kv_transfer_params: dict[str, Any] | None) -> TurnParams | None:
         raise BadParams(f"{KEY}.release must be true or false")
     if not isinstance(renew_only, bool):
         raise BadParams(f"{KEY}.renew_only must be true or false")
+    epoch = raw.get("epoch")
+    if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)
+                              or not 0 <= epoch < 2**63):
+        raise BadParams(f"{KEY}.epoch must be a non-negative integer")
     receive, send = _receive(raw.get("receive")), _send(raw.get("send"))
     if renew_only and (session is None or release or receive or send):
         raise BadParams(f"{KEY}.renew_only needs a session, and no release, receive or send")
@@ -124,7 +136,7 @@ def parse(kv_transfer_params: dict[str, Any] | None) -> TurnParams | None:
                       priority=priority, release=release, receive=receive, send=send,
                       abandon=_abandon(raw.get("abandon", ())),
                       next_turn_in_s=None if next_turn_in is None else float(next_turn_in),
-                      renew_only=renew_only)
+                      renew_only=renew_only, epoch=epoch)
 
 
 def _receive(raw: Any) -> Receive | None:

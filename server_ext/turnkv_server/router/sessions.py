@@ -10,6 +10,11 @@ engines computed them). Reused KV is only correct for the positions where a new 
 are exactly those tokens: an edited or stripped history, compacted context or assistant text
 that re-tokenises differently breaks the match, and reuse must stop there (`prefix_break`).
 
+Each life of a session (opened again after it ended, it is a later one) has an epoch that its
+requests carry: engines ignore the holds and renewals of a released life (`engine.protocol`).
+It is the wall clock when the life began (`new_epoch`), so it grows across router restarts and
+routers sharing a store, as far as their clocks agree (docs/protocol.md says what a skew costs).
+
 With a shared store (`session_store`), the service reads a session's record before its turn is
 routed and writes it when the turn ends. A record holds what another router needs to serve the
 next turn as this one would: the pair, the history, totals, and the JSON-safe part of the
@@ -27,6 +32,15 @@ from typing import Any
 from turnkv.protocol import CacheHints, TurnStats, TurnTag
 from turnkv_server.router.placement import Placement
 from turnkv_server.router.session_store import RedisStore, StoreUnavailable
+
+_last_epoch = 0
+
+
+def new_epoch() -> int:
+    """A new life's epoch: microseconds of wall-clock time, strictly increasing here."""
+    global _last_epoch
+    _last_epoch = max(_last_epoch + 1, time.time_ns() // 1000)
+    return _last_epoch
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -104,6 +118,7 @@ class Session:
     # A new session's decode engine while its first turn is in flight (placement counts it
     # as home there: sessions that start together would otherwise all look homeless).
     placed: str | None = None
+    epoch: int = field(default_factory=new_epoch)  # which life of the session this is
 
 
 @dataclass(frozen=True)
@@ -222,6 +237,7 @@ def to_record(session: Session) -> dict[str, Any]:
         "totals": vars(session.totals),
         "last_stats": session.last_stats,
         "mode_state": {k: v for k, v in session.mode_state.items() if _json_safe(v)},
+        "epoch": session.epoch,
     }
 
 
@@ -234,6 +250,9 @@ def apply_record(session: Session, record: dict[str, Any]) -> None:
     session.priority = int(record.get("priority") or 0)
     session.tokens = [int(t) for t in record.get("tokens") or []]
     session.turns = int(record.get("turns") or 0)
+    epoch = record.get("epoch")
+    if isinstance(epoch, int) and not isinstance(epoch, bool):
+        session.epoch = epoch
     totals = record.get("totals") or {}
     session.totals = SessionTotals(**{k: int(v) for k, v in totals.items()
                                       if k in SessionTotals.__dataclass_fields__})

@@ -79,7 +79,7 @@ class Affinity(Mode):
         self._prefetches.cancel(session.key)
         engine = self._engine_of(session)
         if engine is not None:
-            release = TurnParams(session=lease_key(session), release=True)
+            release = TurnParams(session=lease_key(session), release=True, epoch=session.epoch)
             self._orders.spawn(self._orders.tell(session.mode_state.get(MODEL),
                                                  [(engine, release)]))
 
@@ -87,7 +87,7 @@ class Affinity(Mode):
         engine, model = self._engine_of(session), session.mode_state.get(MODEL)
         if engine is None or model is None or hints.final or session.in_flight:
             return
-        params = TurnParams(session=lease_key(session), renew_only=True,
+        params = TurnParams(session=lease_key(session), renew_only=True, epoch=session.epoch,
                             ttl_s=self.ctx.session_policy.engine_ttl(hints),
                             priority=session.priority, next_turn_in_s=hints.next_turn_in)
         self._orders.spawn(self._orders.renew(engine, model, params, None))

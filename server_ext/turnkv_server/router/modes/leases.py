@@ -1,5 +1,6 @@
 """What an engine's turnkv connector is told about a session's lease, per request: the
-engines' name for the session and the turn's hints (TTL, priority, expected return, `final`).
+engines' name for the session, which life of it (its epoch: engines ignore requests of a
+released life) and the turn's hints (TTL, priority, expected return, `final`).
 Shared by the modes whose engines run the connector: `turnkv` (P/D pairs) and `affinity` with
 `--engine-leases` (aggregated engines)."""
 
@@ -37,5 +38,6 @@ def lease_params(turn: Turn, policy: LeasePolicy, send: Send | None = None,
         params = TurnParams(session=lease_key(session), ttl_s=policy.engine_ttl(hints),
                             priority=hints.priority or 0, release=hints.final,
                             receive=receive, send=send,
-                            next_turn_in_s=None if hints.final else hints.next_turn_in)
+                            next_turn_in_s=None if hints.final else hints.next_turn_in,
+                            epoch=session.epoch)
     return {KEY: params.to_wire()}

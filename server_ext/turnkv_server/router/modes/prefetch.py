@@ -50,7 +50,7 @@ def prefetch_lease(session: Session, hints: CacheHints, policy: LeasePolicy) -> 
     """A prefetch's `kv_transfer_params`: the session's lease, with the session expected back
     `LEAD_S` after the prefetch (when it is sent)."""
     params = TurnParams(session=lease_key(session), ttl_s=policy.engine_ttl(hints),
-                        priority=session.priority, next_turn_in_s=LEAD_S)
+                        priority=session.priority, next_turn_in_s=LEAD_S, epoch=session.epoch)
     return {KEY: params.to_wire()}
 
 

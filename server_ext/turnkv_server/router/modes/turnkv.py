@@ -282,7 +282,7 @@ class Turnkv(Mode):
         pool = self.ctx.pool
         if pool is None or model is None:
             return
-        release = TurnParams(session=lease_key(session), release=True)
+        release = TurnParams(session=lease_key(session), release=True, epoch=session.epoch)
         orders = [(engine, release) for engine in pool.engines()
                   if engine.name in (session.prefill, session.decode) and engine.healthy]
         self._orders.spawn(self._orders.tell(model, orders))
@@ -296,7 +296,7 @@ class Turnkv(Mode):
         model, pool = session.mode_state.get(MODEL), self.ctx.pool
         if hints.final or session.in_flight or model is None or pool is None:
             return
-        params = TurnParams(session=lease_key(session), renew_only=True,
+        params = TurnParams(session=lease_key(session), renew_only=True, epoch=session.epoch,
                             ttl_s=self.ctx.session_policy.engine_ttl(hints),
                             priority=session.priority, next_turn_in_s=hints.next_turn_in)
         push_back = session.mode_state.get(PUSH_BACK)
