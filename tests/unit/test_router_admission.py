@@ -9,23 +9,20 @@ they rely on). Then turns through the router, under uvicorn in front of the stan
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.unit.test_router_affinity import StandIn, affinity_router, stats_of, turn
 from turnkv.protocol import PromptTokens, TurnStats, TurnTag, TurnTimes
-from turnkv_server.router.admission import (
-    Admission,
-    ClientGone,
-    ClientLeft,
-    fits,
-    held_tokens,
-    is_cold,
-)
+from turnkv_server.router.admission import Admission, ClientGone, ClientLeft, fits, is_cold
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.placement import EnginePool
+from turnkv_server.router.session_counts import held_tokens
 from turnkv_server.router.sessions import Session, SessionKey, SessionService, SessionTable
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tags import DEFAULT_TENANT
@@ -34,14 +31,14 @@ from turnkv_server.router.tags import DEFAULT_TENANT
 
 
 def test_a_newcomer_fits_while_the_live_histories_and_its_estimate_do() -> None:
+    # (held tokens, sessions holding any, newcomers admitted, budget)
     # Nothing held: nothing to estimate from, nor to protect.
-    assert fits([], 0, 1) and fits([0, 0], 3, 1)
-    # Two live sessions of 300: a newcomer is expected to grow to 300 too.
-    assert fits([300, 300], 0, 900) and not fits([300, 300], 0, 899)
-    # Sessions that hold nothing leave the mean alone.
-    assert fits([200, 400, 0], 0, 900) and not fits([200, 400, 0], 0, 899)
+    assert fits(0, 0, 0, 1) and fits(0, 0, 3, 1)
+    # Two live sessions of 300: a newcomer is expected to grow to 300 too. (Sessions that
+    # hold nothing are not counted as holding: they leave the mean alone.)
+    assert fits(600, 2, 0, 900) and not fits(600, 2, 0, 899)
     # A newcomer already admitted, its first turn under way, will hold its share as well.
-    assert not fits([300, 300], 1, 1199) and fits([300, 300], 1, 1200)
+    assert not fits(600, 2, 1, 1199) and fits(600, 2, 1, 1200)
 
 
 def test_what_a_session_holds_and_when_it_is_cold() -> None:
@@ -293,5 +290,128 @@ def test_a_client_that_leaves_while_queued_leaves_no_turn_behind() -> None:
             await client.delete(f"{url}/v1/turnkv/sessions/a")
             await asyncio.sleep(0.1)
             assert len(engine.seen) == 1  # never served, even once there was room
+
+    asyncio.run(main())
+
+
+# -- the running totals ----------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def recount(table: SessionTable) -> tuple[int, int, int, dict[str, int]]:
+    """The totals, summed afresh over the table."""
+    sessions = list(table)
+    held = [held_tokens(s) for s in sessions]
+    homes = Counter(h for s in sessions if (h := s.decode or s.placed))
+    return (sum(held), sum(1 for t in held if t), sum(
+        1 for s, t in zip(sessions, held, strict=True) if not t and s.in_flight and not s.queued),
+        dict(homes))
+
+
+def totals(table: SessionTable) -> tuple[int, int, int, dict[str, int]]:
+    counts = table.counts
+    return counts.tokens, counts.holding, counts.starting, dict(counts.homes)
+
+
+OPERATIONS = st.lists(st.tuples(
+    st.sampled_from(["begin", "remember", "final", "end", "fail", "release", "expire", "look",
+                     "affinity", "queue", "admit", "place", "record", "sync_gone"]),
+    st.integers(0, 6),  # which session
+    st.integers(0, 700)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPERATIONS)
+def test_the_running_totals_equal_a_recount_after_any_operations(
+        operations: list[tuple[str, int, int]]) -> None:
+    """Sessions opened, served (a token history, or affinity's stats only), ended, failed,
+    released, expired (in the sweep or on the way), evicted from the full table, queued and
+    admitted, placed, and rewritten from another router's record: after each, the totals
+    admission and placement read equal the table summed afresh."""
+    from turnkv_server.router.sessions import apply_record
+
+    clock = Clock()
+    table = SessionTable(max_sessions=4, clock=clock)
+    service = SessionService(table, None, on_end=lambda _: None)
+    placement = EnginePool.from_urls(["http://p"], ["http://d0", "http://d1"]).round_robin()
+
+    async def run() -> None:
+        opened: dict[int, bool] = {}
+        for op, n, value in operations:
+            key = SessionKey("t", f"s{n}")
+            session = table.get(key)
+            if op == "begin":
+                _, opened[n] = await service.begin_turn(key)
+            elif session is None or op == "look":
+                pass  # (`get` above may have dropped it, expired)
+            elif op in ("remember", "final"):
+                tag = TurnTag(session_id=key.session_id, turn=session.turns + 1,
+                              hints={"final": op == "final", "ttl": 1 + value % 60})
+                await service.remember(session, tag, placement,
+                                       TurnStats(mode="standard", turn=session.turns + 1),
+                                       list(range(value)))
+            elif op in ("end", "fail"):
+                await service.end_turn(session, opened.get(n, False), failed=op == "fail")
+            elif op == "release":
+                await service.release(session)
+            elif op == "expire":
+                clock.now += value / 10
+                await service.expire()
+            elif op == "affinity":  # no token history: the last turn's stats say what it holds
+                session.tokens = []
+                session.last_stats = TurnStats(mode="affinity", turn=1, completion_tokens=2,
+                                               prompt_tokens=PromptTokens(total=value)
+                                               ).model_dump()
+            elif op == "queue":
+                session.queued += 1
+            elif op == "admit" and session.queued:
+                session.queued -= 1
+            elif op == "place":
+                session.placed = f"decode-{value % 2}"
+            elif op == "record":
+                apply_record(session, {"decode": f"decode-{value % 3}",
+                                       "tokens": list(range(value)), "last_stats": None})
+            elif op == "sync_gone":
+                table.release(key)
+            assert totals(table) == recount(table)
+
+    asyncio.run(run())
+
+
+def test_rechecking_the_queue_costs_the_same_however_many_sessions_live() -> None:
+    """Admission reads running totals: a re-check visits no session, with ten live or a
+    thousand (it summed the whole table on every change)."""
+
+    async def visits(live_sessions: int) -> int:
+        admission, service, _ = queue(budget=1)
+        for i in range(live_sessions):
+            live(service, f"live-{i}", 300)
+        _, waiting = await arrive(service, admission, "new")  # over budget: it waits
+        visited = 0
+        iterate = SessionTable.__iter__
+
+        def counting(table: SessionTable) -> Iterator[Session]:
+            nonlocal visited
+            for session in iterate(table):
+                visited += 1
+                yield session
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(SessionTable, "__iter__", counting)
+            for _ in range(10):
+                admission.recheck()
+        assert not waiting.done()
+        waiting.cancel()
+        return visited
+
+    async def main() -> None:
+        assert [await visits(10), await visits(1000)] == [0, 0]
 
     asyncio.run(main())

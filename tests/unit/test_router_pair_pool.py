@@ -4,17 +4,25 @@ engine of its pair, chosen by how many sessions each is home to, kept by the pla
 from __future__ import annotations
 
 import asyncio
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from turnkv.protocol import CacheHints, TurnTag
 from turnkv_server.bench.plan import BenchSettings, cluster_config
 from turnkv_server.engine.protocol import parse
+from turnkv_server.router.app import Router
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import DecodeAlone, ModeContext, Turn, TurnEnd
-from turnkv_server.router.placement import Engine, EnginePool
+from turnkv_server.router.modes.pair_pool import PairPool
+from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import Session, SessionKey
+from turnkv_server.router.tags import DEFAULT_TENANT
 from turnkv_server.router.upstream import Upstream
 
 
@@ -141,3 +149,119 @@ def test_the_pool_is_a_turnkv_router_option_and_a_benchmark_mode(tmp_path: objec
     assert config.tier_host_blocks == 64
     assert "--pair-pool" not in cluster_config("turnkv-tier", BenchSettings(),
                                                tmp_path).router_args  # type: ignore[arg-type]
+
+
+# -- homes, counted --------------------------------------------------------------------------
+
+
+class CountingHomes(OrderedDict[SessionKey, str]):
+    """The pool's homes, counting how many of them anything walks."""
+
+    walked = 0
+
+    def values(self) -> Any:
+        self.walked += len(self)
+        return super().values()
+
+    def items(self) -> Any:
+        self.walked += len(self)
+        return super().items()
+
+    def __iter__(self) -> Iterator[SessionKey]:
+        self.walked += len(self)
+        return super().__iter__()
+
+
+def pair_pool(ctx: ModeContext) -> PairPool:
+    pool = make_mode("turnkv", ctx)._pool  # type: ignore[attr-defined]
+    assert isinstance(pool, PairPool)
+    return pool
+
+
+def test_placing_a_new_session_reads_no_other_sessions_home() -> None:
+    """Each engine's count of homes is kept as sessions are placed, move and end: a new
+    session's placement costs the same with ten homes as with a thousand."""
+    ctx = context(Tokenizer([1]))
+    engines = ctx.pool
+    assert engines is not None
+    walked = []
+    for count in (10, 1000):
+        pool = pair_pool(ctx)
+        pool._homes = CountingHomes()  # type: ignore[assignment]
+        for i in range(count):
+            pool.home(turn(f"s{i}").session,  # type: ignore[arg-type]
+                      engines.place(prefill=None, decode=None, prefix_id=None))
+        pool._homes.walked = 0  # type: ignore[attr-defined]
+        pool.home(turn("new").session,  # type: ignore[arg-type]
+                  engines.place(prefill=None, decode=None, prefix_id=None))
+        walked.append(pool._homes.walked)  # type: ignore[attr-defined]
+    assert walked == [0, 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "kept", "down", "end"]),
+                          st.integers(0, 5)), max_size=60))
+def test_each_engines_count_of_homes_equals_a_recount(ops: list[tuple[str, int]]) -> None:
+    ctx = context(Tokenizer([1]))
+    engines = ctx.pool
+    assert engines is not None
+    pool = pair_pool(ctx)
+    prefill, decode = engines.prefill[0], engines.decode[0]
+    pair = Placement(prefill, decode, "least_loaded")
+    for op, n in ops:
+        session = Session(SessionKey("t", f"s{n}"), 0.0, 0.0, 1e9)
+        prefill.healthy = decode.healthy = True
+        if op == "new":
+            pool.home(session, pair)
+        elif op == "kept":  # the placement names a home in both places
+            home = decode if n % 2 else prefill
+            pool.home(session, Placement(home, home, "affinity"))
+        elif op == "down":  # one engine down: the session moves to the other
+            (prefill if n % 2 else decode).healthy = False
+            pool.home(session, pair)
+        else:
+            pool.forget(session.key)
+        recount = Counter(pool._homes.values())
+        assert {e.name: pool.homed(e.name) for e in (prefill, decode)} == {
+            e.name: recount[e.name] for e in (prefill, decode)}
+
+
+def test_a_session_evicted_from_the_routers_table_is_nobodys_home() -> None:
+    """The router's session table is bounded: a session it evicts (or that expires on the way)
+    leaves no home behind in the pool, nor does one that ends."""
+    config = RouterConfig(mode="turnkv", prefill=["http://127.0.0.1:1"],
+                          decode=["http://127.0.0.1:2"], pair_pool=True, max_sessions=2,
+                          prefill_nixl=["p@127.0.0.1:5601"], decode_nixl=["d@127.0.0.1:5602"])
+    router = Router(config)
+    pool = router.mode._pool  # type: ignore[attr-defined]
+    assert isinstance(pool, PairPool)
+
+    async def serve(name: str) -> Session:
+        """A turn of session `name`, planned and ended as the pipeline does."""
+        session, opened = await router.sessions.begin_turn(SessionKey(DEFAULT_TENANT, name))
+        t = turn(name)
+        t.session = session
+        await router.mode.plan(t, router.turns._place(t))
+        await router.sessions.end_turn(session, opened, failed=False)
+        session.turns = 1  # served: a table entry worth keeping
+        return session
+
+    async def scenario() -> None:
+        a = await serve("a")
+        await serve("b")
+        assert len(pool._homes) == 2
+        await serve("c")  # the table is full: a, the least recently used, is evicted
+        assert router.sessions.table.get(a.key) is None and router.sessions.table.evicted_total
+        assert a.key not in pool._homes and len(pool._homes) == 2
+        assert sum(pool.homed(e.name) for e in router.pool.engines()) == 2
+        c = router.sessions.table.get(SessionKey(DEFAULT_TENANT, "c"))
+        assert c is not None
+        c.expires_at = 0.0  # expired: the next look drops it on the way
+        assert router.sessions.table.get(c.key) is None
+        assert c.key not in pool._homes and len(pool._homes) == 1
+        b = router.sessions.table.get(SessionKey(DEFAULT_TENANT, "b"))
+        assert b is not None
+        await router.sessions.release(b)
+        assert len(pool._homes) == 0 and not any(pool.homed(e.name) for e in router.pool.engines())
+
+    asyncio.run(scenario())

@@ -9,10 +9,11 @@ end.
 
 Only a cold session's turn ever waits: one whose session has served no turn (new, expired, or
 its first turn not through yet). A warm session's history is what admission protects, and a
-sessionless turn keeps nothing once it ends. Whether a newcomer fits is a pure rule (`fits`).
-Waiters go first come, first served, re-checked whenever the histories change (a session
-ended, a turn remembered: `SessionService`'s `on_change`), and go anyway after
-`--admission-max-wait-s`: a thrash is better than a turn that never runs.
+sessionless turn keeps nothing once it ends. Whether a newcomer fits is a pure rule (`fits`)
+over the table's running totals (`session_counts`), so a re-check costs the same however many
+sessions are live. Waiters go first come, first served, re-checked whenever the histories
+change (a session ended, a turn remembered: `SessionService`'s `on_change`), and go anyway
+after `--admission-max-wait-s`: a thrash is better than a turn that never runs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from turnkv_server.router.sessions import Session, SessionTable
@@ -34,35 +35,23 @@ class ClientLeft(Exception):
     """The client left while its turn was queued: the turn is over, unserved."""
 
 
-def held_tokens(session: Session) -> int:
-    """The history the engines hold for a session: its token IDs, or, where the mode keeps
-    none (affinity does not tokenize), its last turn's prompt and output, which add up to it."""
-    if session.tokens:
-        return len(session.tokens)
-    last = session.last_stats or {}
-    return int((last.get("prompt_tokens") or {}).get("total") or 0) \
-        + int(last.get("completion_tokens") or 0)
-
-
 def is_cold(session: Session) -> bool:
     """No turn of the session has been served. (Not `turns == 0`: that is the last turn's
     index, which a client may start at 0.)"""
     return session.last_stats is None
 
 
-def fits(histories: Iterable[int], starting: int, budget: int) -> bool:
+def fits(held: int, holding: int, starting: int, budget: int) -> bool:
     """Whether one more new session fits in `budget` tokens of history.
 
-    `histories`: what each live session holds. `starting`: new sessions already admitted whose
-    first turn has not ended; they hold nothing yet, but will. Each newcomer is expected to
-    grow to the mean history of the live sessions that hold any. With none there is nothing to
-    estimate from, nor to protect: it fits.
+    `held`: the history the live sessions hold together; `holding`: how many hold any.
+    `starting`: new sessions already admitted whose first turn has not ended; they hold nothing
+    yet, but will. Each newcomer is expected to grow to the mean history of the live sessions
+    that hold any. With none there is nothing to estimate from, nor to protect: it fits.
     """
-    holding = [tokens for tokens in histories if tokens > 0]
     if not holding:
         return True
-    mean = sum(holding) / len(holding)
-    return sum(holding) + (starting + 1) * mean <= budget
+    return held + (starting + 1) * held / holding <= budget
 
 
 @dataclass(eq=False)  # waiters are told apart by identity, not by their session
@@ -96,6 +85,7 @@ class Admission:
         waiter = _Waiter(session)
         # Behind every earlier waiter, even when it would fit: the head goes first.
         self._queue.append(waiter)
+        session.queued += 1  # not admitted: not counted as starting
         self.recheck()
         if waiter.admitted.done():
             return 0.0
@@ -107,6 +97,7 @@ class Admission:
             # Timed out, left or cancelled: out of the queue, which those behind may now lead.
             if waiter in self._queue:
                 self._queue.remove(waiter)
+                waiter.session.queued -= 1
                 self.recheck()
         return (time.perf_counter() - started) * 1000
 
@@ -114,7 +105,9 @@ class Admission:
         """Admit waiters from the head for as long as the next one fits. Called whenever the
         sessions' histories may have shrunk."""
         while self._queue and self._room_for_one():
-            self._queue.popleft().admitted.set_result(None)
+            admitted = self._queue.popleft()
+            admitted.session.queued -= 1  # now starting, counted as such by the next check
+            admitted.admitted.set_result(None)
         self.metrics.admission_waiting.set(len(self._queue))
 
     async def _wait(self, waiter: _Waiter, gone: ClientGone | None) -> None:
@@ -133,12 +126,5 @@ class Admission:
 
     def _room_for_one(self) -> bool:
         assert self.budget is not None  # nothing queues without one
-        queued = {w.session.key for w in self._queue}
-        histories, starting = [], 0
-        for session in self.table:
-            held = held_tokens(session)
-            histories.append(held)
-            # Admitted, its first turn under way: it holds nothing yet, but will.
-            if not held and session.in_flight and session.key not in queued:
-                starting += 1
-        return fits(histories, starting, self.budget)
+        counts = self.table.counts
+        return fits(counts.tokens, counts.holding, counts.starting, self.budget)

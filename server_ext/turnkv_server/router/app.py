@@ -73,7 +73,8 @@ class Router:
         self.admission = Admission(table, config.admission_tokens, config.admission_max_wait_s,
                                    self.metrics)
         self.sessions = SessionService(table, store, on_end=self.mode.drop_session,
-                                       on_change=self.admission.recheck)
+                                       on_change=self.admission.recheck,
+                                       on_forget=self.mode.forget_session)
         self.turns = Turns(pool=self.pool, mode=self.mode, mode_name=config.mode,
                            upstream=self.upstream, sessions=self.sessions,
                            admission=self.admission, metrics=self.metrics,

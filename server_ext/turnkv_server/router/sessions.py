@@ -8,7 +8,8 @@ in `sweep`, so no timer thread touches the table.
 Each session keeps its token history (the last turn's prompt and output token IDs, as the
 engines computed them). Reused KV is only correct for the positions where a new prompt's tokens
 are exactly those tokens: an edited or stripped history, compacted context or assistant text
-that re-tokenises differently breaks the match, and reuse must stop there (`prefix_break`).
+that re-tokenises differently breaks the match, and reuse must stop there
+(`token_history.prefix_break`).
 
 Each life of a session (opened again after it ended, it is a later one) has an epoch that its
 requests carry: engines ignore the holds and renewals of a released life (`engine.protocol`).
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.protocol import CacheHints, TurnStats, TurnTag
 from turnkv_server.router.placement import Placement
+from turnkv_server.router.session_counts import COUNTED_FIELDS, SessionCounts
 from turnkv_server.router.session_store import RedisStore, StoreUnavailable
 
 _last_epoch = 0
@@ -41,25 +43,6 @@ def new_epoch() -> int:
     global _last_epoch
     _last_epoch = max(_last_epoch + 1, time.time_ns() // 1000)
     return _last_epoch
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    # Compare in slices first: histories are thousands of tokens and usually match entirely.
-    step = 256
-    while i + step <= n and a[i : i + step] == b[i : i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def prefix_break(history: Sequence[int], prompt: Sequence[int]) -> int | None:
-    """The first position where ``prompt`` stops following ``history``, or None if it repeats
-    all of it. A prompt shorter than the history breaks at its own length at the latest."""
-    matched = common_prefix_len(history, prompt)
-    return None if matched == len(history) else matched
 
 
 @dataclass(frozen=True)
@@ -119,6 +102,18 @@ class Session:
     # as home there: sessions that start together would otherwise all look homeless).
     placed: str | None = None
     epoch: int = field(default_factory=new_epoch)  # which life of the session this is
+    # Turns of it waiting for admission (`admission`).
+    queued: int = 0
+    # The counts of the table it is in (`session_counts`), kept as its fields are set.
+    counted_in: SessionCounts | None = field(default=None, init=False, repr=False,
+                                             compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in COUNTED_FIELDS:
+            counts = self.__dict__.get("counted_in")
+            if counts is not None:
+                counts.update(self)
 
 
 @dataclass(frozen=True)
@@ -160,6 +155,9 @@ class SessionTable:
         self.max_sessions = max_sessions
         self.clock = clock
         self._sessions: OrderedDict[SessionKey, Session] = OrderedDict()
+        self.counts = SessionCounts()
+        # Runs for each session the table drops by itself (expired on the way, evicted).
+        self.on_drop: Callable[[Session], None] = lambda session: None
         self.expired_total = 0
         self.evicted_total = 0
 
@@ -175,8 +173,9 @@ class SessionTable:
         if session is None:
             return None
         if session.expires_at <= self.clock() and not session.in_flight:
-            del self._sessions[key]
+            self._remove(key)
             self.expired_total += 1
+            self.on_drop(session)
             return None
         return session
 
@@ -193,6 +192,8 @@ class SessionTable:
         session = Session(key=key, created_at=now, last_used=now,
                           expires_at=now + self.policy.default_ttl)
         self._sessions[key] = session
+        session.counted_in = self.counts
+        self.counts.add(session)
         return session
 
     def renew(self, session: Session, hints: CacheHints) -> None:
@@ -204,14 +205,14 @@ class SessionTable:
         self._sessions.move_to_end(session.key)
 
     def release(self, key: SessionKey) -> Session | None:
-        return self._sessions.pop(key, None)
+        return self._remove(key)
 
     def sweep(self) -> list[Session]:
         """Drop every expired, idle session; returns them so their KV can be released."""
         now = self.clock()
         gone = [s for s in self._sessions.values() if s.expires_at <= now and not s.in_flight]
         for session in gone:
-            del self._sessions[session.key]
+            self._remove(session.key)
         self.expired_total += len(gone)
         return gone
 
@@ -221,9 +222,17 @@ class SessionTable:
         if not idle:
             return False
         victim = min(idle, key=lambda s: (s.priority, s.last_used))
-        del self._sessions[victim.key]
+        self._remove(victim.key)
         self.evicted_total += 1
+        self.on_drop(victim)
         return True
+
+    def _remove(self, key: SessionKey) -> Session | None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            self.counts.remove(session)
+            session.counted_in = None
+        return session
 
 
 def to_record(session: Session) -> dict[str, Any]:
@@ -277,17 +286,22 @@ def _json_safe(value: Any) -> bool:
 class SessionService:
     """The router's sessions: its table, kept in step with the shared store when there is one.
     `on_end` runs for each session that ends (released, or expired on every router): the
-    mode releases what it holds for it. `on_change` runs whenever the histories the table
-    holds may have shrunk (a session ended, a turn's history replaced the last): admission
-    re-checks its queue."""
+    mode releases what it holds for it. `on_forget` runs for each session that leaves the
+    table without ending (evicted when full, expired on the way or here only, ended by
+    another router): the mode lets go of what it keeps for it in this process. `on_change`
+    runs whenever the histories the table holds may have shrunk (a session left, a turn's
+    history replaced the last): admission re-checks its queue."""
 
     def __init__(self, table: SessionTable, store: RedisStore | None,
                  on_end: Callable[[Session], None],
-                 on_change: Callable[[], None] = lambda: None) -> None:
+                 on_change: Callable[[], None] = lambda: None,
+                 on_forget: Callable[[Session], None] = lambda session: None) -> None:
         self.table = table
         self.store = store
         self._on_end = on_end
         self._on_change = on_change
+        self._on_forget = on_forget
+        table.on_drop = self._forget
 
     async def begin_turn(self, key: SessionKey) -> tuple[Session, bool]:
         """The session a tagged turn belongs to, in flight from now on; and whether the turn
@@ -349,8 +363,8 @@ class SessionService:
             # Expired here; with a shared store, another router may have renewed it.
             if not await self._alive_elsewhere(gone.key):
                 self._on_end(gone)
-        # On every sweep, not only when it found some: the table also drops expired sessions
-        # on the way (`get`) and evicts idle ones when full, and says so to nobody.
+            else:
+                self._on_forget(gone)
         self._on_change()
 
     async def sync(self, key: SessionKey) -> None:
@@ -368,8 +382,15 @@ class SessionService:
         if record is None:
             if local is not None:
                 self.table.release(key)
+                self._forget(local)  # ended by another router, which told the engines
             return
         apply_record(self.table.open(key), record)
+
+    def _forget(self, session: Session) -> None:
+        # (A session expired on the way may live on at another router, and its engines'
+        # leases end on their own timers: the expiry sweep is what ends sessions.)
+        self._on_forget(session)
+        self._on_change()
 
     async def _alive_elsewhere(self, key: SessionKey) -> bool:
         if self.store is None:

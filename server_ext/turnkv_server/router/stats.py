@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from turnkv import protocol as p
 from turnkv_server.engine.protocol import parse_reply
 from turnkv_server.router.modes.base import Turn, TurnPlan
-from turnkv_server.router.sessions import common_prefix_len, prefix_break
+from turnkv_server.router.token_history import common_prefix_len, prefix_break
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

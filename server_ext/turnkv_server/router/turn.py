@@ -4,7 +4,8 @@
 1. opens its session (`sessions`), in flight until the turn ends, and admits it (`admission`);
 2. places it on a prefill/decode pair (`placement`), by its session, else by its prefix;
 3. asks the mode for the attempt's plan (`modes`): whether the decode engine serves alone, each
-   engine's `kv_transfer_params`, whether both requests go out together;
+   engine's `kv_transfer_params`, whether both requests go out together (the mode's `begin`
+   came once before, for what belongs to the turn and not to one attempt);
 4. sends the prefill request (unless the decode engine serves alone) and the decode request,
    and begins the turn's stats (`stats`) once the prefill is over;
 5. relays the decode engine's answer, whole or streamed, with the stats;
@@ -83,6 +84,7 @@ class Turns:
         response: Response | None = None
         try:
             turn.queued_ms = await self.admission.admit(session, gone)
+            await self.mode.begin(turn)  # once: a replayed attempt plans again, not this
             response = await self._attempts(turn)
             return response
         finally:
@@ -119,9 +121,8 @@ class Turns:
         if not self.mode.affinity or (session is None and turn.prefix_id is None):
             return self.pool.round_robin()
         prefill, decode = (session.prefill, session.decode) if session else (None, None)
-        homed: Counter[str] = Counter()
-        if decode is None:  # no home yet: where the live sessions live, or will
-            homed.update(h for s in self.sessions.table if (h := s.decode or s.placed))
+        # No home yet: where the live sessions live, or will (the table keeps the count).
+        homed = self.sessions.table.counts.homes if decode is None else Counter[str]()
         placement = self.pool.place(prefill=prefill, decode=decode, prefix_id=turn.prefix_id,
                                     homed=homed)
         if session is not None:

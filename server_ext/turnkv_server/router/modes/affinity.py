@@ -53,13 +53,16 @@ class Affinity(Mode):
         self._orders = EngineOrders(ctx, wait_before_renewal_s=0.0)
         self._prefetches = Prefetches(ctx.upstream, self._orders)
 
+    async def begin(self, turn: Turn) -> None:
+        if self.ctx.engine_leases and turn.session is not None:
+            turn.prefetch = await self._prefetches.before_turn(turn.session.key)
+
     async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
         # Plain engines get no kv_transfer_params: nothing is sent or kept. `held` False:
         # nothing here judges whether an engine lost a session's KV.
         params = None
         if self.ctx.engine_leases and turn.session is not None:
             turn.session.mode_state[MODEL] = turn.body.get("model")
-            turn.prefetch = await self._prefetches.before_turn(turn.session.key)
             params = lease_params(turn, self.ctx.session_policy)
         return TurnPlan(placement, prefill_params=None, decode_params=params,
                         alone=DecodeAlone(None, new_tokens=0, held=False))
@@ -74,9 +77,12 @@ class Affinity(Mode):
                                       self._prefetch_lease(session, hints),
                                       hints.next_turn_in)
 
+    def forget_session(self, session: Session) -> None:
+        self._prefetches.cancel(session.key)
+
     def drop_session(self, session: Session) -> None:
         """Its engine's lease ends now rather than at its TTL."""
-        self._prefetches.cancel(session.key)
+        self.forget_session(session)
         engine = self._engine_of(session)
         if engine is not None:
             release = TurnParams(session=lease_key(session), release=True, epoch=session.epoch)

@@ -1,19 +1,29 @@
-"""What a serving mode is: two calls per turn, between the router's turn pipeline
-(`router.turn`) and vLLM's `kv_transfer_params`.
+"""What a serving mode is: the hooks the router's turn pipeline (`router.turn`) and session
+service (`router.sessions`) call, between them and vLLM's `kv_transfer_params`.
 
-- `plan(turn, placement) -> TurnPlan`, before any engine request of the attempt: whether the
-  decode engine serves the turn alone, each engine's `kv_transfer_params`, whether the decode
-  request goes out with the prefill request, what the prefill reads back (and why it reads
-  nothing, if that is a fallback), and what the engines keep for later requests of the turn.
-- `finish(turn, plan, end)`, once the attempt's decode request has ended, however it ended
-  (`TurnEnd`): completed (with the decode engine's reply params and the turn's stats), cut
-  (its stream broke, the client left, the turn failed elsewhere) or refused (it never started).
-  The mode arranges what follows a whole turn, or gives up what it arranged for it.
+A turn runs as one or more attempts: an engine that fails before the client has a byte is taken
+out and the turn replayed on another pair (`Turns._attempts`), and a failed read-back of held KV
+is replayed without reuse. Per turn, in this order:
 
-The pipeline owns everything else: the engine requests, their ends, the stats, the session's
-history. A mode's state per session (a push back in flight, an offer of held KV) lives in
-`Session.mode_state`; `drop_session` releases it when the session ends, and `hinted` passes
-on the hints a client sends between turns.
+- `begin(turn)`: once, before the first attempt (after admission);
+- `plan(turn, placement)`: once per attempt, before the attempt's engine requests;
+- `finish(turn, plan, end)`: once per attempt whose decode request went out, when it ended.
+
+Per session, outside its turns: `hinted` (hints sent between turns), `drop_session` (the
+session ended), `forget_session` (it left this router's table without ending). Each hook's
+docstring below says when it is called, how often, what it may do and what it must not.
+
+Everything runs on the router's one event loop (uvicorn's), and nothing else touches a mode:
+no hook needs a lock, and none may block (no blocking I/O, no sleeping; engine requests go
+through `ctx.upstream`, awaited in the coroutines `begin` and `plan` or spawned as tasks from
+the others). A hook never raises on the engines' account, but `plan`, whose engine requests
+(`/tokenize`) may fail with `EngineConnectionError`: that attempt is then replayed elsewhere.
+
+The pipeline owns everything else: the engine requests of the turn and their ends, the stats,
+the session's history. A mode's state per session (a push back in flight, an offer of held KV)
+lives in `Session.mode_state`, which the session's record carries to other routers when it is
+plain JSON; state the mode keeps itself, keyed by session (a pending prefetch, a pool's home),
+must be let go of in `drop_session` and `forget_session`, or it outlives the session.
 """
 
 from __future__ import annotations
@@ -50,7 +60,8 @@ class Turn:
     # The prefix it shares with other sessions' turns (the tag's, or for a turn with no
     # session, OpenAI's `prompt_cache_key`): placed where that prefix is warm.
     prefix_id: str | None = None
-    # Whether a prefetch of its history had finished when it arrived (`modes.prefetch`).
+    # Whether a prefetch of its history had finished when it arrived (`modes.prefetch`): the
+    # turn's, set once by `Mode.begin`, whichever attempt serves it.
     prefetch: PrefetchOutcome | None = None
     # How long it waited for admission, in ms (`router.admission`).
     queued_ms: float = 0.0
@@ -175,7 +186,8 @@ class ModeContext:
 
 
 class Mode:
-    """A serving mode; `standard` is the plainest."""
+    """A serving mode; `standard` is the plainest. See the module docstring for the order of
+    the hooks; each says its own contract."""
 
     # Whether a session's turns stick to the pair that served it.
     affinity = False
@@ -185,16 +197,77 @@ class Mode:
     def __init__(self, ctx: ModeContext) -> None:
         self.ctx = ctx
 
+    async def begin(self, turn: Turn) -> None:
+        """The turn arrived, and is about to be placed and planned.
+
+        When: once per turn, tagged or not, after admission let it go and before its first
+        attempt's `plan`; never again for a replay. Not for a turn that ended before (its
+        client left while it was queued).
+        Does: whatever belongs to the turn rather than to one attempt of it, set on the `Turn`
+        (`turn.prefetch`: whether the session's prefetch was in time, waiting for one in
+        flight). It may await (a prefetch, at most `prefetch.WAIT_S`): the turn waits with it.
+        Must not: send the turn's own requests (its attempts do), fail the turn (what it
+        waits for is advisory), or depend on the placement (not made yet)."""
+
     async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
+        """What each engine does for this attempt (`TurnPlan`).
+
+        When: once per attempt, so one to `retries + 2` times per turn, each time with the
+        attempt's own `placement` and `turn.request_id`; before any engine request of the
+        attempt.
+        Does: may ask an engine first (`/tokenize`), and may take state meant for one use
+        (bidirectional's offer of held KV: a replay after a failed read-back finds none, and
+        recomputes). An `EngineConnectionError` it lets through fails the attempt as an
+        unavailable engine.
+        Must not: consume what belongs to the turn (`begin` took it: an attempt may be
+        replayed), send the attempt's prefill or decode request (the pipeline does, from the
+        plan), or assume its sends will be received: only `finish` says how the attempt
+        ended, and an attempt that fails before its decode request went out gets none (what
+        its plan left on the engines, a send kept for a receiver, ends by the engines'
+        timers)."""
         raise NotImplementedError
 
     def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
-        """The attempt's decode request ended (see `TurnEnd`)."""
+        """The attempt's decode request ended (`TurnEnd`): `complete` (with the decode engine's
+        reply params, in non-streamed responses, and the turn's stats), `cut` (its stream
+        broke, the client left, the turn failed elsewhere) or `refused` (it never started).
+
+        When: exactly once per attempt that tried its decode request (`plan` is the one that
+        attempt used), unless that request was cancelled before the engine answered (the
+        concurrent prefill failed first); never for an attempt whose prefill failed before a
+        decode request that follows it. From the turn's task, the streamed response's, or a
+        done-callback (`drop_decode`): not awaitable.
+        Does: arranges what follows a whole turn (a push back, a prefetch), or gives up what
+        the plan arranged (`TurnParams.abandon`), by spawning tasks. It may keep per-session
+        state in `Session.mode_state`.
+        Must not: block or await, or raise: the turn's response is past it."""
 
     def drop_session(self, session: Session) -> None:
-        """The session ended; release whatever the mode holds for it."""
+        """The session ended: released (`final`, DELETE) or expired on every router.
+
+        When: once per session ending, from the task that ended it (a route's, the turn's,
+        the expiry sweep's); possibly while a turn of it is in flight (a DELETE during the
+        turn), whose `finish` still comes.
+        Does: releases what the mode holds for the session, here and on the engines (their
+        leases, by spawned one-token requests), and everything `forget_session` lets go of.
+        Must not: block or await, or raise."""
+
+    def forget_session(self, session: Session) -> None:
+        """The session left this router's table without ending: evicted from the full table,
+        expired here while a router sharing the store keeps it, or ended by another router.
+
+        When: at most once per session leaving, from the task that made the table drop it.
+        Does: lets go of what the mode keeps in this process for the session (a pending
+        prefetch, a home); the engines are told nothing (the session may go on elsewhere, or
+        their leases end on their own timers).
+        Must not: block or await, or raise."""
 
     def hinted(self, session: Session, hints: CacheHints) -> None:
         """The client sent `hints` between turns (`POST .../hints`; not `final`, which ends
         the session) and the router renewed the session with them: a mode whose engines hold
-        the session's KV under leases passes them on. Advisory: it never fails the call."""
+        the session's KV under leases passes them on.
+
+        When: once per such call, from its route's task; possibly while a turn is in flight
+        (`session.in_flight`).
+        Does: spawns renewals; advisory, it never fails the call.
+        Must not: block or await, or raise."""

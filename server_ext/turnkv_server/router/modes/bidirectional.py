@@ -17,7 +17,8 @@ from typing import Any
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, one_token_request
 from turnkv_server.router.modes.base import Mode, ModeContext, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.placement import Engine, Placement
-from turnkv_server.router.sessions import Session, common_prefix_len
+from turnkv_server.router.sessions import Session
+from turnkv_server.router.token_history import common_prefix_len
 from turnkv_server.router.upstream import EngineConnectionError
 
 KEY = "bidirectional_held"

@@ -26,14 +26,25 @@ from turnkv_server.router.modes.base import DecodeAlone, TurnPlan
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session, SessionKey
 
-# The homes remembered, at most (the router's session table evicts without telling the mode).
+# The homes remembered, at most: a backstop (the router's table tells the mode of every session
+# that leaves it, `Mode.forget_session`; a turn replayed after its session ended is placed once
+# more).
 MAX_HOMES = 100_000
 
 
 class PairPool:
     def __init__(self, max_homes: int = MAX_HOMES) -> None:
         self._homes: OrderedDict[SessionKey, str] = OrderedDict()
+        # Engine name -> sessions home there, kept with `_homes`: placing a session is O(1).
+        self._homed: Counter[str] = Counter()
         self._max_homes = max_homes
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+    def homed(self, engine: str) -> int:
+        """How many sessions `engine` is home to."""
+        return self._homed[engine]
 
     def plan(self, session: Session, placement: Placement, params: dict[str, Any]) -> TurnPlan:
         """The session's home serves the turn alone, under the session's lease (`params`),
@@ -57,15 +68,22 @@ class PairPool:
             engine = placement.decode
         else:
             pair = [e for e in (placement.prefill, placement.decode) if e.healthy]
-            homed = Counter(self._homes.values())
             engine = min(pair or [placement.decode],
-                         key=lambda e: (homed[e.name], e.in_flight))
+                         key=lambda e: (self._homed[e.name], e.in_flight))
+        self.forget(session.key)
         self._homes[session.key] = engine.name
-        self._homes.move_to_end(session.key)
+        self._homed[engine.name] += 1
         while len(self._homes) > self._max_homes:
-            self._homes.popitem(last=False)
+            self._uncount(self._homes.popitem(last=False)[1])
         return engine
 
     def forget(self, key: SessionKey) -> None:
-        """The session ended: it is nobody's any more."""
-        self._homes.pop(key, None)
+        """The session ended, or left the router's table: it is nobody's any more."""
+        home = self._homes.pop(key, None)
+        if home is not None:
+            self._uncount(home)
+
+    def _uncount(self, engine: str) -> None:
+        self._homed[engine] -= 1
+        if not self._homed[engine]:
+            del self._homed[engine]

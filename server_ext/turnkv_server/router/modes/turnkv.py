@@ -72,7 +72,8 @@ from turnkv_server.router.modes.leases import lease_key, lease_params, turn_hint
 from turnkv_server.router.modes.pair_pool import PairPool
 from turnkv_server.router.modes.prefetch import Prefetches, prefetch_lease
 from turnkv_server.router.placement import Engine, Placement
-from turnkv_server.router.sessions import Session, common_prefix_len
+from turnkv_server.router.sessions import Session
+from turnkv_server.router.token_history import common_prefix_len
 from turnkv_server.router.upstream import EngineConnectionError, Reply
 
 log = logging.getLogger(__name__)
@@ -134,10 +135,13 @@ class Turnkv(Mode):
 
     # -- before the turn ---------------------------------------------------------------------
 
+    async def begin(self, turn: Turn) -> None:
+        if turn.session is not None:
+            turn.prefetch = await self._prefetches.before_turn(turn.session.key)
+
     async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
         session = turn.session
         if session is not None:
-            turn.prefetch = await self._prefetches.before_turn(session.key)
             # Releasing the session's leases when it ends takes a request of its model.
             session.mode_state[MODEL] = turn.body.get("model")
             if self._pool is not None:
@@ -270,10 +274,13 @@ class Turnkv(Mode):
         turn.session.mode_state[PUSH_BACK] = self._orders.spawn(
             self._push_back(prefill, decode, request, plan.decode_send))
 
-    def drop_session(self, session: Session) -> None:
+    def forget_session(self, session: Session) -> None:
         self._prefetches.cancel(session.key)
         if self._pool is not None:
             self._pool.forget(session.key)
+
+    def drop_session(self, session: Session) -> None:
+        self.forget_session(session)
         task = session.mode_state.pop(PUSH_BACK, None)
         if isinstance(task, asyncio.Task) and not task.done():
             # Its own ending gives the decode engine's send up (`_push_back`).
