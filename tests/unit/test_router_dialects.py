@@ -220,8 +220,10 @@ KEYS = {"sk-a": "tenant-a", "sk-b": "tenant-b"}
 async def router_with_tenants(engines: list[StandIn]) -> AsyncIterator[str]:
     for engine in engines:
         await engine.start()
+    # Tenant A may ask for priorities up to 5 (by default no tenant above 0).
     app = create_app(RouterConfig(mode="affinity", engine=[e.url for e in engines],
-                                  api_keys=KEYS, health_interval=60.0))
+                                  api_keys=KEYS, health_interval=60.0,
+                                  tenant_caps={KEYS["sk-a"]: {"max_priority": 5}}))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.create_task(server.serve())
     try:

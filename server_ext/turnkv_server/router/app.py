@@ -1,10 +1,11 @@
 """The router's HTTP front: routes, authentication and reading a request; a turn itself is
 `turn.Turns.serve`'s.
 
-Tenants: with API keys configured, a request needs `Authorization: Bearer <key>`, and each
-tenant's turns get a `cache_salt`: vLLM hashes it into the first block's hash, so two tenants
-never hit each other's cached prefixes even for identical prompts, and timing cannot reveal
-another tenant's prompts.
+Tenants (`tenants`): with API keys configured, a request needs `Authorization: Bearer <key>`,
+and each tenant's turns get a `cache_salt`: vLLM hashes it into the first block's hash, so two
+tenants never hit each other's cached prefixes even for identical prompts, and timing cannot
+reveal another tenant's prompts. Every hint a tenant's clients send (in a turn's tag, or
+between turns) is held to the tenant's caps before anything orders leases by it.
 
 The turnkv tag travels in the body (`"turnkv": {...}`) or, for clients that cannot change the
 body, in `X-TurnKV-*` headers; `tags` reads it.
@@ -14,11 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
-import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -43,12 +41,8 @@ from turnkv_server.router.sessions import (
     SessionTable,
 )
 from turnkv_server.router.stats import RouterMetrics
-from turnkv_server.router.tags import (
-    DEFAULT_TENANT,
-    BadRequest,
-    check_supported,
-    extract_tags,
-)
+from turnkv_server.router.tags import BadRequest, check_supported, extract_tags
+from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.turn import TurnFailed, Turns
 from turnkv_server.router.upstream import EngineConnectionError, EngineRejected, Upstream
 
@@ -61,7 +55,7 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.pool = EnginePool.from_urls(config.prefill, config.decode, engines=config.engine)
-        self.tenants = Tenants(config.api_keys, config.admin_key)
+        self.tenants = Tenants(config.api_keys, config.admin_key, caps_for=config.caps_for)
         self.metrics = RouterMetrics()
         self.upstream = Upstream(read_timeout=config.engine_read_timeout)
         table = SessionTable(LeasePolicy(config.default_ttl, config.max_ttl),
@@ -105,6 +99,7 @@ class Router:
         try:
             body = await self._read_body(request)
             tag, prefix_id = extract_tags(body, request.headers, tenant)
+            tag = self.tenants.capped_tag(tenant, tag)
             check_supported(body)
         except (BadRequest, DialectError) as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
@@ -144,63 +139,12 @@ class Router:
         return body
 
 
-class Tenants:
-    """API keys, the admin key, and each tenant's cache salt."""
-
-    def __init__(self, api_keys: Mapping[str, str], admin_key: str | None = None) -> None:
-        self._keys = dict(api_keys)
-        self._admin_key = admin_key
-        # Salts are not derivable from tenant names by a client. Per process, unless routers
-        # share one (`use_secret`, from the session store).
-        self._secret = secrets.token_bytes(32)
-
-    def use_secret(self, secret: bytes) -> None:
-        """Salt with `secret`, which every router of a deployment shares: a tenant's cached
-        prefixes then match whichever router serves it."""
-        self._secret = secret
-
-    @property
-    def enforced(self) -> bool:
-        return bool(self._keys)
-
-    def tenant_for(self, authorization: str | None) -> str | None:
-        """The tenant of a request, or None when keys are enforced and this one is unknown."""
-        if not self._keys:
-            return DEFAULT_TENANT
-        key = _bearer(authorization)
-        if key is None:
-            return None
-        for known, tenant in self._keys.items():
-            if hmac.compare_digest(known, key):
-                return tenant
-        return None
-
-    def is_admin(self, authorization: str | None) -> bool:
-        if self._admin_key is None:
-            return not self._keys  # an open router has open admin routes
-        key = _bearer(authorization)
-        return key is not None and hmac.compare_digest(self._admin_key, key)
-
-    def cache_salt(self, tenant: str, client_salt: str | None) -> str:
-        digest = hmac.new(self._secret, tenant.encode(), hashlib.sha256).hexdigest()[:32]
-        return digest if not client_salt else f"{digest}:{client_salt}"
-
-
 async def disconnected(request: Request) -> None:
     """Returns once the client has closed its connection: its body has been read whole, so the
     next ASGI message is the disconnect. (uvicorn cancels no handler whose client has gone: a
     turn waiting for admission would wait on, and then be served to nobody.)"""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _bearer(authorization: str | None) -> str | None:
-    if not authorization:
-        return None
-    scheme, _, value = authorization.partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    return value.strip() or None
 
 
 def error_response(
@@ -323,6 +267,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         if hints.final:
             await router.sessions.release(found)
             return JSONResponse({"session_id": session_id, "released": True})
+        hints = router.tenants.capped(found.key.tenant, hints)
         await router.sessions.renew(found, hints)
         router.mode.hinted(found, hints)  # the engines' leases too, in the background
         return JSONResponse(router.sessions.view(found))

@@ -12,10 +12,12 @@ import argparse
 import json
 import os
 from collections.abc import Callable
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, get_type_hints
 
 from turnkv_server.mode_names import DEFAULT_MODE, ROUTER_MODES, RouterMode
+from turnkv_server.router.tags import DEFAULT_TENANT
+from turnkv_server.router.tenants import TenantCaps, default_max_priority, load_tenant_caps
 
 # Measured with `turnkv bench` (docs/benchmarks.md, "Short deltas on the decode engine").
 SHORT_DELTA_TOKENS = 512
@@ -69,6 +71,20 @@ class RouterConfig:
         "JSON file mapping API key to tenant name", load=load_api_keys))
     admin_key: str | None = field(default=None, metadata=cli(
         "key for admin routes", env="TURNKV_ADMIN_KEY"))
+    # None: 0 with API keys, uncapped without (router/tenants.py).
+    max_priority: int | None = field(default=None, metadata=cli(
+        "the highest priority hint a tenant's clients may send (higher is lowered to it), "
+        "for tenants without their own in --tenant-caps (default: 0 with --api-keys, so that "
+        "no tenant's leases go before another's by priority; without keys, uncapped)",
+        load=int))
+    min_next_turn_in: float = field(default=0.0, metadata=cli(
+        "the soonest next turn, in seconds, a tenant's clients may announce (`next_turn_in`; "
+        "sooner is put off to it), for tenants without their own in --tenant-caps"))
+    # Tenant -> its caps (`max_priority`, `min_next_turn_in`), each optional.
+    tenant_caps: dict[str, dict[str, Any]] = field(default_factory=dict, metadata=cli(
+        "JSON file mapping tenant name to its caps, {\"max_priority\": N, "
+        "\"min_next_turn_in\": SECONDS}, each optional (the defaults above fill in)",
+        load=load_tenant_caps))
     max_body_bytes: int = 16 * 1024 * 1024
     health_interval: float = field(default=2.0, metadata=cli(
         "seconds between engine health probes"))
@@ -151,6 +167,20 @@ class RouterConfig:
             raise ValueError("admission_max_wait_s must be positive")
         if self.pair_pool and self.mode != "turnkv":
             raise ValueError("--pair-pool is for turnkv mode")
+        tenants = set(self.api_keys.values()) if self.api_keys else {DEFAULT_TENANT}
+        for tenant in self.tenant_caps:
+            if tenant not in tenants:
+                raise ValueError(f"--tenant-caps: there is no tenant {tenant!r} (tenants are "
+                                 "named in --api-keys)")
+            self.caps_for(tenant)  # out of range: ValueError
+
+    def caps_for(self, tenant: str) -> TenantCaps:
+        """What `tenant`'s clients may ask (router/tenants.py): its own caps, the defaults
+        for what they leave out."""
+        default = TenantCaps(
+            default_max_priority(bool(self.api_keys)) if self.max_priority is None
+            else self.max_priority, self.min_next_turn_in)
+        return replace(default, **self.tenant_caps.get(tenant, {}))
 
 
 def itl_target_args(target_ms: float | None) -> tuple[str, ...]:
