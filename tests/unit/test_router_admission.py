@@ -23,7 +23,8 @@ from turnkv_server.router.admission import Admission, ClientGone, ClientLeft, fi
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.placement import EnginePool
 from turnkv_server.router.session_counts import held_tokens
-from turnkv_server.router.sessions import Session, SessionKey, SessionService, SessionTable
+from turnkv_server.router.session_service import SessionService
+from turnkv_server.router.sessions import Session, SessionKey, SessionTable
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tags import DEFAULT_TENANT
 
@@ -335,7 +336,7 @@ def test_the_running_totals_equal_a_recount_after_any_operations(
     released, expired (in the sweep or on the way), evicted from the full table, queued and
     admitted, placed, and rewritten from another router's record: after each, the totals
     admission and placement read equal the table summed afresh."""
-    from turnkv_server.router.sessions import apply_record
+    from turnkv_server.router.session_store import apply_record
 
     clock = Clock()
     table = SessionTable(max_sessions=4, clock=clock)

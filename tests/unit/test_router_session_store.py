@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.redis_server import redis_server
-from turnkv_server.router.session_store import RedisStore, StoreUnavailable
-from turnkv_server.router.sessions import Session, SessionKey, apply_record, to_record
+from turnkv_server.router.session_store import RedisStore, StoreUnavailable, apply_record, to_record
+from turnkv_server.router.sessions import Session, SessionKey
 
 
 def session(key: SessionKey) -> Session:

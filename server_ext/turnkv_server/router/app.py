@@ -32,14 +32,9 @@ from turnkv_server.router.dialects import DialectError
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
 from turnkv_server.router.placement import Engine, EnginePool
+from turnkv_server.router.session_service import SessionService
 from turnkv_server.router.session_store import RedisStore
-from turnkv_server.router.sessions import (
-    LeasePolicy,
-    Session,
-    SessionKey,
-    SessionService,
-    SessionTable,
-)
+from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey, SessionTable
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tags import BadRequest, check_supported, extract_tags
 from turnkv_server.router.tenants import Tenants

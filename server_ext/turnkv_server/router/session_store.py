@@ -1,13 +1,18 @@
 """Where sessions outlive the router: a Redis server that several routers share (`--redis`).
 
 With a store, every turn reads its session's record before it is routed and writes it back when
-it ends (`sessions.SessionService`), so that the routers share placement, history and totals,
+it ends (`session_service.SessionService`), so that the routers share placement, history and totals,
 and a restarted router loses no session. Redis owns the shared clock: a record lives as long as
 the session's lease (`PX`), renewed by every write. Without one (the default), a router's
 sessions live in its memory only.
 
 The engines never depend on any of it for correctness: their caches are content-addressed, so
 a lost or stale record costs reuse (a recompute), never a wrong token.
+
+A record (`to_record`, `apply_record`) holds what another router needs to serve the next turn
+as this one would: the pair, the history, totals, the session's epoch, and the JSON-safe part of
+the mode's state; not this process's background tasks (a push back in flight) or the in-flight
+flag.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any, Protocol
 import orjson
 import redis.asyncio as redis
 from redis.exceptions import RedisError
+
+from turnkv_server.router.sessions import Session, SessionTotals
 
 log = logging.getLogger(__name__)
 
@@ -99,3 +106,51 @@ def _redis_key(key: Key) -> str:
     # No tenant names or session IDs in Redis's keyspace (or its logs): a hash of both.
     digest = hashlib.sha256(f"{key.tenant}\0{key.session_id}".encode()).hexdigest()[:40]
     return f"{PREFIX}session:{digest}"
+
+
+def to_record(session: Session) -> dict[str, Any]:
+    return {
+        "prefill": session.prefill,
+        "decode": session.decode,
+        "prefix_id": session.prefix_id,
+        "priority": session.priority,
+        "tokens": session.tokens,
+        "turns": session.turns,
+        "totals": vars(session.totals),
+        "last_stats": session.last_stats,
+        "mode_state": {k: v for k, v in session.mode_state.items() if _json_safe(v)},
+        "epoch": session.epoch,
+    }
+
+
+def apply_record(session: Session, record: dict[str, Any]) -> None:
+    """Make `session` what another router left: its fields, and the stored mode state over
+    this router's (whose tasks, if any, stay)."""
+    session.prefill = record.get("prefill")
+    session.decode = record.get("decode")
+    session.prefix_id = record.get("prefix_id")
+    session.priority = int(record.get("priority") or 0)
+    session.tokens = [int(t) for t in record.get("tokens") or []]
+    session.turns = int(record.get("turns") or 0)
+    epoch = record.get("epoch")
+    if isinstance(epoch, int) and not isinstance(epoch, bool):
+        session.epoch = epoch
+    totals = record.get("totals") or {}
+    session.totals = SessionTotals(**{k: int(v) for k, v in totals.items()
+                                      if k in SessionTotals.__dataclass_fields__})
+    last = record.get("last_stats")
+    session.last_stats = last if isinstance(last, dict) else None
+    kept = {k: v for k, v in session.mode_state.items() if not _json_safe(v)}
+    session.mode_state = {**dict(record.get("mode_state") or {}), **kept}
+
+
+def _json_safe(value: Any) -> bool:
+    """Plain JSON only: a dataclass (bidirectional's held KV, with this process's clock in it)
+    or a task stays with the router that made it."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_json_safe(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_safe(v) for k, v in value.items())
+    return False

@@ -1,5 +1,5 @@
-"""The router's sessions: where each lives, what it holds, until when; and the service the turn
-pipeline and the session API use to open, remember, renew and end them.
+"""The router's sessions: where each lives, what it holds, until when (the service that opens,
+remembers, renews and ends them is `session_service`).
 
 One owner of the clock (the table), bounded size, and SGLang's TTL rule: the operator sets a
 default and a cap; a client's hint may only shorten the cap. Leases expire lazily on access and
@@ -16,10 +16,6 @@ requests carry: engines ignore the holds and renewals of a released life (`engin
 It is the wall clock when the life began (`new_epoch`), so it grows across router restarts and
 routers sharing a store, as far as their clocks agree (docs/protocol.md says what a skew costs).
 
-With a shared store (`session_store`), the service reads a session's record before its turn is
-routed and writes it when the turn ends. A record holds what another router needs to serve the
-next turn as this one would: the pair, the history, totals, and the JSON-safe part of the
-mode's state; not this process's background tasks (a push back in flight) or the in-flight flag.
 """
 
 from __future__ import annotations
@@ -30,10 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnkv.protocol import CacheHints, TurnStats, TurnTag
-from turnkv_server.router.placement import Placement
+from turnkv.protocol import CacheHints, TurnStats
 from turnkv_server.router.session_counts import COUNTED_FIELDS, SessionCounts
-from turnkv_server.router.session_store import RedisStore, StoreUnavailable
 
 _last_epoch = 0
 
@@ -233,184 +227,3 @@ class SessionTable:
             self.counts.remove(session)
             session.counted_in = None
         return session
-
-
-def to_record(session: Session) -> dict[str, Any]:
-    return {
-        "prefill": session.prefill,
-        "decode": session.decode,
-        "prefix_id": session.prefix_id,
-        "priority": session.priority,
-        "tokens": session.tokens,
-        "turns": session.turns,
-        "totals": vars(session.totals),
-        "last_stats": session.last_stats,
-        "mode_state": {k: v for k, v in session.mode_state.items() if _json_safe(v)},
-        "epoch": session.epoch,
-    }
-
-
-def apply_record(session: Session, record: dict[str, Any]) -> None:
-    """Make `session` what another router left: its fields, and the stored mode state over
-    this router's (whose tasks, if any, stay)."""
-    session.prefill = record.get("prefill")
-    session.decode = record.get("decode")
-    session.prefix_id = record.get("prefix_id")
-    session.priority = int(record.get("priority") or 0)
-    session.tokens = [int(t) for t in record.get("tokens") or []]
-    session.turns = int(record.get("turns") or 0)
-    epoch = record.get("epoch")
-    if isinstance(epoch, int) and not isinstance(epoch, bool):
-        session.epoch = epoch
-    totals = record.get("totals") or {}
-    session.totals = SessionTotals(**{k: int(v) for k, v in totals.items()
-                                      if k in SessionTotals.__dataclass_fields__})
-    last = record.get("last_stats")
-    session.last_stats = last if isinstance(last, dict) else None
-    kept = {k: v for k, v in session.mode_state.items() if not _json_safe(v)}
-    session.mode_state = {**dict(record.get("mode_state") or {}), **kept}
-
-
-def _json_safe(value: Any) -> bool:
-    """Plain JSON only: a dataclass (bidirectional's held KV, with this process's clock in it)
-    or a task stays with the router that made it."""
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_json_safe(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _json_safe(v) for k, v in value.items())
-    return False
-
-
-class SessionService:
-    """The router's sessions: its table, kept in step with the shared store when there is one.
-    `on_end` runs for each session that ends (released, or expired on every router): the
-    mode releases what it holds for it. `on_forget` runs for each session that leaves the
-    table without ending (evicted when full, expired on the way or here only, ended by
-    another router): the mode lets go of what it keeps for it in this process. `on_change`
-    runs whenever the histories the table holds may have shrunk (a session left, a turn's
-    history replaced the last): admission re-checks its queue."""
-
-    def __init__(self, table: SessionTable, store: RedisStore | None,
-                 on_end: Callable[[Session], None],
-                 on_change: Callable[[], None] = lambda: None,
-                 on_forget: Callable[[Session], None] = lambda session: None) -> None:
-        self.table = table
-        self.store = store
-        self._on_end = on_end
-        self._on_change = on_change
-        self._on_forget = on_forget
-        table.on_drop = self._forget
-
-    async def begin_turn(self, key: SessionKey) -> tuple[Session, bool]:
-        """The session a tagged turn belongs to, in flight from now on; and whether the turn
-        opened it."""
-        await self.sync(key)
-        opened = self.table.get(key) is None
-        session = self.table.open(key)
-        session.in_flight = True
-        return session, opened
-
-    async def end_turn(self, session: Session, opened: bool, failed: bool) -> None:
-        session.in_flight = False
-        # A session whose first turn failed holds nothing worth a table entry.
-        if opened and failed and session.turns == 0:
-            await self.release(session)
-
-    async def remember(self, session: Session, tag: TurnTag | None, placement: Placement,
-                       stats: TurnStats, history: list[int] | None) -> None:
-        """A turn served: its pair, its history (prompt and output token IDs), its stats, and a
-        renewed lease (or the end of the session, on a `final` turn)."""
-        # A resent turn (an index already seen) is not counted twice.
-        if tag is None or tag.turn is None or tag.turn > session.turns:
-            session.turns = stats.turn
-            session.totals.add(stats)
-        session.prefill, session.decode = placement.prefill.name, placement.decode.name
-        if history is not None:
-            session.tokens = history
-        session.last_stats = stats.model_dump()
-        if tag and tag.prefix_id:
-            session.prefix_id = tag.prefix_id
-        hints = tag.hints if tag else CacheHints()
-        if hints.final:
-            await self.release(session)
-        else:
-            await self.renew(session, hints)
-            # An edited history may be shorter; a first turn's replaces an estimate.
-            self._on_change()
-
-    async def find(self, key: SessionKey) -> Session | None:
-        await self.sync(key)
-        return self.table.get(key)
-
-    async def renew(self, session: Session, hints: CacheHints) -> None:
-        self.table.renew(session, hints)
-        if self.store is not None:
-            await self.store.save(session.key, to_record(session),
-                                  session.expires_at - self.table.clock())
-
-    async def release(self, session: Session) -> None:
-        self.table.release(session.key)
-        if self.store is not None:
-            await self.store.delete(session.key)
-        self._on_end(session)
-        self._on_change()
-
-    async def expire(self) -> None:
-        """End the sessions whose lease ran out (with a store: on every router)."""
-        for gone in self.table.sweep():
-            # Expired here; with a shared store, another router may have renewed it.
-            if not await self._alive_elsewhere(gone.key):
-                self._on_end(gone)
-            else:
-                self._on_forget(gone)
-        self._on_change()
-
-    async def sync(self, key: SessionKey) -> None:
-        """With a shared store, take the session as the routers last left it: another router
-        may have served its last turn, or ended it."""
-        if self.store is None:
-            return
-        try:
-            record = await self.store.load(key)
-        except StoreUnavailable:
-            return  # serve from this router's copy, if any
-        local = self.table.get(key)
-        if local is not None and local.in_flight:
-            return  # a turn of it is under way here; it writes the record when it ends
-        if record is None:
-            if local is not None:
-                self.table.release(key)
-                self._forget(local)  # ended by another router, which told the engines
-            return
-        apply_record(self.table.open(key), record)
-
-    def _forget(self, session: Session) -> None:
-        # (A session expired on the way may live on at another router, and its engines'
-        # leases end on their own timers: the expiry sweep is what ends sessions.)
-        self._on_forget(session)
-        self._on_change()
-
-    async def _alive_elsewhere(self, key: SessionKey) -> bool:
-        if self.store is None:
-            return False
-        try:
-            return await self.store.load(key) is not None
-        except StoreUnavailable:
-            return False
-
-    def view(self, session: Session) -> dict[str, Any]:
-        now = self.table.clock()
-        return {
-            "session_id": session.key.session_id,
-            "turns": session.turns,
-            "prefill_node": session.prefill,
-            "decode_node": session.decode,
-            "prefix_id": session.prefix_id,
-            "priority": session.priority,
-            "tokens_held": len(session.tokens),
-            "expires_in_s": round(max(0.0, session.expires_at - now), 3),
-            "totals": vars(session.totals),
-            "last_turn": session.last_stats,
-        }

@@ -39,7 +39,8 @@ from turnkv_server.router import stats
 from turnkv_server.router.admission import Admission, ClientGone
 from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.placement import EnginePool, Placement
-from turnkv_server.router.sessions import SessionKey, SessionService
+from turnkv_server.router.session_service import SessionService
+from turnkv_server.router.sessions import SessionKey
 from turnkv_server.router.upstream import (
     EngineConnectionError,
     EngineRejected,
