@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from turnkv_server.connector.identity import Fingerprint, checkpoint_digest, token_digest
+from turnkv_server.connector.identity import Fingerprint, config_digest, token_digest
 
 
 def test_token_digests_tell_any_difference_and_only_a_difference() -> None:
@@ -27,18 +25,11 @@ def test_fingerprints_name_what_differs() -> None:
     assert Fingerprint.from_wire(ours.to_wire()) == ours
 
 
-def test_two_checkpoints_of_the_same_shape_differ(tmp_path: Path) -> None:
-    for name, byte in (("a", b"\x01"), ("b", b"\x02")):
-        folder = tmp_path / name
-        folder.mkdir()
-        (folder / "config.json").write_text('{"hidden_size": 64}')
-        # Same names, same sizes, other weights: a fine-tune of the same base.
-        (folder / "model.safetensors").write_bytes(byte * (3 << 20))
-    assert checkpoint_digest(tmp_path / "a") != checkpoint_digest(tmp_path / "b")
-    # The same weights at another path (another host's mount) are the same model.
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    for file in (tmp_path / "a").iterdir():
-        (copy / file.name).write_bytes(file.read_bytes())
-    assert checkpoint_digest(copy) == checkpoint_digest(tmp_path / "a")
-    assert checkpoint_digest("org/some-model") == "name:org/some-model"
+def test_a_config_digest_names_the_model_not_where_it_was_read() -> None:
+    config = {"hidden_size": 64, "rope_parameters": {"rope_type": "default", "theta": 1e4},
+              "_name_or_path": "/models/a", "transformers_version": "5.19.0"}
+    moved = {**config, "_name_or_path": "/mnt/b", "transformers_version": "5.20.0"}
+    assert config_digest(config) == config_digest(moved)
+    assert config_digest(config) == config_digest(dict(reversed(list(config.items()))))
+    scaled = {**config, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "theta": 1e4}}
+    assert config_digest(config) != config_digest(scaled)

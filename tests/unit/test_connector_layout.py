@@ -7,12 +7,14 @@ import ctypes
 import pytest
 import torch
 
+from turnkv_server.connector.blocktable import BlockTable
 from turnkv_server.connector.layout import (
     Region,
     UnsupportedLayout,
     block_regions,
     check_parallelism,
     contiguous_regions,
+    describe_layout,
 )
 
 
@@ -67,3 +69,21 @@ def test_tensor_parallelism_above_one_is_refused_clearly() -> None:
         check_parallelism(2)
     with pytest.raises(UnsupportedLayout, match="PP 2"):
         check_parallelism(1, 2)
+
+
+def test_the_description_tells_apart_caches_whose_block_ranges_match() -> None:
+    blocks = 8
+    nhd = torch.zeros(2, blocks, 16, 4, 32)  # [K/V, blocks, tokens, heads, head_dim]
+    hnd = torch.zeros(2, blocks, 4, 16, 32)  # [K/V, blocks, heads, tokens, head_dim]
+    # Byte ranges alone match: a block is two ranges of the same length in both.
+    assert BlockTable.from_layers([nhd], blocks).compatible(BlockTable.from_layers([hnd], blocks))
+    assert describe_layout([nhd, nhd], 1) == "2x float32[2,B,16,4,32] order 0,1,2,3,4"
+    assert describe_layout([hnd, hnd], 1) != describe_layout([nhd, nhd], 1)
+    # Heads and tokens swapped in memory only (equal counts, so the same shapes).
+    square = torch.zeros(2, blocks, 16, 16, 32)
+    swapped = torch.zeros(2, blocks, 16, 16, 32).transpose(2, 3)
+    assert describe_layout([swapped], 1) == "1x float32[2,B,16,16,32] order 0,1,3,2,4"
+    assert describe_layout([square], 1) != describe_layout([swapped], 1)
+    # Caches of other sizes and the same layout are described alike; another dtype is not.
+    assert describe_layout([torch.zeros(2, 99, 16, 4, 32)], 1) == describe_layout([nhd], 1)
+    assert describe_layout([nhd.to(torch.bfloat16)], 1) != describe_layout([nhd], 1)

@@ -1,11 +1,9 @@
-"""`TurnkvConnector`'s own decisions: lease keys, cache resets, settings, the engine's identity."""
+"""`TurnkvConnector`'s own decisions: lease keys, cache resets, settings."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,12 +13,10 @@ from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.engine.core import EngineCoreProc
 from vllm.v1.request import Request, RequestStatus
 
-from turnkv_server.connector import identity
 from turnkv_server.connector.leases import LeasePolicy
 from turnkv_server.connector.scheduler_side import SchedulerSide
 from turnkv_server.connector.vllm_connector import (
     TurnkvConnector,
-    engine_fingerprint,
     find_engine_core_wakeup,
     side_channel_listen,
     side_channel_secret,
@@ -97,22 +93,6 @@ def test_port_0_binds_a_free_port_and_no_port_no_side_channel() -> None:
     assert side_channel_listen({}, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "h",
                                     "VLLM_NIXL_SIDE_CHANNEL_PORT": "7"}) == ("h", 7)
     assert side_channel_listen({}, {}) is None
-
-
-def test_the_fingerprint_names_the_weights_dtypes_and_block_size(tmp_path: Path) -> None:
-    (tmp_path / "model.safetensors").write_bytes(b"weights")
-    config = SimpleNamespace(
-        model_config=SimpleNamespace(model=str(tmp_path), dtype="torch.float32",
-                                     tokenizer=str(tmp_path)),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=32))
-    fields = dict(engine_fingerprint(config).fields)
-    assert fields == {"model": identity.checkpoint_digest(tmp_path), "dtype": "torch.float32",
-                      "kv_cache_dtype": "auto", "block_size": "32"}
-    other = SimpleNamespace(model_config=SimpleNamespace(**{**vars(config.model_config),
-                                                            "dtype": "torch.bfloat16"}),
-                            cache_config=config.cache_config)
-    assert engine_fingerprint(other).differences(engine_fingerprint(config)) == [
-        "dtype: torch.bfloat16 != torch.float32"]
 
 
 def test_the_engine_cores_input_queue_is_found_from_the_scheduler() -> None:

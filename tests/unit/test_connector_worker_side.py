@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from turnkv_server.connector.identity import Fingerprint
 from turnkv_server.connector.orders import (
     ExpectOrder,
@@ -67,3 +69,21 @@ def test_the_bound_address_is_reported_atomically(tmp_path: Path) -> None:
     quiet = WorkerSide("e", None, 120.0, 60.0, secret=b"s" * 32, fingerprint=Fingerprint.of({}))
     quiet.agent = Agent(None)
     quiet.report_address()
+
+
+def test_the_fingerprint_offered_to_peers_describes_the_kv_tensors() -> None:
+    blocks = 8
+    fingerprints = []
+    # Same model, same byte ranges per block; heads and tokens in another order.
+    for layer in (torch.zeros(2, blocks, 16, 4, 32), torch.zeros(2, blocks, 4, 16, 32)):
+        worker = WorkerSide("e", None, 120.0, 60.0, secret=b"s" * 32,
+                            fingerprint=Fingerprint.of({"model": "m"}))
+        worker.register_kv_caches({"layers.0": layer, "layers.1": layer.clone()}, blocks)
+        try:
+            assert worker.agent is not None
+            fingerprints.append(worker.agent.fingerprint)
+        finally:
+            worker.close()
+    nhd, hnd = fingerprints
+    assert dict(nhd.fields)["kv_tensors"] == "2x float32[2,B,16,4,32] order 0,1,2,3,4"
+    assert [d.split(":")[0] for d in nhd.differences(hnd)] == ["kv_tensors"]

@@ -2,10 +2,14 @@
 
 KV is copied by position, so two things are checked before any byte moves:
 
-- the engines: a `Fingerprint` of the model (its name and a digest of its weights), the
-  compute and KV dtypes, the block size and the KV layout travels in the hello; a peer whose
-  fingerprint differs is refused, and the reason names what differs. Byte lengths alone pass
-  bf16 against fp16, or another checkpoint of the same shape;
+- the engines: a `Fingerprint` travels in the hello; a peer whose fingerprint differs is
+  refused, and the reason names what differs. It names what a block's bytes depend on: the
+  weights (a digest of every byte, `checkpoint`), the model's configuration as the engine
+  resolved it (`config_digest`: overrides such as rope scaling included), the revision and
+  quantization, the compute and KV dtypes, the block size (`engine_identity`), the attention
+  backend and KV cache layout vLLM chose, the KV tensors' shapes and memory order
+  (`layout.describe_layout`) and the byte ranges of a block (`transport`). Byte lengths alone
+  pass bf16 against fp16, another checkpoint of the same shape, or heads and tokens swapped;
 - the tokens: each registration carries a `token_digest` of the token IDs its KV covers (from
   the first token, since a position's KV depends on every token before it), and the sender
   compares it with the digest of its own request's tokens. A history rendered differently on
@@ -18,16 +22,15 @@ Pure standard library: the connector's two halves and the tests import it.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 DIGEST_BYTES = 16
-# Weight files are sampled, not read whole: their first and last MiB name a checkpoint.
-_SAMPLE_BYTES = 1 << 20
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# Keys of a model config that name where or with what it was read, not the model.
+_NOT_THE_MODEL = ("transformers_version",)
 
 
 def token_digest(token_ids: Sequence[int]) -> bytes:
@@ -66,30 +69,19 @@ class Fingerprint:
         return cls.of(wire)
 
 
-def checkpoint_digest(model: str | Path) -> str:
-    """A digest naming the weights of a local model folder (or file).
+def config_digest(config: Mapping[str, object]) -> str:
+    """A digest of a model's configuration as the engine resolved it (a Hugging Face config's
+    `to_dict()`, overrides applied), the same for the same model on every host: private keys
+    (``_name_or_path``, the folder it was read from) and the library's version are left out,
+    keys are sorted."""
+    text = json.dumps(_model_facts(config), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).hexdigest()
 
-    Reads each weight file's size and its first and last MiB: two checkpoints of the same
-    architecture differ there, and hashing gigabytes at engine start would cost minutes.
-    A model that is not on disk (a hub name) is named by itself.
-    """
-    path = Path(model)
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
-    else:
-        return f"name:{model}"
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
-    for file in files:
-        size = file.stat().st_size
-        h.update(f"{file.name}\0{size}\0".encode())
-        with open(file, "rb") as f:
-            h.update(f.read(_SAMPLE_BYTES))
-            if size > 2 * _SAMPLE_BYTES:
-                f.seek(size - _SAMPLE_BYTES)
-                h.update(f.read(_SAMPLE_BYTES))
-    config = path / "config.json" if path.is_dir() else None
-    if config is not None and config.is_file():
-        h.update(config.read_bytes())
-    return h.hexdigest()
+
+def _model_facts(value: object) -> object:
+    if isinstance(value, Mapping):
+        return {str(k): _model_facts(v) for k, v in value.items()
+                if not str(k).startswith("_") and k not in _NOT_THE_MODEL}
+    if isinstance(value, (list, tuple)):
+        return [_model_facts(v) for v in value]
+    return value

@@ -6,13 +6,18 @@ backend: per layer `[blocks, kv_heads, block_size, 2 * head_dim]`; GPU flash-att
 `[2, blocks, block_size, kv_heads, head_dim]`, K and V apart), so nothing here assumes a
 layout: a block is the sub-tensor at its index along the block dimension, cut into as few
 contiguous byte ranges as its strides allow. The same code serves DRAM and VRAM (the caller
-registers the memory type). Only the tensors' shapes, strides and addresses are read.
+registers the memory type). Only the tensors' shapes, strides, dtypes and addresses are read.
+
+Byte ranges say where a block is, not what its bytes mean: two caches whose blocks are cut into
+ranges of the same lengths may still order heads and tokens differently. `describe_layout`
+names the tensors' dtypes, shapes and memory order, for the engine's fingerprint.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Protocol
 
 
@@ -21,6 +26,7 @@ class KVTensor(Protocol):
 
     def data_ptr(self) -> int: ...
     def element_size(self) -> int: ...
+    def stride(self) -> tuple[int, ...]: ...
     def is_contiguous(self) -> bool: ...
     def select(self, dim: int, index: int) -> KVTensor: ...
     def dim(self) -> int: ...
@@ -28,6 +34,9 @@ class KVTensor(Protocol):
 
     @property
     def shape(self) -> Sequence[int]: ...
+
+    @property
+    def dtype(self) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,21 @@ def block_regions_by_layer(layers: Sequence[KVTensor], block_dim: int,
             raise IndexError(f"block {block} of {t.shape[block_dim]}")
         out.append(contiguous_regions(t.select(block_dim, block)))
     return out
+
+
+def describe_layout(layers: Sequence[KVTensor], block_dim: int) -> str:
+    """The KV tensors' dtypes, shapes (the block dimension as ``B``, so that caches of other
+    sizes compare equal) and memory order (dimensions from the largest stride), layer after
+    layer, runs of equal layers counted: ``"30x float32[B,3,32,128] order 0,1,2,3"``."""
+    texts = [_describe_tensor(t, block_dim) for t in layers]
+    return "; ".join(f"{len(list(run))}x {text}" for text, run in groupby(texts))
+
+
+def _describe_tensor(t: KVTensor, block_dim: int) -> str:
+    dims = ",".join("B" if d == block_dim else str(n) for d, n in enumerate(t.shape))
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
+    return f"{str(t.dtype).removeprefix('torch.')}[{dims}] order {','.join(map(str, order))}"
 
 
 def tensor_key(t: KVTensor) -> tuple[int, tuple[int, ...]]:

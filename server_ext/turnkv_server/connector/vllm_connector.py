@@ -27,9 +27,9 @@ said otherwise:
   stays off the command line) or ``side_channel_secret``; without one the worker refuses to
   start.
 
-Each worker also describes its engine (`engine_fingerprint`: a digest of the model's weights,
-the dtype, KV-cache dtype and block size); two engines exchange KV only if their descriptions
-match.
+Each worker also describes its engine (`engine_identity.engine_fingerprint`: digests of the
+model's weights and resolved configuration, the dtypes, block size, attention backend and KV
+layout); two engines exchange KV only if their descriptions match.
 
 The scheduler's connector finds vLLM's engine-core input queue when it is bound (vLLM binds it
 inside the engine core's constructor), so that leases expire on time on an idle engine (see
@@ -64,8 +64,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from turnkv_server.connector import identity  # noqa: E402
 from turnkv_server.connector import stats as stats_  # noqa: E402
+from turnkv_server.connector.engine_identity import engine_fingerprint  # noqa: E402
 from turnkv_server.connector.layout import check_parallelism  # noqa: E402
 from turnkv_server.connector.leases import LeasePolicy  # noqa: E402
 from turnkv_server.connector.orders import StepOrders  # noqa: E402
@@ -141,20 +141,6 @@ def side_channel_listen(extra: Mapping[str, Any], environ: Mapping[str, str]
     if port is None or port == "":
         return None
     return str(host), int(port)
-
-
-def engine_fingerprint(vllm_config: Any) -> identity.Fingerprint:
-    """What a peer must share with this engine for KV to be copied between them (the
-    transfer agent adds the KV layout). The model is named by a digest of its weights, not by
-    its path, which may differ between hosts that load the same checkpoint; the tokenizer is
-    checked per transfer, by the digest of the tokens moved."""
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    return identity.Fingerprint.of({
-        "model": identity.checkpoint_digest(model.model),
-        "dtype": model.dtype,
-        "kv_cache_dtype": cache.cache_dtype,
-        "block_size": cache.block_size,
-    })
 
 
 def find_engine_core_wakeup() -> Callable[[], None] | None:

@@ -11,6 +11,9 @@ Layer-by-layer writes run on CPU caches only. On a GPU the model's kernels run a
 host, so a layer's blocks are final only once a CUDA event recorded after the layer has
 completed; that is not built, and a GPU cache is sent in one write when its request ends.
 
+The engine's fingerprint gains the KV tensors' description (`layout.describe_layout`) when the
+cache is registered, before the transfer agent offers it to peers.
+
 Once the transfer agent has bound its side channel (port 0: a free port, bound at once), the
 address it got is written to `report_path` (the launcher reads it there).
 """
@@ -21,8 +24,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from turnkv_server.connector.blocktable import BlockTable
+from turnkv_server.connector.blocktable import BlockTable, find_block_dim
 from turnkv_server.connector.identity import Fingerprint
+from turnkv_server.connector.layout import describe_layout
 from turnkv_server.connector.orders import StepOrders, StreamOrder
 from turnkv_server.connector.transport import TransferAgent
 from turnkv_server.ports import parse_address, write_report
@@ -59,6 +63,9 @@ class WorkerSide:
         self.layer_writes &= device.type == "cpu"
         mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         table = BlockTable.from_layers(layers, num_blocks, mem_type, device.index or 0)
+        # What the blocks' bytes mean, beside where they are: peers compare it in the hello.
+        self.fingerprint = self.fingerprint.with_fields(
+            {"kv_tensors": describe_layout(layers, find_block_dim(layers[0], num_blocks))})
         # Layers are views; register each underlying buffer once.
         buffers: dict[int, int] = {}
         for t in layers:
@@ -72,6 +79,8 @@ class WorkerSide:
         self.report_address()
         log.info("turnkv: %d KV blocks of %d bytes registered (%s), agent %s, side channel %s",
                  num_blocks, table.block_bytes, mem_type, self.agent.name, self.agent.address)
+        # What a peer must match; a refused peer's log names the field that differs.
+        log.info("turnkv: engine fingerprint %s", self.agent.fingerprint.to_wire())
 
     def report_address(self) -> None:
         """Write the side channel's bound address to `report_path`, if one was asked for."""
