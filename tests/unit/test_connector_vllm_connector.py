@@ -1,4 +1,4 @@
-"""`TurnkvConnector`'s own decisions: lease keys, cache resets, settings."""
+"""`TurnkvConnector`'s own decisions: lease keys, cache resets, finding the engine core."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import queue
 import threading
 from typing import Any
 
-import pytest
 from vllm import SamplingParams
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.engine import EngineCoreRequestType
@@ -15,12 +14,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from turnkv_server.connector.leases import LeasePolicy
 from turnkv_server.connector.scheduler_side import SchedulerSide
-from turnkv_server.connector.vllm_connector import (
-    TurnkvConnector,
-    find_engine_core_wakeup,
-    side_channel_listen,
-    side_channel_secret,
-)
+from turnkv_server.connector.vllm_connector import TurnkvConnector, find_engine_core_wakeup
 
 BLOCKS = 32
 
@@ -72,27 +66,6 @@ def test_reset_cache_releases_every_lease() -> None:
     assert connector.reset_cache() is True
     assert pool.get_num_free_blocks() == BLOCKS - 1
     assert connector.has_pending_push_work() is False
-
-
-def test_the_secret_comes_from_the_environment_or_the_extra_config() -> None:
-    assert side_channel_secret({"side_channel_secret": "x" * 32}, {}) == b"x" * 32
-    env = {"TURNKV_SIDE_CHANNEL_SECRET": "e" * 32}
-    assert side_channel_secret({"side_channel_secret": "x" * 32}, env) == b"e" * 32
-    with pytest.raises(ValueError) as err:
-        side_channel_secret({}, {})
-    message = str(err.value)
-    assert "TURNKV_SIDE_CHANNEL_SECRET" in message and "side_channel_secret" in message
-
-
-def test_port_0_binds_a_free_port_and_no_port_no_side_channel() -> None:
-    assert side_channel_listen({"side_channel_port": 0}, {}) == ("127.0.0.1", 0)
-    assert side_channel_listen({"side_channel_port": "0"}, {}) == ("127.0.0.1", 0)
-    assert side_channel_listen({}, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "0"}) == ("127.0.0.1", 0)
-    assert side_channel_listen({"side_channel_host": "10.0.0.2", "side_channel_port": 5600},
-                               {"VLLM_NIXL_SIDE_CHANNEL_PORT": "7"}) == ("10.0.0.2", 5600)
-    assert side_channel_listen({}, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "h",
-                                    "VLLM_NIXL_SIDE_CHANNEL_PORT": "7"}) == ("h", 7)
-    assert side_channel_listen({}, {}) is None
 
 
 def test_the_engine_cores_input_queue_is_found_from_the_scheduler() -> None:

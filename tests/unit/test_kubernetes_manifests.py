@@ -50,7 +50,8 @@ TARGETS = ("base", *OVERLAYS)
 K8S_VERSIONS = ("1.29.0", "1.32.0")
 KUBECTL = shutil.which("kubectl")
 PLACEHOLDER = "REPLACE-ME"
-CONNECTOR_SOURCE = ROOT / "server_ext" / "turnkv_server" / "connector" / "vllm_connector.py"
+CONNECTOR_SOURCES = [ROOT / "server_ext" / "turnkv_server" / "connector" / name
+                     for name in ("vllm_connector.py", "settings.py")]
 # A kubeconfig naming a context it does not define: kubectl fails to build a client from it,
 # so the dispatcher skips its server-version query (no socket at all) and runs kustomize.
 OFFLINE_KUBECONFIG = ("apiVersion: v1\nkind: Config\ncurrent-context: turnkv-offline\n"
@@ -216,7 +217,8 @@ def test_engines_load_the_turnkv_connector_as_the_launcher_does(overlay: str) ->
     deployments = engines(overlay)
     assert {d["metadata"]["labels"]["turnkv/role"] for d in deployments.values()} == {
         "prefill", "decode"}
-    known = set(re.findall(r"extra\.get\(\"(\w+)\"", CONNECTOR_SOURCE.read_text()))
+    known = {name for source in CONNECTOR_SOURCES
+             for name in re.findall(r"extra\.get\(\"(\w+)\"", source.read_text())}
     engine_ids = set()
     for name, deployment in deployments.items():
         assert deployment["spec"]["replicas"] == 1, name

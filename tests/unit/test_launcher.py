@@ -144,6 +144,20 @@ def test_the_side_channel_secret_is_per_cluster_and_only_in_the_environment(
     assert all(SECRET_ENV not in s.environment(tmp_path, tmp_path) for s in baseline)
 
 
+def test_connector_settings_naming_a_secret_are_refused_before_vllm_logs_them() -> None:
+    # vLLM logs the whole --kv-transfer-config at startup; the launcher's secret goes in the
+    # engines' environment.
+    for name in ("side_channel_secret", "side_channel_secret_file"):
+        for tier in (None, 64):
+            with pytest.raises(ValueError, match=name) as err:
+                kv_transfer_config("turnkv", "prefill", "e0", tier_host_blocks=tier,
+                                   connector_settings={name: "s3cr3t-value"})
+            assert "s3cr3t-value" not in str(err.value)
+    for config in (kv_transfer_config("turnkv", "decode", "e1", connector_settings={"a": 1}),
+                   kv_transfer_config("turnkv", "decode", "e1", tier_host_blocks=64)):
+        assert config is not None and config["kv_load_failure_policy"] == "recompute"
+
+
 def test_the_state_file_holds_no_secret(tmp_path: Path) -> None:
     cluster = Cluster(ClusterConfig(mode="turnkv", run_dir=tmp_path))
     cluster.engines = [EngineProcess(spec, tmp_path)

@@ -8,24 +8,8 @@
 The same class runs on prefill and decode engines; what a request does is up to the router's
 `kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`). This module only adapts
 vLLM's interface (`kv_connector/v1/base.py`) to the two halves: `scheduler_side` (pure logic
-on the block pool) and `worker_side` (NIXL). Settings, in `kv_connector_extra_config` unless
-said otherwise:
-
-- ``lease_ttl_s`` (300), ``lease_max_ttl_s`` (900): the default lease and the operator's cap;
-- ``max_pinned_fraction`` (0.5): the share of the cache leases may hold;
-- ``receive_timeout_s`` (120), ``send_timeout_s`` (60): how long a transfer may take to start;
-- ``layer_writes`` (true): write a prefill's KV layer by layer while it computes, when the
-  receiver has registered (CPU caches; a GPU cache gets one write at the end, see
-  `worker_side`);
-- ``side_channel_host``/``side_channel_port``: where peers reach this engine (default: vLLM's
-  ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``; neither port set: no side channel). Port 0
-  binds a free port when the worker starts; with the environment variable
-  ``TURNKV_SIDE_CHANNEL_REPORT`` naming a file, the worker writes the "host:port" it bound
-  there (whole: written, then renamed), for whoever launched the engine;
-- the side channel's secret, shared by every engine of a cluster: every side-channel message
-  is signed with it. The environment variable ``TURNKV_SIDE_CHANNEL_SECRET`` (preferred: it
-  stays off the command line) or ``side_channel_secret``; without one the worker refuses to
-  start.
+on the block pool) and `worker_side` (NIXL). Its settings, and where the side channel's secret
+comes from (the environment or a file, never this config, which vLLM logs), are in `settings`.
 
 Each worker also describes its engine (`engine_identity.engine_fingerprint`: digests of the
 model's weights and resolved configuration, the dtypes, block size, attention backend and KV
@@ -43,7 +27,7 @@ import logging
 import os
 import queue
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from turnkv_server.engine.nixl_poll import apply_poll_delay
@@ -64,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
+from turnkv_server.connector import settings  # noqa: E402
 from turnkv_server.connector import stats as stats_  # noqa: E402
 from turnkv_server.connector.engine_identity import engine_fingerprint  # noqa: E402
 from turnkv_server.connector.layout import check_parallelism  # noqa: E402
@@ -83,10 +68,6 @@ class SettledReceives(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, SettledReceives)
         return SettledReceives(self.request_ids | other.request_ids)
-
-
-def _flag(value: Any) -> bool:
-    return value if isinstance(value, bool) else str(value).lower() not in ("0", "false", "no")
 
 
 def _log_like_vllm() -> None:
@@ -113,34 +94,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TurnkvConnector"]
 
-SECRET_ENV = "TURNKV_SIDE_CHANNEL_SECRET"
-REPORT_ENV = "TURNKV_SIDE_CHANNEL_REPORT"
-
 log = logging.getLogger(__name__)
-
-
-def side_channel_secret(extra: Mapping[str, Any], environ: Mapping[str, str]) -> bytes:
-    """The cluster's side-channel secret: the environment's, else the extra config's."""
-    secret = environ.get(SECRET_ENV) or extra.get("side_channel_secret")
-    if not isinstance(secret, str) or not secret:
-        raise ValueError(
-            "turnkv: the KV side channel needs a secret shared by the cluster's engines: set "
-            f"the environment variable {SECRET_ENV} (preferred: it stays off the command "
-            "line) or kv_connector_extra_config.side_channel_secret")
-    return secret.encode()
-
-
-def side_channel_listen(extra: Mapping[str, Any], environ: Mapping[str, str]
-                        ) -> tuple[str, int] | None:
-    """Where to bind the side channel (port 0: a free one), or None for no side channel."""
-    host = extra.get("side_channel_host") or environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST",
-                                                         "127.0.0.1")
-    port = extra.get("side_channel_port")
-    if port is None or port == "":  # 0 is a port: "bind a free one"
-        port = environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
-    if port is None or port == "":
-        return None
-    return str(host), int(port)
 
 
 def find_engine_core_wakeup() -> Callable[[], None] | None:
@@ -206,6 +160,7 @@ class TurnkvConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         check_parallelism(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        settings.refuse_secret_in_config(extra)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -217,13 +172,13 @@ class TurnkvConnector(KVConnectorBase_V1):
         else:
             self._worker = WorkerSide(
                 str(self._kv_transfer_config.engine_id),
-                side_channel_listen(extra, os.environ),
+                settings.side_channel_listen(extra, os.environ),
                 float(extra.get("receive_timeout_s", 120.0)),
                 float(extra.get("send_timeout_s", 60.0)),
-                layer_writes=_flag(extra.get("layer_writes", True)),
-                secret=side_channel_secret(extra, os.environ),
+                layer_writes=settings.flag(extra.get("layer_writes", True)),
+                secret=settings.side_channel_secret(extra, os.environ),
                 fingerprint=engine_fingerprint(vllm_config),
-                report_path=os.environ.get(REPORT_ENV) or None)
+                report_path=os.environ.get(settings.REPORT_ENV) or None)
 
     # -- scheduler side ----------------------------------------------------------------------
 

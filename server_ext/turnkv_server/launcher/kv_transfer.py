@@ -13,6 +13,11 @@ from the first connector that reports tokens), then vLLM's `OffloadingConnector`
 project's host-memory spec (`turnkv_server.tier`), which serves what neither the prefix cache
 nor the peer has: a session whose blocks were evicted under pressure. `host_tier` with a
 `disk_tier` puts this project's bounded, checked disk tier below host memory.
+
+Every turnkv engine is configured with ``"kv_load_failure_policy": "recompute"``, at the top,
+where vLLM reads it. The side channel's secret is never in this config, which vLLM logs: the
+launcher passes the cluster's secret in each engine's environment (`launcher.engine`), and
+refuses connector settings that name one.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ def kv_transfer_config(
     if role == "single" or (role == "engine" and not engine_leases):
         return None
     if mode == "turnkv" or role == "engine":
+        refuse_secret_settings(connector_settings or {})
         # One class on both roles; a failed receive is recomputed, never served.
         turnkv = {
             "kv_connector": "TurnkvConnector",
@@ -79,6 +85,19 @@ def kv_transfer_config(
         if recompute_threshold is not None:
             config["kv_connector_extra_config"]["kv_recompute_threshold"] = recompute_threshold
     return config
+
+
+def refuse_secret_settings(settings: dict[str, Any]) -> None:
+    """The launcher gives the engines their secret (`ClusterConfig.side_channel_secret`, or
+    a new one) in their environment; connector settings naming one would be logged or
+    conflict with it."""
+    named = sorted({"side_channel_secret", "side_channel_secret_file"} & set(settings))
+    if named:
+        raise ValueError(
+            f"connector settings {', '.join(named)}: the launcher passes the cluster's "
+            f"side-channel secret in each engine's environment (never in its "
+            f"--kv-transfer-config, which vLLM logs): ClusterConfig.side_channel_secret, "
+            f"or a new one per cluster")
 
 
 def disk_tier(root_dir: str, max_bytes: int) -> dict[str, Any]:

@@ -1,0 +1,89 @@
+"""The connector's settings.
+
+In ``kv_connector_extra_config`` unless said otherwise:
+
+- ``lease_ttl_s`` (300), ``lease_max_ttl_s`` (900): the default lease and the operator's cap;
+- ``max_pinned_fraction`` (0.5): the share of the cache leases may hold;
+- ``receive_timeout_s`` (120), ``send_timeout_s`` (60): how long a transfer may take to start;
+- ``layer_writes`` (true): write a prefill's KV layer by layer while it computes, when the
+  receiver has registered (CPU caches; a GPU cache gets one write at the end, see
+  `worker_side`);
+- ``side_channel_host``/``side_channel_port``: where peers reach this engine (default: vLLM's
+  ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``; neither port set: no side channel). Port 0
+  binds a free port when the worker starts; with the environment variable
+  ``TURNKV_SIDE_CHANNEL_REPORT`` naming a file, the worker writes the "host:port" it bound
+  there (whole: written, then renamed), for whoever launched the engine;
+- the side channel's secret, shared by every engine of a cluster, which signs every
+  side-channel message: the environment variable ``TURNKV_SIDE_CHANNEL_SECRET``, or
+  ``side_channel_secret_file``, a file holding it (surrounding whitespace ignored), such as a
+  mounted Kubernetes secret. Never the secret itself in this config: vLLM logs the whole
+  ``--kv-transfer-config`` among its non-default arguments at startup, so a connector given
+  ``side_channel_secret`` refuses to start, and says where to put it instead. Without a
+  secret the worker refuses to start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+SECRET_ENV = "TURNKV_SIDE_CHANNEL_SECRET"
+SECRET_FILE_SETTING = "side_channel_secret_file"
+REPORT_ENV = "TURNKV_SIDE_CHANNEL_REPORT"
+# Names under which a secret would be logged with vLLM's configuration.
+_LOGGED_SECRET_SETTINGS = ("side_channel_secret",)
+
+
+def flag(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() not in ("0", "false", "no")
+
+
+def refuse_secret_in_config(extra: Mapping[str, Any]) -> None:
+    """Refuse a config that carries the secret itself (vLLM has logged it already)."""
+    for name in _LOGGED_SECRET_SETTINGS:
+        if name in extra:
+            raise ValueError(
+                f"turnkv: kv_connector_extra_config.{name} is not read: vLLM writes the whole "
+                f"--kv-transfer-config to its log at startup, so a secret there is in the log "
+                f"(replace it). Remove it and give the engine the secret in the environment "
+                f"variable {SECRET_ENV}, or name a file holding it in "
+                f"kv_connector_extra_config.{SECRET_FILE_SETTING}")
+
+
+def side_channel_secret(extra: Mapping[str, Any], environ: Mapping[str, str]) -> bytes:
+    """The cluster's side-channel secret: the environment's, or the named file's."""
+    refuse_secret_in_config(extra)
+    secret = environ.get(SECRET_ENV)
+    path = extra.get(SECRET_FILE_SETTING)
+    if secret and path:
+        raise ValueError(
+            f"turnkv: the side channel's secret is given twice, in the environment variable "
+            f"{SECRET_ENV} and in the file {path} ({SECRET_FILE_SETTING}): keep one")
+    if path:
+        try:
+            secret = Path(str(path)).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"turnkv: cannot read the side channel's secret from {path} "
+                             f"({SECRET_FILE_SETTING}): {exc.__class__.__name__}") from None
+        if not secret:
+            raise ValueError(f"turnkv: the side channel's secret file {path} is empty")
+    if not secret:
+        raise ValueError(
+            f"turnkv: the KV side channel needs a secret shared by the cluster's engines: set "
+            f"the environment variable {SECRET_ENV}, or name a file holding it in "
+            f"kv_connector_extra_config.{SECRET_FILE_SETTING}")
+    return secret.encode()
+
+
+def side_channel_listen(extra: Mapping[str, Any], environ: Mapping[str, str]
+                        ) -> tuple[str, int] | None:
+    """Where to bind the side channel (port 0: a free one), or None for no side channel."""
+    host = extra.get("side_channel_host") or environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST",
+                                                         "127.0.0.1")
+    port = extra.get("side_channel_port")
+    if port is None or port == "":  # 0 is a port: "bind a free one"
+        port = environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    if port is None or port == "":
+        return None
+    return str(host), int(port)

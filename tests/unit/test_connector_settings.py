@@ -1,0 +1,53 @@
+"""The connector's settings: where the side channel listens, and where its secret comes from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from turnkv_server.connector.settings import side_channel_listen, side_channel_secret
+
+SECRET = "s3cr3t-" * 6
+ENV = "TURNKV_SIDE_CHANNEL_SECRET"
+
+
+def test_the_secret_comes_from_the_environment_or_a_file(tmp_path: Path) -> None:
+    assert side_channel_secret({}, {ENV: SECRET}) == SECRET.encode()
+    mounted = tmp_path / "secret"
+    mounted.write_text(SECRET + "\n")  # as `kubectl create secret --from-file` keeps it
+    assert side_channel_secret({"side_channel_secret_file": str(mounted)}, {}) == (
+        SECRET.encode())
+    with pytest.raises(ValueError, match="twice"):
+        side_channel_secret({"side_channel_secret_file": str(mounted)}, {ENV: SECRET})
+    for bad in (tmp_path / "missing", tmp_path):
+        with pytest.raises(ValueError, match="cannot read") as err:
+            side_channel_secret({"side_channel_secret_file": str(bad)}, {})
+        assert str(bad) in str(err.value)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        side_channel_secret({"side_channel_secret_file": str(tmp_path / "empty")}, {})
+    with pytest.raises(ValueError) as err:
+        side_channel_secret({}, {})
+    assert ENV in str(err.value) and "side_channel_secret_file" in str(err.value)
+
+
+def test_a_secret_in_the_config_is_refused_and_never_repeated() -> None:
+    # vLLM logs the whole --kv-transfer-config at startup: a secret there is in the log.
+    for environ in ({}, {ENV: "other-" * 8}):
+        with pytest.raises(ValueError) as err:
+            side_channel_secret({"side_channel_secret": SECRET}, environ)
+        message = str(err.value)
+        assert SECRET not in message
+        assert "log" in message and ENV in message and "side_channel_secret_file" in message
+
+
+def test_port_0_binds_a_free_port_and_no_port_no_side_channel() -> None:
+    assert side_channel_listen({"side_channel_port": 0}, {}) == ("127.0.0.1", 0)
+    assert side_channel_listen({"side_channel_port": "0"}, {}) == ("127.0.0.1", 0)
+    assert side_channel_listen({}, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "0"}) == ("127.0.0.1", 0)
+    assert side_channel_listen({"side_channel_host": "10.0.0.2", "side_channel_port": 5600},
+                               {"VLLM_NIXL_SIDE_CHANNEL_PORT": "7"}) == ("10.0.0.2", 5600)
+    assert side_channel_listen({}, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "h",
+                                    "VLLM_NIXL_SIDE_CHANNEL_PORT": "7"}) == ("h", 7)
+    assert side_channel_listen({}, {}) is None
