@@ -15,6 +15,8 @@ which adapts vLLM's connector interface to two halves:
   protocol whose messages are typed and signed (`side_channel`); every NIXL write goes through
   `writes`, and `outcomes` carries what finished back to the step thread.
 
-`identity` is what must match before KV is copied (engine fingerprints, token digests);
-`stats`, the counters each engine exposes on `/metrics`.
+`identity` is what must match before KV is copied (engine fingerprints, token digests), read
+from vLLM's configuration by `engine_identity` with the weights' digest from `checkpoint`;
+`settings`, the connector's settings and what it requires of the engine; `stats`, the counters
+each engine exposes on `/metrics`.
 """

@@ -264,10 +264,12 @@ class SchedulerSide:
             if ours is None and tracked is not None and tracked.allocated_at is not None:
                 # Not a receive of ours: the tier below loaded it (a step's granularity).
                 tracked.restore_ms = (time.monotonic() - tracked.allocated_at) * 1000
-            if request_id in quarantined:
+            # Under MultiConnector the report is every connector's: another's failed load
+            # is neither our quarantine nor our failed receive.
+            if ours is not None and request_id in quarantined:
                 self._holder().quarantine(request_id, blocks)
-            if tracked is not None and (bool(failed_blocks and blocks & failed_blocks)
-                                        or request_id in quarantined):
+            if tracked is not None and ours is not None and (
+                    bool(failed_blocks and blocks & failed_blocks) or request_id in quarantined):
                 tracked.receive_failed = True
         if quarantined:
             self._gauges()

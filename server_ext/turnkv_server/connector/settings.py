@@ -1,4 +1,4 @@
-"""The connector's settings.
+"""The connector's settings, and what it requires of the engine it runs in.
 
 In ``kv_connector_extra_config`` unless said otherwise:
 
@@ -20,6 +20,12 @@ In ``kv_connector_extra_config`` unless said otherwise:
   ``--kv-transfer-config`` among its non-default arguments at startup, so a connector given
   ``side_channel_secret`` refuses to start, and says where to put it instead. Without a
   secret the worker refuses to start.
+
+The engine's ``kv_load_failure_policy`` (the outer config's under ``MultiConnector``) must be
+``recompute``: every way a turnkv receive can end without its KV (refused, late, given up)
+relies on vLLM computing the prompt instead, and under vLLM's default, ``fail``, each would
+reach the client as an error. The scheduler's connector checks the policy vLLM's scheduler
+adopted (`require_recompute`) and refuses to start otherwise.
 """
 
 from __future__ import annotations
@@ -87,3 +93,13 @@ def side_channel_listen(extra: Mapping[str, Any], environ: Mapping[str, str]
     if port is None or port == "":
         return None
     return str(host), int(port)
+
+
+def require_recompute(recompute_kv_load_failures: bool) -> None:
+    """Refuse an engine whose scheduler fails requests on a failed KV load."""
+    if not recompute_kv_load_failures:
+        raise ValueError(
+            'turnkv: this engine\'s kv_load_failure_policy is "fail": every receive turnkv '
+            "gives up (refused, late, or its sender lost) would reach the client as an error "
+            'instead of being computed. Set "kv_load_failure_policy": "recompute" in '
+            "--kv-transfer-config (the outer config, under MultiConnector)")

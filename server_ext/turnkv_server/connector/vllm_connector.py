@@ -8,8 +8,9 @@
 The same class runs on prefill and decode engines; what a request does is up to the router's
 `kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`). This module only adapts
 vLLM's interface (`kv_connector/v1/base.py`) to the two halves: `scheduler_side` (pure logic
-on the block pool) and `worker_side` (NIXL). Its settings, and where the side channel's secret
-comes from (the environment or a file, never this config, which vLLM logs), are in `settings`.
+on the block pool) and `worker_side` (NIXL). Its settings, and what it requires of the engine
+(the side channel's secret in the environment or a file, never in this config; the load-failure
+policy "recompute"), are in `settings`.
 
 Each worker also describes its engine (`engine_identity.engine_fingerprint`: digests of the
 model's weights and resolved configuration, the dtypes, block size, attention backend and KV
@@ -17,7 +18,13 @@ layout); two engines exchange KV only if their descriptions match.
 
 The scheduler's connector finds vLLM's engine-core input queue when it is bound (vLLM binds it
 inside the engine core's constructor), so that leases expire on time on an idle engine (see
-`idle_expiry`).
+`idle_expiry`), and checks the load-failure policy of the scheduler that binds it.
+
+A receive is reported to vLLM as one of two kinds of failure. Given up while its sender might
+still write (quarantined), it is a failed receive (`failed_recving`): vLLM frees the request's
+blocks and computes its prompt in other ones, while the scheduler side keeps the old blocks out
+of use until the worker says they are settled. Failed with nothing in flight, its blocks are
+load errors (`get_block_ids_with_load_errors`): vLLM computes them again in place.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import os
 import queue
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from turnkv_server.engine.nixl_poll import apply_poll_delay
 
@@ -97,26 +104,36 @@ __all__ = ["TurnkvConnector"]
 log = logging.getLogger(__name__)
 
 
+_Owner = TypeVar("_Owner")
+
+
+def constructing(cls: type[_Owner]) -> _Owner | None:
+    """The nearest `self` up the stack that is a `cls`: the vLLM object (engine core,
+    scheduler) whose constructor is building or binding this connector."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, cls):
+            return owner
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 def find_engine_core_wakeup() -> Callable[[], None] | None:
     """A function that wakes vLLM's engine core when it sleeps on its input queue, or None.
 
     The scheduler and its connector are built inside the engine core's constructor, which
-    creates the queue first: the constructing engine core is the `self` of a frame up the
-    stack. A wake-up is vLLM's own no-op message on that queue (`queue.Queue` is
-    thread-safe); vLLM's signal handling sends the same one to end an idle engine.
+    creates the queue first. A wake-up is vLLM's own no-op message on that queue
+    (`queue.Queue` is thread-safe); vLLM's signal handling sends the same one to end an idle
+    engine.
     """
     from vllm.v1.engine import EngineCoreRequestType
     from vllm.v1.engine.core import EngineCore
 
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, EngineCore):
-            inbox = getattr(owner, "input_queue", None)
-            if isinstance(inbox, queue.Queue):
-                message = (EngineCoreRequestType.WAKEUP, None)
-                return lambda: inbox.put_nowait(message)
-        frame = frame.f_back  # type: ignore[assignment]
+    inbox = getattr(constructing(EngineCore), "input_queue", None)
+    if isinstance(inbox, queue.Queue):
+        message = (EngineCoreRequestType.WAKEUP, None)
+        return lambda: inbox.put_nowait(message)
     return None
 
 
@@ -183,6 +200,14 @@ class TurnkvConnector(KVConnectorBase_V1):
     # -- scheduler side ----------------------------------------------------------------------
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        # vLLM binds the pool at the end of its scheduler's constructor, once the scheduler
+        # has adopted the engine's load-failure policy (the outer config's, under
+        # MultiConnector, which this connector's own config is not).
+        scheduler = constructing(Scheduler)
+        if scheduler is not None:
+            settings.require_recompute(scheduler.recompute_kv_load_failures)
         wake = find_engine_core_wakeup()
         if wake is None:
             log.info("turnkv: no engine-core input queue found: leases expire when the engine "
@@ -268,8 +293,9 @@ class TurnkvConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """As vLLM's, with the receives given up while their sender might still write as
-        failed receives: vLLM then frees those requests' blocks and computes their prompts in
-        other ones, while the scheduler side keeps the freed blocks out of use."""
+        failed receives (in both sets, as vLLM asks): vLLM then frees those requests' blocks
+        and computes their prompts in other ones, while the scheduler side keeps the freed
+        blocks out of use."""
         sending, recving = self._work().get_finished()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=self._work().take_quarantined())

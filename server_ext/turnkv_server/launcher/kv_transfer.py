@@ -14,10 +14,10 @@ project's host-memory spec (`turnkv_server.tier`), which serves what neither the
 nor the peer has: a session whose blocks were evicted under pressure. `host_tier` with a
 `disk_tier` puts this project's bounded, checked disk tier below host memory.
 
-Every turnkv engine is configured with ``"kv_load_failure_policy": "recompute"``, at the top,
-where vLLM reads it. The side channel's secret is never in this config, which vLLM logs: the
-launcher passes the cluster's secret in each engine's environment (`launcher.engine`), and
-refuses connector settings that name one.
+Every turnkv engine is configured with ``"kv_load_failure_policy": "recompute"`` (at the top,
+where vLLM reads it; the connector refuses to start under any other). The side channel's secret
+is never in this config, which vLLM logs: the launcher passes the cluster's secret in each
+engine's environment (`launcher.engine`), and refuses connector settings that name one.
 """
 
 from __future__ import annotations
