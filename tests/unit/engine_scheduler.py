@@ -1,62 +1,47 @@
 """vLLM's own scheduler with the turnkv connector, stepped by hand: no model, no worker.
 
 `EngineScheduler` builds vLLM's `Scheduler` (block pool, KV cache manager, admission, the
-running loop, its calls into the connector) from a model config alone, as the engine core
-does, and stands in for the model runner only: each step, a request that has computed its
-prompt samples one token, and the connector's worker half reports nothing unless a test says
-so (`step(kv=...)`). A lower tier can sit beside turnkv under vLLM's `MultiConnector`:
-`DeferredTier` is a connector whose lookup answers "ask again later" (None) while
-`DeferredTier.deferring` is set, as vLLM's offloading connector does while it promotes KV from
-disk.
+running loop, its calls into the connector) from a model config alone (`vllm_engine`), as
+the engine core does, and stands in for the model runner only: each step, a request that has
+computed its prompt samples one token, and the connector's worker half reports nothing unless
+a test says so (`step(kv=...)`). A lower tier can sit beside turnkv under vLLM's
+`MultiConnector`: `DeferredTier` is a connector whose lookup answers "ask again later" (None)
+while `DeferredTier.deferring` is set, as vLLM's offloading connector does while it promotes
+KV from disk.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
 from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-)
+from vllm.config import KVTransferConfig
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
+from tests.unit.vllm_engine import (
+    BLOCK_SIZE,
+    ConnectorBeside,
+    engine_config,
+    model_folder,
+    scheduler,
+    turnkv,
+)
 from turnkv_server.connector.scheduler_side import SchedulerSide
 from turnkv_server.connector.vllm_connector import TurnkvConnector
 from turnkv_server.engine.protocol import TurnParams
 
-BLOCK = 16
+BLOCK = BLOCK_SIZE
 # Leases may take the whole cache: tests fill it with them.
-TURNKV = {"kv_connector": "TurnkvConnector",
-          "kv_connector_module_path": "turnkv_server.connector.vllm_connector",
-          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"max_pinned_fraction": 1.0}}
-# A Llama's config.json: all vLLM's scheduler reads of a model.
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096,
-         "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
-         "torch_dtype": "float32"}
+TURNKV = turnkv(kv_connector_extra_config={"max_pinned_fraction": 1.0})
+MAX_LEN = 4096
 
 
-class DeferredTier(KVConnectorBase_V1):
+class DeferredTier(ConnectorBeside):
     """A lower tier that has nothing, and whose lookup is deferred while `deferring`."""
 
     deferring: ClassVar[bool] = False
@@ -64,26 +49,6 @@ class DeferredTier(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return (None, False) if DeferredTier.deferring else (0, False)
-
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
-        pass
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass
 
 
 def kv_transfer_config(tier: bool) -> KVTransferConfig:
@@ -101,23 +66,9 @@ class EngineScheduler:
     (`tier`: under MultiConnector, `DeferredTier` below it)."""
 
     def __init__(self, model_dir: Path, blocks: int, tier: bool = False) -> None:
-        (model_dir / "config.json").write_text(json.dumps(LLAMA))
-        model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
-                            max_model_len=4096)
-        config = VllmConfig(
-            model_config=model,
-            scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096,
-                                             max_model_len=4096, is_encoder_decoder=False),
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            kv_transfer_config=kv_transfer_config(tier), device_config=DeviceConfig("cpu"))
-        config.cache_config.num_gpu_blocks = blocks
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
-                                 dtype=torch.float32)
-        self.scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[],
-                                          kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]),
-            structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+        config = engine_config(model_folder(model_dir), kv_transfer_config(tier),
+                               blocks=blocks, max_len=MAX_LEN, max_seqs=16)
+        self.scheduler = scheduler(config)
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BLOCK, sha256)
         self.pool = self.scheduler.kv_cache_manager.block_pool

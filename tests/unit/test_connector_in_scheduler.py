@@ -9,10 +9,6 @@ from typing import Any
 import pytest
 from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -22,6 +18,7 @@ from vllm.v1.request import Request, RequestStatus
 from tests.unit.vllm_engine import (
     BLOCK_SIZE,
     NUM_BLOCKS,
+    ConnectorBeside,
     engine_config,
     model_folder,
     scheduler,
@@ -39,7 +36,7 @@ PROMPT = 70  # tokens: 5 blocks, the last partial
 PEER = "127.0.0.1:7000"
 
 
-class BesideConnector(KVConnectorBase_V1):
+class BesideConnector(ConnectorBeside):
     """A connector that loads any request asking for it (`kv_transfer_params["beside"]`)
     asynchronously, once; what its worker reports, the test says."""
 
@@ -59,22 +56,6 @@ class BesideConnector(KVConnectorBase_V1):
                                  num_external_tokens: int) -> None:
         if num_external_tokens:
             self.loading.add(request.request_id)
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass
 
 
 class ReportingAgent:
@@ -168,6 +149,15 @@ def test_a_secret_in_the_config_stops_the_engine_at_its_scheduler(folder: Path) 
     inline = turnkv(kv_connector_extra_config={"side_channel_secret": "x" * 32})
     with pytest.raises(ValueError, match="TURNKV_SIDE_CHANNEL_SECRET"):
         scheduler(engine_config(folder, inline))
+
+
+def test_the_engines_settings_reach_the_scheduler_half(folder: Path) -> None:
+    sched = scheduler(engine_config(folder, turnkv(kv_connector_extra_config={
+        "max_pinned_fraction": 0.75, "max_quarantined_fraction": 0.1})))
+    assert isinstance(sched.connector, TurnkvConnector)
+    side = sched.connector._sched()
+    assert side.policy.max_pinned_fraction == 0.75
+    assert side.max_quarantined_fraction == 0.1
 
 
 def test_a_quarantined_receive_reaches_vllm_as_a_failed_one(folder: Path) -> None:

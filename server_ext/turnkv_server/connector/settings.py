@@ -4,6 +4,9 @@ In ``kv_connector_extra_config`` unless said otherwise:
 
 - ``lease_ttl_s`` (300), ``lease_max_ttl_s`` (900): the default lease and the operator's cap;
 - ``max_pinned_fraction`` (0.5): the share of the cache leases may hold;
+- ``max_quarantined_fraction`` (0.25): the share of the cache that blocks of given-up receives
+  may hold (a late write may still land in them) before this engine stops starting receives
+  and computes prompts itself;
 - ``receive_timeout_s`` (120), ``send_timeout_s`` (60): how long a transfer may take to start;
 - ``layer_writes`` (true): write a prefill's KV layer by layer while it computes, when the
   receiver has registered (CPU caches; a GPU cache gets one write at the end, see

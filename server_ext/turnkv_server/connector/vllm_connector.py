@@ -185,7 +185,9 @@ class TurnkvConnector(KVConnectorBase_V1):
                 default_ttl_s=float(extra.get("lease_ttl_s", 300.0)),
                 max_ttl_s=float(extra.get("lease_max_ttl_s", 900.0)),
                 max_pinned_fraction=float(extra.get("max_pinned_fraction", 0.5)))
-            self._scheduler = SchedulerSide(vllm_config.cache_config.block_size, policy)
+            self._scheduler = SchedulerSide(
+                vllm_config.cache_config.block_size, policy,
+                max_quarantined_fraction=float(extra.get("max_quarantined_fraction", 0.25)))
         else:
             self._worker = WorkerSide(
                 str(self._kv_transfer_config.engine_id),
