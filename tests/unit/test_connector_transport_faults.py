@@ -1,0 +1,207 @@
+"""The transfer protocol's failures, between two real NIXL agents in one process: a receiver
+reports its blocks for recompute once no write of the sender can still land in them, or, when
+it cannot know that, quarantines them (its request recomputes elsewhere) until it can. A slow
+link or a peer dying mid-write is simulated by wrapping the sender's NIXL agent
+(`transfer_pair.GatedStates`, `DeadPeerStates`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import zmq
+
+from tests.unit.transfer_pair import (
+    PROMPT,
+    DeadPeerStates,
+    Engine,
+    GatedStates,
+    Pair,
+    SilentSender,
+    engine_pair,
+    holds_for,
+    registered,
+    untouched,
+    unused_address,
+    wait_until,
+)
+from turnkv_server.connector import receiving
+from turnkv_server.connector import side_channel as sc
+from turnkv_server.engine.nixl_poll import apply_poll_delay
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    with engine_pair() as engines:
+        yield engines
+
+
+def test_a_silent_peer_times_out(pair: Pair) -> None:
+    _, receiver, _ = pair
+    receiver.receive("rx", "t1", unused_address(), [2], first_block=0)
+    wait_until(receiver.received("rx"), timeout=5)
+    assert receiver.results.failed_blocks == {2}
+    assert receiver.results.counters.receives_failed == 1
+
+
+def test_a_sender_restarted_mid_transfer_settles_the_quarantine_after_the_grace(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    sender, receiver, address = pair
+    monkeypatch.setattr(sc, "WRITE_GRACE_S", 0.3)
+    sender.agent.expect("t1", PROMPT)
+    receiver.receive("rx", "t1", address, [1], first_block=0, timeout_s=30.0)
+    wait_until(registered(sender, "t1"))
+    sender.agent.close()
+    wait_until(receiver.received("rx"), timeout=3.0)
+    assert receiver.results.quarantined == {"rx"}
+    # Another agent answers at its address: the old process is gone and the network works,
+    # so what its connection still carried lands within the grace.
+    port = int(address.rsplit(":", 1)[1])
+    restarted = Engine("sender", fill=9.0, listen=True, port=port)
+    try:
+        receiver.receive("rx2", "t2", address, [2], first_block=0)
+        restarted.send("tx2", "t2", [5])
+        wait_until(receiver.received("rx2"))
+        wait_until(receiver.settled("rx"))
+        assert receiver.results.counters.quarantines_expired == 0
+        assert bool((receiver.buffer[:, 2] == 9.0).all())
+    finally:
+        restarted.agent.close()
+
+
+# -- a receiver hands its blocks back only when no write can still land ----------------------------
+
+def test_a_receiver_that_gives_up_on_a_silent_sender_quarantines_its_blocks(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, receiver, _ = pair
+    monkeypatch.setattr(receiving, "QUARANTINE_MAX_S", 3.0)
+    silent = SilentSender()
+    try:
+        receiver.receive("rx", "t1", silent.address, [1, 2], first_block=0, timeout_s=0.5)
+        silent.serve_until_registered()
+        # The receive's deadline passes. The sender could still be about to write (it is only
+        # slow, or cut off): its request goes on without these blocks, which stay held.
+        wait_until(receiver.received("rx"), timeout=5)
+        assert receiver.results.quarantined == {"rx"} and not receiver.results.failed_blocks
+        assert receiver.results.counters.receives_cancelled == 1
+        # Its socket closing says nothing certain (a broken link looks the same): still held.
+        silent.close()
+        assert holds_for(lambda: "rx" not in receiver.collect().settled, 1.0)
+        # No word from it for the longest a TCP connection retransmits: the blocks go back.
+        wait_until(receiver.settled("rx"), timeout=5)
+        assert receiver.results.counters.quarantines_expired == 1
+    finally:
+        silent.close()
+
+
+def test_failed_is_sent_only_after_the_layer_writes_settle(
+        pair: Pair) -> None:
+    sender, receiver, address = pair
+    gate = GatedStates(sender.agent.writer.nixl)
+    sender.agent.writer.nixl = gate
+    sender.agent.expect("t1", PROMPT)
+    receiver.receive("rx", "t1", address, [6, 2], first_block=0)
+    wait_until(registered(sender, "t1"))
+    sender.agent.write_layer("t1", 0, [(0, 3), (1, 4)])
+    # The request is aborted while its first layer is still being written.
+    sender.agent.refuse("t1")
+    assert holds_for(lambda: "rx" not in receiver.collect().finished_recving, 1.0)
+    gate.open = True
+    wait_until(receiver.received("rx"))
+    assert receiver.results.failed_blocks == {6, 2}
+
+
+def test_a_cancel_while_writes_are_in_flight_is_settled_after_them(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    sender, receiver, address = pair
+    monkeypatch.setattr(sc, "WRITE_GRACE_S", 0.3)
+    gate = GatedStates(sender.agent.writer.nixl)
+    sender.agent.writer.nixl = gate
+    sender.agent.expect("t1", PROMPT)
+    receiver.receive("rx", "t1", address, [6, 2], first_block=0)
+    wait_until(registered(sender, "t1"))
+    sender.agent.write_layer("t1", 0, [(0, 3), (1, 4)])
+    # The receiving request is aborted: it ends at once, its blocks quarantined.
+    receiver.agent.cancel_receive("t1")
+    wait_until(receiver.received("rx"))
+    assert receiver.results.quarantined == {"rx"} and not receiver.results.failed_blocks
+    # They come back only after the sender's writes settled and it said so, and a grace.
+    assert holds_for(lambda: "rx" not in receiver.collect().settled, 1.0)
+    gate.open = True
+    wait_until(receiver.settled("rx"))
+    assert receiver.results.counters.quarantines_expired == 0
+
+
+def test_a_sender_that_died_is_not_waited_for(pair: Pair) -> None:
+    """Its process gone (its side channel closed, nothing listening there): receives
+    registered with it come back at once, and new ones do not register with a dead agent."""
+    sender, receiver, address = pair
+    receiver.receive("rx1", "t1", address, [1], first_block=0)
+    sender.send("tx1", "t1", [0])
+    wait_until(receiver.received("rx1"))
+    sender.agent.expect("t2", PROMPT)
+    receiver.receive("rx2", "t2", address, [2], first_block=0, timeout_s=30.0)
+    wait_until(registered(sender, "t2"))
+    sender.agent.close()  # the prefill engine is killed
+    # Its request goes on at once, in other blocks: whether the sender died or the link to it
+    # broke, the receiver cannot tell, so these stay held.
+    wait_until(receiver.received("rx2"), timeout=3.0)
+    assert receiver.results.quarantined == {"rx2"}
+    # A turn that comes meanwhile: its receive waits for a sender to answer, and gives its
+    # blocks back at once when its request is aborted (it never registered: nothing writes).
+    receiver.receive("rx3", "t3", address, [3], first_block=0, timeout_s=30.0)
+    time.sleep(0.3)
+    receiver.agent.cancel_receive("t3")
+    wait_until(receiver.received("rx3"), timeout=2.0)
+    assert receiver.results.failed_blocks == {3}
+    assert untouched(receiver, but=(1,))
+
+
+# -- a NIXL call that raises fails its transfer only -----------------------------------------------
+
+def test_a_peer_dying_mid_write_fails_only_its_transfer(pair: Pair
+                                                        ) -> None:
+    sender, receiver, address = pair
+    nixl = DeadPeerStates(sender.agent.writer.nixl)
+    sender.agent.writer.nixl = nixl
+    receiver.receive("rx1", "t1", address, [1], first_block=0)
+    sender.send("tx1", "t1", [0])
+    wait_until(sender.sent("tx1"))
+    assert sender.results.counters.sends_failed == 1
+    wait_until(receiver.received("rx1"))
+    # The thread goes on: later transfers complete, and deadlines fire.
+    nixl.dead = False
+    receiver.receive("rx2", "t2", address, [2], first_block=0)
+    sender.send("tx2", "t2", [4])
+    wait_until(receiver.received("rx2"))
+    wait_until(sender.sent("tx2"))
+    assert torch.equal(receiver.buffer[:, 2], sender.buffer[:, 4])
+    sender.send("tx3", "t3", [5])  # nobody registers: freed at the send timeout
+    wait_until(sender.sent("tx3"), timeout=sender.agent.sending.send_timeout_s + 5)
+
+
+def test_a_hello_that_got_no_answer_is_sent_again() -> None:
+    apply_poll_delay()
+    receiver = Engine("receiver", fill=-1.0, receive_timeout_s=30.0)
+    # Something took the hello and died without answering; a real sender comes up there.
+    context = zmq.Context()
+    swallow = context.socket(zmq.ROUTER)
+    port = swallow.bind_to_random_port("tcp://127.0.0.1")
+    address = f"127.0.0.1:{port}"
+    receiver.receive("rx1", "t1", address, [1], first_block=0, timeout_s=30.0)
+    assert swallow.poll(5000)
+    swallow.recv_multipart()
+    swallow.close(linger=0)
+    context.term()
+    sender = Engine("sender", fill=5.0, listen=True, port=port)
+    try:
+        sender.send("tx1", "t1", [0])
+        wait_until(receiver.received("rx1"))
+        assert receiver.results.failed_blocks == set()
+        assert bool((receiver.buffer[:, 1] == 5.0).all())
+    finally:
+        sender.agent.close()
+        receiver.agent.close()
