@@ -15,6 +15,7 @@ from tests.unit.transfer_pair import (
     LAYERS,
     MODEL,
     PROMPT,
+    SENT,
     Engine,
     Pair,
     engine_pair,
@@ -215,6 +216,28 @@ def test_a_registration_for_other_tokens_is_refused(pair: Pair) -> None:
     assert 3 not in receiver.results.failed_blocks
 
 
+def test_a_registration_past_the_senders_computed_kv_is_refused(pair: Pair) -> None:
+    """A finished request holds its prompt and the token it sampled last, whose KV vLLM never
+    computed: a registration that covers that token asks for KV the sender does not have,
+    though every token ID matches."""
+    sender, receiver, address = pair
+    receiver.receive("rx1", "t1", address, [1, 2, 3, 4, 5], first_block=0, tokens=SENT)
+    sender.send("tx1", "t1", [0, 1, 2, 3, 4])
+    wait_until(receiver.received("rx1"))
+    assert receiver.results.failed_blocks == {1, 2, 3, 4, 5}
+    # The same while the request still computes: its prompt does not cover the registration,
+    # so the check waits for the finished request, and refuses then.
+    sender.agent.expect("t2", PROMPT)
+    receiver.receive("rx2", "t2", address, [6], first_block=4, tokens=SENT)
+    wait_until(registered(sender, "t2"))
+    sender.send("tx2", "t2", [0, 1, 2, 3, 4])
+    wait_until(receiver.received("rx2"))
+    assert receiver.results.failed_blocks == {1, 2, 3, 4, 5, 6}
+    assert untouched(receiver)
+    wait_until(lambda: {"tx1", "tx2"} <= sender.collect().finished_sending)
+    assert sender.results.counters.sends_done == 0
+
+
 # -- agents come and go; deadlines follow the work that is really pending --------------------------
 
 def test_a_restarted_receiver_replaces_its_old_agent(pair: Pair) -> None:
@@ -303,8 +326,8 @@ class CountingWriter:
         self.checks += 1
         return "DONE" if handle < self.done else "PROC"
 
-    def release(self, handle: int) -> None:
-        pass
+    def release_or_keep(self, handle: int, peer: object) -> bool:
+        return True
 
 
 def test_settling_a_transfers_writes_is_linear_in_its_layers() -> None:

@@ -10,7 +10,9 @@ them is held back or turned into the errors a dead peer causes. `SilentSender` a
 
 from __future__ import annotations
 
+import select
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +23,7 @@ import zmq
 
 from turnkv_server.connector import side_channel as sc
 from turnkv_server.connector.blocktable import BlockTable
+from turnkv_server.connector.cluster_secret import ClusterKeys
 from turnkv_server.connector.identity import Fingerprint, token_digest
 from turnkv_server.connector.transport import TransferAgent, TransferResults
 from turnkv_server.engine.nixl_poll import apply_poll_delay
@@ -90,11 +93,11 @@ class Engine:
 
 
 @contextmanager
-def engine_pair() -> Iterator[Pair]:
+def engine_pair(receive_timeout_s: float = 1.0) -> Iterator[Pair]:
     """A listening sender (every byte of its block b says b + 1) and a receiver (-1.0)."""
     apply_poll_delay()
     sender = Engine("sender", fill=0.0, listen=True, send_timeout_s=3.0)
-    receiver = Engine("receiver", fill=-1.0, receive_timeout_s=1.0)
+    receiver = Engine("receiver", fill=-1.0, receive_timeout_s=receive_timeout_s)
     for b in range(BLOCKS):
         sender.buffer[:, b] = b + 1.0
     try:
@@ -150,6 +153,7 @@ class SilentSender:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        ClusterKeys(SECRET).serve(self.socket)
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"127.0.0.1:{port}"
         self.seen: list[Any] = []
@@ -176,12 +180,15 @@ class SilentSender:
 
 class SideChannelClient:
     """A raw connection to a sender's side channel, as a cluster member's would be (the
-    cluster's keys); `frames` are sent as given, so they may be stale, replayed or forged."""
+    cluster's keys, unless not `encrypted`); frames are sent as given, so they may be stale,
+    replayed or forged."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, encrypted: bool = True) -> None:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if encrypted:
+            ClusterKeys(SECRET).connect(self.socket)
         self.socket.connect(f"tcp://{address}")
 
     def send(self, frames: list[bytes]) -> None:
@@ -197,17 +204,76 @@ class SideChannelClient:
         self.context.term()
 
 
+class RecordingProxy:
+    """A TCP relay in front of `target` ("host:port") that keeps every byte a client sends
+    through it: what a listener on the network would see."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._bytes = bytearray()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RecordingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._listener.close()
+
+    def recorded(self) -> bytes:
+        with self._lock:
+            return bytes(self._bytes)
+
+    def _run(self) -> None:
+        pairs: dict[socket.socket, socket.socket] = {}
+        from_client: set[socket.socket] = set()
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self._listener, *pairs], [], [], 0.05)
+            for sock in ready:
+                if sock is self._listener:
+                    client, _ = self._listener.accept()
+                    server = socket.create_connection(self._target)
+                    pairs[client], pairs[server] = server, client
+                    from_client.add(client)
+                    continue
+                data = sock.recv(65536) if sock in pairs else b""
+                if not data:
+                    other = pairs.pop(sock, None)
+                    if other is not None:
+                        pairs.pop(other, None)
+                        other.close()
+                    sock.close()
+                    continue
+                if sock in from_client:
+                    with self._lock:
+                        self._bytes += data
+                pairs[sock].sendall(data)
+        for sock in pairs:
+            sock.close()
+
+
 class GatedStates:
     """The sender's NIXL agent, with transfers reported in flight until the gate opens: a
-    slow link, on a machine where loopback writes complete at once."""
+    slow link, on a machine where loopback writes complete at once. `fail`: once open, NIXL
+    reports them failed ("ERR"), as it does for a write whose connection broke."""
 
-    def __init__(self, nixl: Any) -> None:
+    def __init__(self, nixl: Any, *, fail: bool = False) -> None:
         self._nixl = nixl
         self.open = False
+        self.fail = fail
 
     def check_xfer_state(self, handle: Any) -> str:
         state = str(self._nixl.check_xfer_state(handle))
-        return state if self.open else "PROC"
+        if not self.open:
+            return "PROC"
+        return "ERR" if self.fail else state
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._nixl, name)
@@ -238,3 +304,7 @@ class DeadPeerStates(GatedStates):
         if id(handle) in self._doomed:
             raise RuntimeError("could not cancel an active transfer")
         self._nixl.release_xfer_handle(handle)
+
+    def recover(self) -> None:
+        """NIXL is done with the doomed writes at last: their handles can be released."""
+        self._doomed.clear()

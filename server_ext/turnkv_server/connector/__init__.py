@@ -11,8 +11,9 @@ which adapts vLLM's connector interface to two halves:
   `idle_expiry`, on time on an idle engine too);
 - the worker half (`worker_side`, in the model runner) describes the KV cache block by block
   for NIXL (`layout`, `blocktable`) and runs a transfer thread (`transport`): the receiving
-  end (`receiving`) and the sending end (`sending`, with `outgoing` and `sending_peers`) of a
-  protocol whose messages are typed and signed (`side_channel`); every NIXL write goes through
+  end (`receiving`, with `incoming` and `sender_links`) and the sending end (`sending`, with
+  `outgoing` and `sending_peers`) of a protocol whose messages are typed, signed and encrypted
+  (`side_channel`, under the cluster's secret: `cluster_secret`); every NIXL write goes through
   `writes`, and `outcomes` carries what finished back to the step thread.
 
 `identity` is what must match before KV is copied (engine fingerprints, token digests), read

@@ -46,7 +46,13 @@ class Outcomes:
 
     def quarantined(self, request_id: str, **counts: float) -> None:
         """A receive ended without its KV while its sender may still write: its request goes
-        on with other blocks; its own blocks stay out of use until `settled`."""
+        on with other blocks; its own blocks stay out of use until `settled`.
+
+        The request is reported finished *and* in `quarantined`, which the connector hands
+        vLLM as a failed receive (`KVConnectorTransferResults.failed_recving`): vLLM keeps a
+        failed receive only for a request that is also finished receiving (its
+        `KVOutputAggregator` intersects the two), and then frees the request's blocks and
+        computes its prompt anew instead of using them."""
         with self._lock:
             self._results.finished_recving.add(request_id)
             self._results.quarantined.add(request_id)

@@ -10,12 +10,13 @@ that need only that state (no socket, no NIXL call):
   writes posted for it and what they covered layer by layer, and, once it is over here, why
   and the reply owed to the receiver;
 - the token check (`Outgoing.token_mismatch`): a registration is honoured only if its digest
-  equals the digest of the sender's own tokens over the same range;
+  equals the digest of the sender's own tokens over the same range, and only over tokens
+  whose KV the sender will hold when it writes (`Outgoing.kv_tokens`);
 - the last write: whether it may go (`Outgoing.last_write_problem`), and what the receiver
   still lacks once layer-by-layer writes have covered part of the blocks (`remaining`);
 - `Outgoings`: the live transfers, those over here that a late message may still name (it is
-  answered at once, with why, rather than after a timeout), and each receiver agent's count of
-  registrations.
+  answered at once, with why and whether a write of it may still land, rather than after a
+  timeout), and each receiver agent's count of registrations.
 """
 
 from __future__ import annotations
@@ -71,27 +72,56 @@ class Outgoing:
     # reply owed to the receiver (sent once every write has settled).
     ended: str | None = None
     failed: bool = False
-    reply: sc.Message | None = None
+    reply: sc.Failed | sc.Cancelled | None = None
 
     @property
     def expected(self) -> bool:
         """Its request is alive here (queued, computing, or finished and waiting)."""
         return self.token_ids is not None
 
+    def kv_tokens(self) -> tuple[int, ...]:
+        """The tokens whose KV this engine holds, or will hold, when it writes: while the
+        request runs, its prompt (a layer is written only for blocks a step completed, and the
+        last write waits for the finished request); once it finished, every token but the
+        last, which vLLM sampled and never computed KV for."""
+        assert self.token_ids is not None
+        return self.token_ids if self.blocks is None else self.token_ids[:-1]
+
     def token_mismatch(self) -> str | None:
         """Check the registration against the request's tokens: marks it verified if they
         match; returns why they cannot, or None (verified, or wait: the prompt is shorter than
         the registration, and the finished request may cover it)."""
-        reg, tokens = self.reg, self.token_ids
-        assert reg is not None and tokens is not None
+        reg = self.reg
+        assert reg is not None
+        tokens = self.kv_tokens()
         if len(tokens) < reg.tokens:
             if self.blocks is None:
                 return None
-            return f"the sender holds {len(tokens)} tokens, the receiver asked for {reg.tokens}"
+            return (f"the sender has the KV of {len(tokens)} tokens, the receiver asked for "
+                    f"{reg.tokens}")
         if token_digest(tokens[:reg.tokens]) != reg.digest:
             return f"the two engines' first {reg.tokens} tokens differ"
         reg.verified = True
         return None
+
+    def to_stream(self, layer: int, blocks: list[tuple[int, int]], restart: bool, now: float,
+                  layers: int) -> list[tuple[int, int]]:
+        """Which of `blocks` ((index in the request, block ID)), final in `layer`, to write
+        now: those the receiver registered, while the registration is checked and fenced and
+        streaming goes on. `restart`: the request was preempted and computes again, so what
+        was streamed cannot be trusted, nor anything streamed later (an old write could land
+        after a new one): streaming stops, and the last write carries everything."""
+        if self.ended is not None or self.final_posted:
+            return []
+        if restart and not self.stream_stopped and (self.streamed or self.writes):
+            self.stream_stopped = True
+            self.streamed.clear()
+        reg = self.reg
+        if reg is None or not reg.verified or self.stream_stopped or self.writes.failed \
+                or not reg.fenced(now) or layer >= layers:
+            return []
+        end = reg.first_block + len(reg.blocks)
+        return [(k, block) for k, block in blocks if reg.first_block <= k < end]
 
     def last_write_source(self) -> list[int]:
         """The finished request's blocks that go into the registered ones."""
@@ -147,12 +177,14 @@ class Outgoings:
     """The sending end's transfers: live ones by transfer ID, and those over here.
 
     A transfer over here (ended, refused, cancelled or abandoned, possibly before its request or
-    registration showed up) is remembered for `memory_s` with why: a registration that comes
-    later is answered at once, and a request that comes later ends at once."""
+    registration showed up) is remembered for `memory_s` with why, and whether a write of it
+    may still land: a registration that comes later is answered at once, a cancel truthfully,
+    and a request that comes later ends at once."""
 
     def __init__(self, memory_s: float, clock: Callable[[], float]) -> None:
         self._live: dict[str, Outgoing] = {}
-        self._over: dict[str, tuple[float, str]] = {}  # transfer ID -> (until when, why)
+        # Transfer ID -> (until when, why, whether a write of it may still land).
+        self._over: dict[str, tuple[float, str, bool]] = {}
         self._regs_by_agent: dict[str, int] = {}
         self._memory_s = memory_s
         self._clock = clock
@@ -172,20 +204,46 @@ class Outgoings:
             over = self._over.pop(transfer_id, None)
             if over is not None:  # cancelled or refused before its request showed up here
                 out.ended, out.failed, out.stream_stopped = over[1], over[1] != CANCELLED, True
+                out.writes.may_land = over[2]
         return out
 
-    def over(self, transfer_id: str, reason: str, *, replace: bool = True) -> None:
+    def over(self, transfer_id: str, reason: str, *, may_land: bool = False,
+             replace: bool = True) -> None:
         """Remember that `transfer_id`, not live here, is over (`replace`: even if it was
-        already remembered for another reason)."""
-        if replace or transfer_id not in self._over:
-            self._over[transfer_id] = (self._clock() + self._memory_s, reason)
+        already remembered for another reason; a write that may land is never forgotten)."""
+        known = self._over.get(transfer_id)
+        if known is None or replace:
+            may_land = may_land or (known is not None and known[2])
+            self._over[transfer_id] = (self._clock() + self._memory_s, reason, may_land)
 
     def why_over(self, transfer_id: str) -> str | None:
         over = self._over.get(transfer_id)
         return None if over is None else over[1]
 
+    def may_land(self, transfer_id: str) -> bool:
+        """Whether a write of `transfer_id`, over here, may still land."""
+        over = self._over.get(transfer_id)
+        return over is not None and over[2]
+
     def registrations(self, agent: str) -> int:
         return self._regs_by_agent.get(agent, 0)
+
+    def registered_agents(self) -> set[str]:
+        return set(self._regs_by_agent)
+
+    def wanted(self, agent: str, transfer_ids: list[str], now: float) -> list[str]:
+        """`agent` says it still wants `transfer_ids` (a ping): their write fences stay open.
+        Returns those whose request is alive here and not over (queued, computing, or done
+        and waiting to be written)."""
+        pending = []
+        for transfer_id in transfer_ids:
+            out = self._live.get(transfer_id)
+            if out is None or out.reg is None or out.reg.agent != agent:
+                continue
+            out.reg.last_wanted = now
+            if out.expected and out.ended is None:
+                pending.append(transfer_id)
+        return pending
 
     def register(self, out: Outgoing, reg: Registration) -> None:
         out.reg = reg
@@ -204,10 +262,10 @@ class Outgoings:
         if out.reg is not None:
             self.unregister(out.reg)
         if out.ended is not None:
-            self.over(out.transfer_id, out.ended)
+            self.over(out.transfer_id, out.ended, may_land=out.writes.may_land)
 
     def expire(self, now: float) -> None:
-        for transfer_id, (until, _) in list(self._over.items()):
+        for transfer_id, (until, _, _) in list(self._over.items()):
             if now > until:
                 del self._over[transfer_id]
 
@@ -216,7 +274,7 @@ class Outgoings:
         return any(out.writes for out in self._live.values())
 
     def next_deadline(self) -> float:
-        times = [t for t, _ in self._over.values()]
+        times = [t for t, _, _ in self._over.values()]
         for out in self._live.values():
             times += out.deadlines()
         return min(times, default=math.inf)

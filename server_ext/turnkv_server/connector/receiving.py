@@ -4,22 +4,25 @@ A receive's blocks belong to a request that waits for them. vLLM reuses them as 
 receive is reported finished, so they are handed back for the request to compute into only
 when no write of the sender can still land in them:
 
-- the sender's notification arrived: every write is in, the KV is complete;
-- the sender answered `Failed` before we gave up: it settles every write of the transfer first;
+- the notification of the agent it registered with arrived: every write is in, the KV is
+  complete (a notification from any other agent is counted and ignored);
+- the sender answered `Failed` before we gave up, saying no write of it may still land: it
+  answers only once NIXL reports none in progress;
 - the registration never left this engine (its hello was not answered): nobody can write.
 
-Otherwise (the request was aborted, the deadline passed, the sender's connection dropped or
-another agent answers at its address) the receive is *quarantined*: its request is reported as
-a failed receive, which makes vLLM free the request's blocks and compute the prompt in other
-ones, while the scheduler side keeps these blocks out of use (`BlockHolder.quarantine`). No time
-bound on a write makes it safe to hand them back earlier: UCX over TCP delivers writes held up by
-a broken link whenever the link comes back, and a 7 s cut once landed a write in blocks a request
-was recomputing into, 15 s after we had last asked for it. The quarantine ends (`settled`):
+Otherwise (the request was aborted, the deadline passed, the sender's connection dropped,
+another agent answers at its address, or the sender says a write may still land) the receive
+is *quarantined*: its request is reported as a failed receive, which makes vLLM free the
+request's blocks and compute the prompt in other ones, while the scheduler side keeps these
+blocks out of use (`BlockHolder.quarantine`). No time bound on a write makes it safe to hand
+them back earlier: UCX over TCP delivers writes held up by a broken link whenever the link
+comes back, and a 7 s cut once landed a write in blocks a request was recomputing into, 15 s
+after we had last asked for it. The quarantine ends (`settled`):
 
 - when the notification arrives after all: every write is in;
 - `WRITE_GRACE_S` after the sender answers our `Cancel` (`Cancelled` or `Failed`, sent once
-  its writes settled), or after another agent answers at its address (it restarted): what the
-  old connection still carried has drained by then;
+  its writes settled) saying no write may still land, or after another agent answers at its
+  address (it restarted): what the old connection still carried has drained by then;
 - otherwise at `QUARANTINE_MAX_S`, longer than Linux keeps retransmitting on a TCP connection
   (`tcp_retries2`, about 15 minutes), with a warning: a sender that neither answers nor can
   be reached costs its receive's blocks for that long, never wrong KV.
@@ -29,92 +32,57 @@ router's timeout from its start, extended for as long as the sender reports the 
 will send it alive (a prefill queued behind others is slow, not dead).
 
 Hellos are retried with backoff until answered; a sender that restarted is met again.
+
+NIXL's notifications are read at every pass of the transfer thread while a live receive waits;
+while only quarantined ones do, every `SLOW_NOTIFICATIONS_S`, so that a thread holding only
+quarantines sleeps. A receive whose step raises (a bug) leaves the table and is quarantined
+until `QUARANTINE_MAX_S` (or its notification): its state cannot be trusted to say more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from turnkv_server.connector import side_channel as sc
 from turnkv_server.connector.blocktable import BlockTable
+from turnkv_server.connector.cluster_secret import ClusterKeys
 from turnkv_server.connector.identity import Fingerprint
+from turnkv_server.connector.incoming import NOTIF_PREFIX, SILENCE_S, SLOW_NOTIFICATIONS_S, Receive
 from turnkv_server.connector.outcomes import Outcomes
+from turnkv_server.connector.sender_links import Link, SenderLinks
 
 log = logging.getLogger(__name__)
 
-NOTIF_PREFIX = b"turnkv:"
-# A pending sender's pongs keep its receives alive this long each.
-SILENCE_S = 5.0
-HELLO_RETRY_S = 1.0
-HELLO_RETRY_MAX_S = 8.0
 # The longest a quarantined receive's blocks are held without word from its sender (above).
 QUARANTINE_MAX_S = 1000.0
 
 
-@dataclass
-class Receive:
-    request_id: str
-    transfer_id: str
-    peer: str
-    blocks: list[int]
-    first_block: int
-    tokens: int
-    digest: bytes
-    timeout_s: float
-    started: float
-    deadline: float
-    # The sender agent the registration went to; None while it has not left this engine.
-    registered_with: str | None = None
-    # When this engine last told the sender it wants the transfer (registration or ping).
-    last_wanted: float = -math.inf
-    retried: bool = False
-    # Set once given up (quarantined): why, when its blocks may go back into use, and whether
-    # that is the grace after the sender's word (`_drain`) rather than the long bound.
-    giving_up: str | None = None
-    release_at: float = math.inf
-    drained: bool = False
-
-
-@dataclass
-class Link:
-    """This engine's connection to one sender's side channel."""
-
-    address: str
-    socket: zmq.Socket[Any]
-    monitor: zmq.Socket[Any]
-    agent: str | None = None  # the sender agent that answered our hello
-    hello: str = "none"  # none -> sent -> ok
-    hello_sent_at: float = -math.inf
-    hello_wait_s: float = HELLO_RETRY_S
-    waiting: list[str] = field(default_factory=list)
-    last_ping: float = -math.inf
-    # The agent whose connection dropped, until we know whether it is gone (a reconnect is
-    # refused, or another agent answers) or back (it answers our hello again).
-    suspect: str | None = None
-
-
 class Receiving:
     def __init__(self, *, agent_name: str, engine_id: str, nixl: Any, table: BlockTable,
-                 fingerprint: Fingerprint, codec: sc.Codec, context: zmq.Context[Any],
-                 outcomes: Outcomes, clock: Callable[[], float]) -> None:
+                 fingerprint: Fingerprint, codec: sc.Codec, keys: ClusterKeys,
+                 context: zmq.Context[Any], outcomes: Outcomes,
+                 clock: Callable[[], float]) -> None:
         self.name = agent_name
-        self.engine_id = engine_id
-        self._nixl = nixl
+        self.nixl = nixl
         self._table = table
-        self._fingerprint = fingerprint
         self._codec = codec
-        self._zmq = context
         self._outcomes = outcomes
         self._clock = clock
         self.receives: dict[str, Receive] = {}
-        self.links: dict[str, Link] = {}
+        self.senders = SenderLinks(agent_name=agent_name, engine_id=engine_id, nixl=nixl,
+                                   table=table, fingerprint=fingerprint, codec=codec, keys=keys,
+                                   context=context, clock=clock)
+        self.links = self.senders.links
+        # Receives whose step raised, out of the table: transfer ID -> (request ID, when
+        # their blocks may go back).
+        self._faulted: dict[str, tuple[str, float]] = {}
+        self._slow_read_at = -math.inf
 
     # -- commands ----------------------------------------------------------------------------
 
@@ -133,7 +101,7 @@ class Receiving:
 
     def decline(self, transfer_id: str, peer: str) -> None:
         """Nothing is needed under `transfer_id`: no blocks of ours are at stake."""
-        self._send(self._link(peer), sc.Cancel(agent=self.name, transfer_id=transfer_id))
+        self._send_cancel(peer, transfer_id)
 
     def cancel(self, transfer_id: str, reason: str) -> None:
         rx = self.receives.get(transfer_id)
@@ -143,32 +111,25 @@ class Receiving:
     # -- the side channel --------------------------------------------------------------------
 
     def on_readable(self, link: Link) -> None:
-        while True:
+        def rejected(exc: sc.Rejected) -> None:
+            self._outcomes.count(side_channel_rejected=1)
+            log.warning("turnkv: dropped a side-channel message from %s: %s", link.address, exc)
+
+        for _, message in self._codec.receive_all(link.socket, False, rejected):
             try:
-                frames = link.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                message = self._codec.decode(frames)
-            except sc.Rejected as exc:
-                self._outcomes.count(side_channel_rejected=1)
-                log.warning("turnkv: dropped a side-channel message from %s: %s",
-                            link.address, exc)
-                continue
-            self._on_message(link, message)
+                self._on_message(link, message)
+            except Exception:  # one message's fault must not leave the rest unread
+                log.exception("turnkv: handling a %s from %s", type(message).__name__,
+                              link.address)
 
     def on_monitor(self, link: Link) -> None:
-        while True:
-            try:
-                event = recv_monitor_message(link.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_DISCONNECTED and link.agent is not None:
+        for event in self.senders.events(link):
+            if event == zmq.EVENT_DISCONNECTED and link.agent is not None:
                 # The connection to the sender dropped: its process died, or a network broke.
                 # Until we know which, nothing new registers with that agent.
                 link.suspect, link.agent, link.hello = link.agent, None, "none"
                 self._hello_waiting(link)
-            elif event["event"] == zmq.EVENT_CONNECT_RETRIED and link.suspect is not None:
+            elif event == zmq.EVENT_CONNECT_RETRIED and link.suspect is not None:
                 # Nothing listens at its address: its side channel is closed, so its agent
                 # (which lived in that process) writes nothing more.
                 suspect, link.suspect = link.suspect, None
@@ -186,9 +147,8 @@ class Receiving:
                 # Quarantined for an agent that another one now replaces at its address.
                 if (given_up.peer == link.address and given_up.giving_up is not None
                         and given_up.registered_with not in (None, msg.agent)):
-                    self._drain(given_up)
-            link.suspect = None
-            link.agent, link.hello, link.hello_wait_s = msg.agent, "ok", HELLO_RETRY_S
+                    self._drain(given_up, sender_gone=True)
+            self.senders.answered(link, msg.agent)
             waiting, link.waiting = link.waiting, []
             for transfer_id in waiting:
                 rx = self.receives.get(transfer_id)
@@ -216,10 +176,14 @@ class Receiving:
             rx = self.receives.get(msg.transfer_id)
             if rx is None or rx.registered_with != msg.agent:
                 return
-            if rx.giving_up is not None:
+            reason = msg.reason if isinstance(msg, sc.Failed) else "cancelled"
+            if msg.writes_may_land:
+                # NIXL failed a write of it, or would not let one go: it may land late.
+                rx.writes_may_land = True
+                self._give_up(rx, f"{reason}, and a write of it may still land", cancel=False)
+            elif rx.giving_up is not None:
                 self._drain(rx)
             else:
-                reason = msg.reason if isinstance(msg, sc.Failed) else "cancelled"
                 self._release(rx, reason)
         elif isinstance(msg, sc.UnknownAgent):
             # The sender has no NIXL metadata of ours: it cannot write into our blocks.
@@ -236,17 +200,50 @@ class Receiving:
                 rx.retried = True
                 self._register(rx)
 
-    def on_notification(self, message: bytes) -> None:
+    def read_notifications(self, now: float) -> None:
+        """Read NIXL's notifications: every pass while a live receive waits for one, every
+        `SLOW_NOTIFICATIONS_S` while only given-up ones do."""
+        if not self.receives and not self._faulted:
+            return
+        if not self.live() and now < self._slow_read_at:
+            return
+        self._slow_read_at = now + SLOW_NOTIFICATIONS_S
+        try:
+            notifs = self.nixl.get_new_notifs()
+        except Exception as exc:
+            log.warning("turnkv: reading NIXL notifications failed: %s", exc)
+            return
+        for agent, messages in notifs.items():
+            for message in messages:
+                try:
+                    self.on_notification(agent, message)
+                except Exception:
+                    log.exception("turnkv: a notification from %s", agent)
+
+    def on_notification(self, agent: str, message: bytes) -> None:
+        """`agent` (the NIXL agent that wrote) notified `message`."""
         if not message.startswith(NOTIF_PREFIX):
             return
         transfer_id = message[len(NOTIF_PREFIX):].decode(errors="replace")
-        rx = self.receives.pop(transfer_id, None)
+        rx = self.receives.get(transfer_id)
         if rx is None:
+            faulted = self._faulted.pop(transfer_id, None)
+            if faulted is not None:
+                self._outcomes.settled(faulted[0])
+                return
             # Our blocks for it were handed back already: the protocol's bounds were broken.
             # Say so loudly.
             log.error("turnkv: transfer %s completed after its receive was released",
                       transfer_id)
             return
+        if agent != rx.registered_with:
+            # Only the agent that took the registration writes into these blocks: whatever
+            # another says, they hold nothing of its.
+            self._outcomes.count(notifications_rejected=1)
+            log.warning("turnkv: ignored a completion of transfer %s from agent %s; it is "
+                        "registered with %s", transfer_id, agent, rx.registered_with)
+            return
+        del self.receives[transfer_id]
         if rx.giving_up is not None:
             self._settle(rx, "its writes completed after all")
             return
@@ -258,55 +255,64 @@ class Receiving:
     # -- time --------------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        for link in self.links.values():
-            if link.hello == "sent" and now >= link.hello_sent_at + link.hello_wait_s:
-                link.hello_wait_s = min(link.hello_wait_s * 2, HELLO_RETRY_MAX_S)
-                self._send_hello(link)
+        self.senders.retry_hellos(now)
         wanted: dict[str, list[Receive]] = {}
         for rx in list(self.receives.values()):
-            if rx.giving_up is None and now > rx.deadline:
-                self._give_up(rx, f"no KV within {rx.timeout_s:g} s")
-            elif rx.giving_up is not None and now >= rx.release_at:
-                self._settle(rx, "the grace after the sender's word passed" if rx.drained
-                             else f"no word from the sender in {QUARANTINE_MAX_S:g} s",
-                             expired=not rx.drained)
-            elif rx.giving_up is None and rx.registered_with is not None:
-                wanted.setdefault(rx.peer, []).append(rx)
+            try:
+                self._tick(rx, now, wanted)
+            except Exception as exc:
+                self._fault(rx, exc)
+        for transfer_id, (request_id, release_at) in list(self._faulted.items()):
+            if now >= release_at:
+                del self._faulted[transfer_id]
+                self._outcomes.settled(request_id, quarantines_expired=1)
         for address, live in wanted.items():
             link = self.links[address]
             if now - link.last_ping >= sc.PING_S:
                 link.last_ping = now
-                self._send(link, sc.Ping(agent=self.name,
-                                         live=[rx.transfer_id for rx in live]))
+                self.senders.send(link, sc.Ping(agent=self.name,
+                                                live=[rx.transfer_id for rx in live]))
                 for rx in live:
                     rx.last_wanted = now
 
+    def _tick(self, rx: Receive, now: float, wanted: dict[str, list[Receive]]) -> None:
+        if rx.giving_up is None and now > rx.deadline:
+            self._give_up(rx, f"no KV within {rx.timeout_s:g} s")
+        elif rx.giving_up is not None and now >= rx.release_at:
+            self._settle(rx, "the grace after the sender's word passed" if rx.drained
+                         else f"no word from the sender in {QUARANTINE_MAX_S:g} s",
+                         expired=not rx.drained)
+        elif rx.giving_up is None and rx.registered_with is not None:
+            wanted.setdefault(rx.peer, []).append(rx)
+
+    def live(self) -> bool:
+        """Whether a receive not given up waits (NIXL's notifications are then read at
+        every pass)."""
+        return any(rx.giving_up is None for rx in self.receives.values())
+
     def next_deadline(self) -> float:
         times = [rx.release_at if rx.giving_up else rx.deadline for rx in self.receives.values()]
-        times += [link.hello_sent_at + link.hello_wait_s
-                  for link in self.links.values() if link.hello == "sent"]
+        times.append(self.senders.next_hello())
+        times += [release_at for _, release_at in self._faulted.values()]
+        if self.receives or self._faulted:
+            times.append(self._slow_read_at)
         return min(times, default=math.inf)
 
     def close(self) -> None:
-        for link in self.links.values():
-            link.socket.disable_monitor()
-            link.monitor.close(linger=0)
-            link.socket.close(linger=0)
-        self.links.clear()
+        self.senders.close()
 
     # -- internals ---------------------------------------------------------------------------
 
     def _register(self, rx: Receive) -> None:
-        link = self._link(rx.peer)
+        link = self.senders.get(rx.peer)
         if link.hello != "ok":
             if rx.transfer_id not in link.waiting:
                 link.waiting.append(rx.transfer_id)
             if link.hello == "none":
-                link.hello_wait_s = HELLO_RETRY_S
-                self._send_hello(link)
+                self.senders.hello(link, again=True)
             return
         assert link.agent is not None
-        self._send(link, sc.Register(
+        self.senders.send(link, sc.Register(
             agent=self.name, transfer_id=rx.transfer_id, blocks=rx.blocks,
             first_block=rx.first_block, tokens=rx.tokens, digest=rx.digest,
             timeout_s=rx.timeout_s))
@@ -316,10 +322,10 @@ class Receiving:
         """Say hello again if receives wait on this link (nothing is sent for none)."""
         if any(rx.peer == link.address and rx.giving_up is None
                for rx in self.receives.values()):
-            link.hello_wait_s = HELLO_RETRY_S
-            self._send_hello(link)
+            self.senders.hello(link, again=True)
 
-    def _give_up(self, rx: Receive, reason: str) -> None:
+    def _give_up(self, rx: Receive, reason: str, cancel: bool = True) -> None:
+        """Quarantine `rx` (`cancel`: and tell its sender we want nothing more)."""
         if rx.giving_up is not None:
             return
         if rx.registered_with is None:
@@ -330,9 +336,24 @@ class Receiving:
         log.warning("turnkv: receive %s for %s given up (%s); the request computes its prompt "
                     "in other blocks, these stay out of use until no write can land",
                     rx.transfer_id, rx.request_id, reason)
-        self._outcomes.quarantined(rx.request_id, receives_cancelled=1, receives_failed=1,
-                                   receives_quarantined=1)
-        self._send(self._link(rx.peer), sc.Cancel(agent=self.name, transfer_id=rx.transfer_id))
+        self._outcomes.quarantined(rx.request_id, receives_cancelled=int(cancel),
+                                   receives_failed=1, receives_quarantined=1)
+        if cancel:
+            self._send_cancel(rx.peer, rx.transfer_id)
+
+    def _fault(self, rx: Receive, exc: Exception) -> None:
+        """A step of `rx` raised: its state cannot be trusted, so it leaves the table, and its
+        blocks are held until its notification or the longest bound."""
+        log.error("turnkv: receive %s ended by an internal error; its blocks stay out of use "
+                  "for up to %g s", rx.transfer_id, QUARANTINE_MAX_S, exc_info=exc)
+        if self.receives.get(rx.transfer_id) is rx:
+            del self.receives[rx.transfer_id]
+        self._faulted[rx.transfer_id] = (rx.request_id, self._clock() + QUARANTINE_MAX_S)
+        if rx.giving_up is None:
+            self._outcomes.quarantined(rx.request_id, receives_failed=1,
+                                       receives_quarantined=1)
+            with contextlib.suppress(Exception):
+                self._send_cancel(rx.peer, rx.transfer_id)
 
     def _sender_gone(self, link: Link, agent: str, reason: str, restarted: bool) -> None:
         """The connection to `agent` dropped and cannot be restored (`restarted`: another
@@ -341,13 +362,10 @@ class Receiving:
             if rx.peer == link.address and rx.registered_with == agent:
                 self._give_up(rx, reason)
                 if restarted:
-                    self._drain(rx)
+                    self._drain(rx, sender_gone=True)
 
-    def _drain(self, rx: Receive) -> None:
-        """The sender settled the transfer's writes (or its process is gone): hand the blocks
-        back once what the connection still carried has landed."""
-        if not rx.drained:
-            rx.drained, rx.release_at = True, self._clock() + sc.WRITE_GRACE_S
+    def _drain(self, rx: Receive, sender_gone: bool = False) -> None:
+        rx.drain(self._clock(), sc.WRITE_GRACE_S, sender_gone)
 
     def _settle(self, rx: Receive, reason: str, expired: bool = False) -> None:
         """The quarantine ends; `expired`: with no word from the sender at all."""
@@ -365,29 +383,6 @@ class Receiving:
                     rx.transfer_id, rx.request_id, reason)
         self._outcomes.received(rx.request_id, rx.blocks, receives_failed=1)
 
-    def _link(self, address: str) -> Link:
-        link = self.links.get(address)
-        if link is None:
-            socket = self._zmq.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            monitor = socket.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-            socket.connect(f"tcp://{address}")
-            link = self.links[address] = Link(address, socket, monitor)
-        return link
-
-    def _send_hello(self, link: Link) -> None:
-        link.hello, link.hello_sent_at = "sent", self._clock()
-        self._send(link, sc.Hello(agent=self.name, engine_id=self.engine_id,
-                                  meta=self._nixl.get_agent_metadata(),
-                                  table=self._table.to_wire(),
-                                  fingerprint=self._fingerprint.to_wire()))
-
-    def _send(self, link: Link, message: sc.Message) -> None:
-        try:
-            link.socket.send_multipart(self._codec.encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            # The queue towards an unreachable peer is full; hellos are retried and a
-            # receive that cannot register gives up at its deadline.
-            log.warning("turnkv: side channel to %s is full; dropped %s", link.address,
-                        type(message).__name__)
+    def _send_cancel(self, peer: str, transfer_id: str) -> None:
+        self.senders.send(self.senders.get(peer),
+                          sc.Cancel(agent=self.name, transfer_id=transfer_id))

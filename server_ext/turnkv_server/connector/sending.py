@@ -4,15 +4,20 @@ Per transfer ID the sender learns, in any order: that its request exists (`expec
 prompt's token IDs), that it finished normally (`send`, with its blocks and all its token IDs)
 or will send nothing (`refuse`), and the receiver's registration. It writes only when:
 
-- the registration's token digest equals the digest of its own tokens over the same range
-  (otherwise the two engines hold different histories: `Failed`, and the receiver recomputes);
+- the registration's token digest equals the digest of its own tokens over the same range,
+  all of them tokens whose KV it has (`outgoing.Outgoing.kv_tokens`; otherwise the two
+  engines hold different histories: `Failed`, and the receiver recomputes);
 - the receiver said it wants the transfer within `FENCE_S` (its registration or a ping): a
   receiver that gave up and went quiet can count on no write starting later than that.
 
 While the request computes, layer writes may start as soon as the registration is checked
 (`write_layer`); the last write, with the notification, goes once they have settled. Every
-`Failed` or `Cancelled` reply also waits until every write of the transfer has settled: the
-receiver reuses its blocks on that word.
+`Failed` or `Cancelled` reply also waits until NIXL reports no write of the transfer in
+progress, and says whether one may still land (`writes_may_land`: NIXL failed it or would not
+release it, `writes`): the receiver reuses its blocks on a "no", and holds them on a "yes".
+
+Each transfer's step is guarded on its own: one that raises (a bug) ends alone, its writes
+given up (and its receiver told they may land), and the others go on.
 
 Deadlines follow pending work: a send waits `send_timeout_s` for its registration (then later
 registrations fail at once); a registration whose request has not arrived here waits at most
@@ -34,9 +39,9 @@ import zmq
 
 from turnkv_server.connector import side_channel as sc
 from turnkv_server.connector.identity import Fingerprint
+from turnkv_server.connector.incoming import NOTIF_PREFIX
 from turnkv_server.connector.outcomes import Outcomes
 from turnkv_server.connector.outgoing import CANCELLED, Outgoing, Outgoings, Registration
-from turnkv_server.connector.receiving import NOTIF_PREFIX
 from turnkv_server.connector.sending_peers import SendingPeers
 from turnkv_server.connector.writes import WriteError, Writer
 
@@ -78,6 +83,7 @@ class Sending:
             # several): the receiver registered for one request's blocks only.
             self._outcomes.sent(request_id, sends_failed=1)
             return
+        # `token_ids`: all the request's tokens; vLLM never computed the last one's KV.
         out.request_id, out.blocks, out.token_ids = request_id, list(blocks), tuple(token_ids)
         if out.ended is not None:
             # Cancelled or failed while the request ran: its blocks go now.
@@ -117,22 +123,13 @@ class Sending:
         the receiver registered. `restart`: the request was preempted and computes again,
         so nothing streamed so far can be trusted."""
         out = self.transfers.get(transfer_id)
-        if out is None or out.ended is not None or out.final_posted:
+        reg = None if out is None else out.reg
+        if out is None or reg is None:
             return
-        if restart and not out.stream_stopped and (out.streamed or out.writes):
-            out.stream_stopped = True
-            out.streamed.clear()
-        reg = out.reg
-        if reg is None or not reg.verified or out.stream_stopped or out.writes.failed \
-                or not reg.fenced(self._clock()) \
-                or layer >= len(self.writer.table.layer_ranges):
-            return
+        wanted = out.to_stream(layer, blocks, restart, self._clock(),
+                               len(self.writer.table.layer_ranges))
         peer = self.writer.peers.get(reg.agent)
-        if peer is None:
-            return
-        end = reg.first_block + len(reg.blocks)
-        wanted = [(k, block) for k, block in blocks if reg.first_block <= k < end]
-        if not wanted:
+        if not wanted or peer is None:
             return
         ranges = self.writer.table.layer_ranges[layer]
         try:
@@ -142,6 +139,7 @@ class Sending:
         except WriteError as exc:  # the last write reports it to the receiver
             log.warning("turnkv: layer write for %s failed: %s", transfer_id, exc)
             out.writes.failed = True
+            out.writes.may_land |= exc.may_land
             return
         out.writes.add(handle, peer)
         out.streamed.setdefault(layer, set()).update(k for k, _ in wanted)
@@ -151,61 +149,61 @@ class Sending:
 
     def on_readable(self) -> None:
         assert self._router is not None
-        while True:
+        for identity, message in self._codec.receive_all(self._router, True, self._rejected):
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) < 2:
-                continue
-            identity, rest = frames[0], frames[1:]
-            try:
-                message = self._codec.decode(rest)
-            except sc.Rejected as exc:
-                self._outcomes.count(side_channel_rejected=1)
-                log.warning("turnkv: dropped a side-channel message: %s", exc)
-                continue
-            self._on_message(identity, message)
+                self._on_message(identity, message)
+            except Exception:  # one message's fault must not leave the rest unread
+                log.exception("turnkv: handling a %s from %s", type(message).__name__,
+                              message.agent)
+
+    def _rejected(self, exc: sc.Rejected) -> None:
+        self._outcomes.count(side_channel_rejected=1)
+        log.warning("turnkv: dropped a side-channel message: %s", exc)
 
     def _on_message(self, identity: bytes, msg: sc.AnyMessage) -> None:
         now = self._clock()
         self.peers.heard(msg.agent, now)
         if isinstance(msg, sc.Hello):
-            refused = self.peers.admit(msg, drop=self._drop_peer, busy=self._busy_agents)
+            try:
+                refused = self.peers.admit(msg, drop=self._drop_peer,
+                                           busy=self.transfers.registered_agents)
+            except sc.Rejected as exc:
+                self._rejected(exc)
+                return
             self._reply(identity, sc.HelloOk(agent=self.name) if refused is None
                         else sc.HelloRefused(agent=self.name, reason=refused))
         elif isinstance(msg, sc.Register):
             self._on_register(identity, msg)
         elif isinstance(msg, sc.Ping):
-            pending = []
-            for transfer_id in msg.live:
-                out = self.transfers.get(transfer_id)
-                if out is None or out.reg is None or out.reg.agent != msg.agent:
-                    continue
-                out.reg.last_wanted = now
-                if out.expected and out.ended is None:
-                    pending.append(transfer_id)
+            pending = self.transfers.wanted(msg.agent, msg.live, now)
             self._reply(identity, sc.Pong(agent=self.name, pending=pending))
         elif isinstance(msg, sc.Cancel):
-            cancelled = sc.Cancelled(agent=self.name, transfer_id=msg.transfer_id)
             out = self.transfers.get(msg.transfer_id)
             if out is None or out.reg is None:
-                # Nothing registered, so nothing written: answer now, and let the request's
+                # Nothing registered now (never, or its transfer over and answered already):
+                # answer at once, saying what is known of its writes, and let the request's
                 # blocks go as soon as it has any.
                 if out is None:
                     self.transfers.over(msg.transfer_id, CANCELLED)
+                    may_land = self.transfers.may_land(msg.transfer_id)
                 else:
                     self._end(out, CANCELLED, failed=False)
-                self._reply(identity, cancelled)
+                    may_land = out.writes.may_land
+                self._reply(identity, sc.Cancelled(agent=self.name, transfer_id=msg.transfer_id,
+                                                   writes_may_land=may_land))
             elif out.reg.agent == msg.agent:
-                self._end(out, CANCELLED, failed=False, reply=cancelled)
+                self._end(out, CANCELLED, failed=False, reply=sc.Cancelled(
+                    agent=self.name, transfer_id=msg.transfer_id))
 
     def _on_register(self, identity: bytes, msg: sc.Register) -> None:
         transfer_id, now = msg.transfer_id, self._clock()
 
         def fail(reason: str) -> None:
+            # Nothing was written for this registration; a transfer over here that may still
+            # land says so all the same.
             self._reply(identity, sc.Failed(agent=self.name, transfer_id=transfer_id,
-                                            reason=reason))
+                                            reason=reason,
+                                            writes_may_land=self.transfers.may_land(transfer_id)))
 
         if msg.agent not in self.writer.peers:
             self._reply(identity, sc.UnknownAgent(agent=self.name, transfer_id=transfer_id))
@@ -232,36 +230,43 @@ class Sending:
 
     def progress(self, now: float) -> None:
         for out in self.transfers.values():
-            if out.writes:
-                if not out.writes.settle(self.writer):
-                    continue
-                if out.ended is not None:
-                    self._close(out)
-                    continue
-                if out.final_posted:
-                    self._done(out)
-                    continue
-            if out.ended is not None:
-                continue  # kept until its request finishes
-            if out.reg is not None and not out.expected and now > out.reg.unclaimed_until:
-                self._end(out, "the sender's request never came", failed=True)
-            elif out.reg is not None and not out.reg.fenced(self._clock()):
-                self._end(out, "the receiver went silent", failed=True)
-            elif out.reg is None and out.blocks is not None and now > out.send_deadline:
-                # Nobody registered in time: let the request's blocks go, and answer a late
-                # registration at once rather than after another timeout.
-                self._end(out, "no receiver registered in time", failed=True)
-            else:
-                self._check_and_write(out)
+            try:
+                self._progress(out, now)
+            except Exception as exc:
+                self._fault(out, exc)
         self.transfers.expire(now)
+        self.writer.retry_releases(now)
         self.peers.settle()
+
+    def _progress(self, out: Outgoing, now: float) -> None:
+        if out.writes:
+            if not out.writes.settle(self.writer):
+                return
+            if out.ended is not None:
+                self._close(out)
+                return
+            if out.final_posted:
+                self._done(out)
+                return
+        if out.ended is not None:
+            return  # kept until its request finishes
+        if out.reg is not None and not out.expected and now > out.reg.unclaimed_until:
+            self._end(out, "the sender's request never came", failed=True)
+        elif out.reg is not None and not out.reg.fenced(self._clock()):
+            self._end(out, "the receiver went silent", failed=True)
+        elif out.reg is None and out.blocks is not None and now > out.send_deadline:
+            # Nobody registered in time: let the request's blocks go, and answer a late
+            # registration at once rather than after another timeout.
+            self._end(out, "no receiver registered in time", failed=True)
+        else:
+            self._check_and_write(out)
 
     def busy(self) -> bool:
         """Whether NIXL must be polled: writes in flight."""
         return self.transfers.busy()
 
     def next_deadline(self) -> float:
-        return self.transfers.next_deadline()
+        return min(self.transfers.next_deadline(), self.writer.next_retry())
 
     def close(self) -> None:
         for out in self.transfers.values():
@@ -300,6 +305,7 @@ class Sending:
             handle = self.writer.post_indices(peer, local, remote,
                                               NOTIF_PREFIX + out.transfer_id.encode())
         except WriteError as exc:
+            out.writes.may_land |= exc.may_land
             self._end(out, str(exc), failed=True)
             self.peers.doom(peer)
             return
@@ -310,7 +316,7 @@ class Sending:
         assert out.blocks is not None and out.reg is not None
         if out.writes.failed:
             # The notification may have gone with a failed write: the receiver cannot tell,
-            # so it is told; it recomputes.
+            # so it is told; it recomputes (in other blocks: the failed write may land).
             self._end(out, "a NIXL write failed", failed=True)
             self.peers.doom(self.writer.peers.get(out.reg.agent))
             return
@@ -323,8 +329,9 @@ class Sending:
             send_seconds=self._clock() - out.final_started)
 
     def _end(self, out: Outgoing, reason: str, failed: bool,
-             reply: sc.Message | None = None) -> None:
-        """The transfer is over here; the receiver hears it once every write has settled."""
+             reply: sc.Cancelled | None = None) -> None:
+        """The transfer is over here; the receiver hears it once NIXL reports no write of it
+        in progress."""
         if out.ended is not None:
             return
         out.ended, out.failed, out.stream_stopped = reason, failed, True
@@ -340,6 +347,7 @@ class Sending:
         if out.writes:
             return
         if out.reply is not None and out.reg is not None:
+            out.reply.writes_may_land = out.writes.may_land
             self._reply(out.reg.identity, out.reply)
             out.reply = None
         if out.blocks is not None:
@@ -353,15 +361,31 @@ class Sending:
         else:
             self.transfers.forget(out)
 
+    def _fault(self, out: Outgoing, exc: Exception) -> None:
+        """A step of `out` raised: it ends alone. What it posted is given up (and may land);
+        its receiver is told so."""
+        log.error("turnkv: send %s ended by an internal error", out.transfer_id, exc_info=exc)
+        try:
+            out.writes.abandon(self.writer)
+            if out.ended is None:
+                self._end(out, f"an internal error: {exc}", failed=True)
+            else:
+                self._close(out)
+        except Exception:
+            # Its state is beyond use: drop it and let its blocks go; its receiver, told
+            # nothing, gives up at its deadline and holds its blocks.
+            log.exception("turnkv: dropping send %s", out.transfer_id)
+            out.ended, out.writes.may_land = out.ended or "an internal error", True
+            self.transfers.forget(out)
+            if out.blocks is not None:
+                self._outcomes.sent(out.request_id or "", sends_failed=1)
+
     def _drop_peer(self, name: str) -> None:
         """A receiver restarted under a new agent name: its old agent's transfers end."""
         for out in self.transfers.values():
             if out.reg is not None and out.reg.agent == name:
                 self._end(out, "the receiver restarted", failed=True)
         self.peers.doom(self.writer.peers.get(name))
-
-    def _busy_agents(self) -> set[str]:
-        return {out.reg.agent for out in self.transfers.values() if out.reg is not None}
 
     def _reply(self, identity: bytes, message: sc.Message) -> None:
         if self._router is None:

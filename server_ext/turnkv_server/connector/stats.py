@@ -34,6 +34,7 @@ class TransferCounters:
     quarantines_expired: int = 0
     transfers_mismatched: int = 0
     side_channel_rejected: int = 0
+    notifications_rejected: int = 0
     send_seconds: float = 0.0
     receive_seconds: float = 0.0
 
@@ -76,7 +77,10 @@ HELP = {
     "quarantines_expired": "Quarantined blocks given back with no word from the sender, after "
                            "the longest a TCP connection retransmits",
     "transfers_mismatched": "Registrations refused because the two engines' tokens differ",
-    "side_channel_rejected": "Side-channel messages dropped: bad signature, stale or malformed",
+    "side_channel_rejected": "Side-channel messages dropped: bad signature, stale, replayed or "
+                             "malformed",
+    "notifications_rejected": "Completion notifications ignored: from an agent other than the "
+                              "one the receive registered with",
     "send_seconds": "Seconds from write start to completion, summed",
     "receive_seconds": "Seconds from registration to arrival, summed",
     "tokens_requested": "Prompt tokens this engine asked a peer for",

@@ -9,19 +9,27 @@ the blocks a step completed, and the last write carries only the rest. The messa
 order are in `side_channel`; the receiver's rules in `receiving`, the sender's in `sending`,
 the NIXL calls in `writes`.
 
-What this guarantees (issue 15, docs/architecture.md):
+What this guarantees (docs/architecture.md, docs/protocol.md):
 - KV is copied only between engines with the same fingerprint (model, weights, dtypes, block
-  size, layout), and only when both hold the same tokens over the range copied;
+  size, layout), only when both hold the same tokens over the range copied, and only KV the
+  sender computed;
 - a receiver hands its blocks back to vLLM only when no write of the sender can still land in
-  them (two-phase cancel, and a write fence for silent senders);
-- every NIXL call is failure-safe: a peer that dies mid-write fails its own transfers only;
-- side-channel messages are signed with the cluster's secret; one peer's registrations and the
-  number of peers are bounded.
+  them (two-phase cancel that says whether a write may still land, a write fence for silent
+  senders, and a quarantine otherwise), and completes a receive only on the notification of
+  the agent it registered with;
+- every NIXL call is failure-safe: a peer that dies mid-write fails its own transfers only,
+  and one transfer whose step raises ends alone;
+- side-channel messages are signed with the cluster's secret (a short or placeholder secret
+  is refused), dropped when stale or replayed, and encrypted (CURVE keys derived from the
+  secret); one peer's registrations and the number of peers are bounded.
+What it does not: the NIXL data path (UCX) is neither authenticated nor encrypted; the
+engines' network must keep everyone else out (docs/deploy.md).
 
 Everything NIXL or ZeroMQ happens on this thread; the engine's step thread hands work over with
 `receive`/`expect`/`send`/... and collects outcomes with `take_results`, both thread-safe. The
 thread sleeps in `zmq.Poller.poll` and wakes on a message, a command, a timer, or (only while a
-transfer is in flight) a short tick to poll NIXL, so an idle engine's thread costs nothing.
+write or a live receive is in flight) a short tick to poll NIXL, so an idle engine's thread
+costs nothing, and one holding only quarantined receives wakes about once a second.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import zmq
 
 from turnkv_server.connector import side_channel as sc
 from turnkv_server.connector.blocktable import BlockTable
+from turnkv_server.connector.cluster_secret import ClusterKeys
 from turnkv_server.connector.identity import Fingerprint
 from turnkv_server.connector.outcomes import Outcomes, TransferResults
 from turnkv_server.connector.receiving import Receiving
@@ -51,7 +60,8 @@ __all__ = ["TransferAgent", "TransferResults"]
 
 log = logging.getLogger(__name__)
 
-# While a transfer is in flight the thread polls NIXL this often; idle, it blocks.
+# While a write or a live receive is in flight the thread polls NIXL this often; otherwise it
+# sleeps until the next deadline.
 TICK_MS = 2
 
 
@@ -71,15 +81,17 @@ class TransferAgent:
         # Peers compare layouts as part of the fingerprint: byte lengths of each range.
         self.fingerprint = fingerprint.with_fields(
             {"layout": ",".join(str(length) for _, length, _ in table.ranges)})
+        self._codec = sc.Codec(secret)
+        keys = ClusterKeys(secret)
         self._nixl = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
         self._zmq = zmq.Context()
-        self._codec = sc.Codec(secret)
         self._outcomes = Outcomes()
         self._router: zmq.Socket[Any] | None = None
         self.address: str | None = None
         if listen is not None:
             self._router = self._zmq.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
+            keys.serve(self._router)
             host, port = listen
             if port:
                 self._router.bind(f"tcp://{host}:{port}")
@@ -88,10 +100,10 @@ class TransferAgent:
                 # can be taken by anything else on the machine meanwhile.
                 port = self._router.bind_to_random_port(f"tcp://{host}")
             self.address = f"{host}:{port}"
-        self.writer = Writer(self._nixl, table)
+        self.writer = Writer(self._nixl, table, clock)
         self.receiving = Receiving(
             agent_name=self.name, engine_id=engine_id, nixl=self._nixl, table=table,
-            fingerprint=self.fingerprint, codec=self._codec, context=self._zmq,
+            fingerprint=self.fingerprint, codec=self._codec, keys=keys, context=self._zmq,
             outcomes=self._outcomes, clock=clock)
         self.sending = Sending(
             agent_name=self.name, writer=self.writer, fingerprint=self.fingerprint,
@@ -101,6 +113,8 @@ class TransferAgent:
             queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._stop = threading.Event()
+        # Passes of the transfer thread's loop (each one a wake-up).
+        self.passes = 0
         self._thread = threading.Thread(target=self._run, name="turnkv-transfer", daemon=True)
 
     # -- the step thread's side --------------------------------------------------------------
@@ -193,13 +207,14 @@ class TransferAgent:
             poller.register(self._router, zmq.POLLIN)
         polled: set[str] = set()
         while not self._stop.is_set():
+            self.passes += 1
             for address, link in self.receiving.links.items():
                 if address not in polled:
                     poller.register(link.socket, zmq.POLLIN)
                     poller.register(link.monitor, zmq.POLLIN)
                     polled.add(address)
             try:
-                ready = dict(poller.poll(self._timeout_ms()))
+                ready = dict(poller.poll(self._timeout_ms_guarded()))
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
@@ -217,7 +232,7 @@ class TransferAgent:
                     self._guard(self.receiving.on_monitor, link)
                 if link.socket in ready:
                     self._guard(self.receiving.on_readable, link)
-            self._guard(self._progress)
+            self._progress()
 
     def _guard(self, step: Callable[..., None], *args: Any) -> None:
         try:
@@ -236,21 +251,20 @@ class TransferAgent:
             self._guard(handler, *args)
 
     def _progress(self) -> None:
-        if self.receiving.receives:
-            try:
-                notifs = self._nixl.get_new_notifs()
-            except Exception as exc:
-                log.warning("turnkv: reading NIXL notifications failed: %s", exc)
-                notifs = {}
-            for messages in notifs.values():
-                for message in messages:
-                    self._guard(self.receiving.on_notification, message)
         now = self._clock()
-        self.sending.progress(now)
-        self.receiving.tick(now)
+        self._guard(self.receiving.read_notifications, now)
+        self._guard(self.sending.progress, now)
+        self._guard(self.receiving.tick, now)
+
+    def _timeout_ms_guarded(self) -> int | None:
+        try:
+            return self._timeout_ms()
+        except Exception:
+            log.exception("turnkv transfer thread")
+            return TICK_MS
 
     def _timeout_ms(self) -> int | None:
-        if self.sending.busy() or self.receiving.receives:
+        if self.sending.busy() or self.receiving.live():
             return TICK_MS
         deadline = min(self.sending.next_deadline(), self.receiving.next_deadline())
         if deadline == math.inf:

@@ -9,14 +9,23 @@ fail the one transfer, never the thread that serves every transfer).
 order they were posted, so it checks them oldest first and stops at the first still running:
 each handle is looked at about once after it completes, which keeps a prefill that writes every
 layer of every step linear in layers rather than quadratic.
+
+What the sender can truthfully say of a write once NIXL stops reporting it in progress: "DONE"
+and released, it is over; failed ("ERR", or NIXL raised), NIXL gave it up, but over UCX on TCP
+its bytes may still be on the way (`InFlight.may_land`); and a handle NIXL refuses to release
+("could not cancel an active transfer") is a write NIXL itself still counts active. Such a
+handle is kept (`Writer.unreleased`), its peer's agent with it, and released again every
+`RELEASE_RETRY_S` until NIXL lets it go.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +33,17 @@ from turnkv_server.connector.blocktable import BlockTable
 
 log = logging.getLogger(__name__)
 
+# How often a write handle NIXL would not release is offered back to it.
+RELEASE_RETRY_S = 1.0
+
 
 class WriteError(RuntimeError):
-    """A write could not be posted (stale metadata, a dead peer, a refused descriptor)."""
+    """A write could not be posted (stale metadata, a dead peer, a refused descriptor).
+    `may_land`: NIXL had started it, so some of it may land all the same."""
+
+    def __init__(self, message: str, may_land: bool) -> None:
+        super().__init__(message)
+        self.may_land = may_land
 
 
 @dataclass
@@ -42,12 +59,17 @@ class Peer:
 
 
 class Writer:
-    def __init__(self, nixl: Any, table: BlockTable) -> None:
+    def __init__(self, nixl: Any, table: BlockTable,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.nixl = nixl
         self.table = table
+        self._clock = clock
         self._registered: Any = None
         self._local: Any = None
         self.peers: dict[str, Peer] = {}
+        # Handles NIXL would not release (it counts their writes active), with their peers.
+        self._unreleased: list[tuple[Any, Peer]] = []
+        self._retry_at = math.inf
 
     def register_memory(self, buffers: list[tuple[int, int]]) -> None:
         """Register the cache's buffers (address, length) and prepare the local descriptors."""
@@ -97,15 +119,16 @@ class Writer:
             handle = self.nixl.make_prepped_xfer("WRITE", self._local, local, peer.dlist,
                                                  remote, notif)
         except Exception as exc:
-            raise WriteError(f"NIXL refused the write: {exc}") from exc
+            raise WriteError(f"NIXL refused the write: {exc}", may_land=False) from exc
         try:
             state = self.nixl.transfer(handle)
         except Exception as exc:
-            self.release(handle)
-            raise WriteError(f"NIXL write failed: {exc}") from exc
+            self.release_or_keep(handle, peer)
+            raise WriteError(f"NIXL write failed: {exc}", may_land=True) from exc
         if state == "ERR":
-            self.release(handle)
-            raise WriteError("NIXL write failed")
+            # Some of its descriptors may have been posted before one failed.
+            self.release_or_keep(handle, peer)
+            raise WriteError("NIXL write failed", may_land=True)
         return handle
 
     def state(self, handle: Any) -> str:
@@ -116,13 +139,52 @@ class Writer:
             log.warning("turnkv: a write's state could not be read (%s); taken as failed", exc)
             return "ERR"
 
-    def release(self, handle: Any) -> None:
+    def release(self, handle: Any) -> bool:
+        """Give the handle back to NIXL; False if NIXL refused (its write is still active)."""
         try:
             self.nixl.release_xfer_handle(handle)
-        except Exception as exc:  # NIXL keeps what it cannot free and frees it at exit
-            log.debug("turnkv: releasing a write handle: %s", exc)
+        except Exception as exc:
+            log.warning("turnkv: NIXL would not release a write handle (%s); kept, and "
+                        "offered back every %g s", exc, RELEASE_RETRY_S)
+            return False
+        return True
+
+    def release_or_keep(self, handle: Any, peer: Peer) -> bool:
+        """Release a handle whose write counts against `peer`; one NIXL refuses is kept,
+        counting still, until `retry_releases` gets rid of it. Returns whether released."""
+        if self.release(handle):
+            return True
+        peer.in_flight += 1
+        self._unreleased.append((handle, peer))
+        self._retry_at = min(self._retry_at, self._clock() + RELEASE_RETRY_S)
+        return False
+
+    def retry_releases(self, now: float) -> None:
+        if now < self._retry_at:
+            return
+        kept = []
+        for handle, peer in self._unreleased:
+            try:
+                self.nixl.release_xfer_handle(handle)
+            except Exception:
+                kept.append((handle, peer))
+            else:
+                peer.in_flight -= 1
+        self._unreleased = kept
+        self._retry_at = now + RELEASE_RETRY_S if kept else math.inf
+
+    def unreleased(self) -> int:
+        """How many write handles NIXL has not let go of."""
+        return len(self._unreleased)
+
+    def next_retry(self) -> float:
+        return self._retry_at
 
     def close(self) -> None:
+        for handle, _ in self._unreleased:
+            with contextlib.suppress(Exception):  # NIXL frees what is left at exit
+                self.nixl.release_xfer_handle(handle)
+        self._unreleased.clear()
         for name in list(self.peers):
             self.remove_peer(name)
         with contextlib.suppress(Exception):
@@ -138,14 +200,16 @@ class InFlight:
     """One transfer's posted writes, oldest first, until NIXL is done with them."""
 
     handles: deque[tuple[Any, Peer]] = field(default_factory=deque)
+    # A write did not complete; and whether any may land all the same (module docstring).
     failed: bool = False
+    may_land: bool = False
 
     def add(self, handle: Any, peer: Peer) -> None:
         self.handles.append((handle, peer))
         peer.in_flight += 1
 
     def settle(self, writer: Writer) -> bool:
-        """Release what has completed; True when nothing is left in flight."""
+        """Release what has completed; True when NIXL reports nothing in progress."""
         while self.handles:
             handle, peer = self.handles[0]
             state = writer.state(handle)
@@ -153,9 +217,20 @@ class InFlight:
                 return False
             self.handles.popleft()
             peer.in_flight -= 1
-            writer.release(handle)
-            self.failed |= state != "DONE"
+            if state != "DONE":
+                self.failed = self.may_land = True
+            if not writer.release_or_keep(handle, peer):
+                self.may_land = True
         return True
+
+    def abandon(self, writer: Writer) -> None:
+        """Stop following these writes (their transfer ended in error): the writer releases
+        them when NIXL lets go. They may land."""
+        while self.handles:
+            handle, peer = self.handles.popleft()
+            peer.in_flight -= 1
+            writer.release_or_keep(handle, peer)
+            self.failed = self.may_land = True
 
     def __bool__(self) -> bool:
         return bool(self.handles)
