@@ -33,6 +33,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from turnkv_server.connector.cluster_secret import check_secret
 from turnkv_server.launcher.engine import SECRET_ENV
 from turnkv_server.launcher.kv_transfer import kv_transfer_config
 from turnkv_server.router.__main__ import parse_args
@@ -348,6 +349,44 @@ def test_secrets_are_placeholders_and_the_deployments_use_them(overlay: str) -> 
         (container,) = containers(engine)
         assert container_env(overlay, container)[SECRET_ENV] == secret_value(
             overlay, "turnkv-side-channel", "secret")
+    # Deployed as it is, the placeholder stops the engines: the connector refuses it.
+    with pytest.raises(ValueError, match="placeholder"):
+        check_secret(secret_value(overlay, "turnkv-side-channel", "secret").encode())
+
+
+def selected_deployments(overlay: str, selector: Obj) -> set[str]:
+    """The Deployments whose pods a NetworkPolicy's `podSelector` picks."""
+    assert set(selector) == {"matchLabels"}, "only matchLabels are read here"
+    return {name for name, d in objects(overlay, "Deployment").items()
+            if selector["matchLabels"].items()
+            <= d["spec"]["template"]["metadata"]["labels"].items()}
+
+
+@pytest.mark.parametrize("overlay", TARGETS)
+def test_only_engines_and_routers_reach_the_engines(overlay: str) -> None:
+    """NIXL's data path (UCX) is neither authenticated nor encrypted: the engines take
+    connections from each other (any port: UCX picks its own) and the routers' to their HTTP
+    port, from nothing else."""
+    (policy,) = objects(overlay, "NetworkPolicy").values()
+    spec = policy["spec"]
+    assert selected_deployments(overlay, spec["podSelector"]) == set(engines(overlay))
+    assert spec["policyTypes"] == ["Ingress"]
+    allowed: dict[str, set[int] | None] = {}  # source Deployment -> engine ports (None: all)
+    for rule in spec["ingress"]:
+        assert all(set(peer) == {"podSelector"} for peer in rule["from"]), (
+            "a rule lets in more than pods of this deployment")
+        for peer in rule["from"]:
+            for source in selected_deployments(overlay, peer["podSelector"]):
+                ports = None
+                if "ports" in rule:
+                    ports = {container_port(containers(d)[0], p["port"])
+                             for d in engines(overlay).values() for p in rule["ports"]}
+                allowed[source] = ports
+    assert allowed == {**dict.fromkeys(engines(overlay)), "turnkv-router": {8000}}
+    for engine in engines(overlay).values():
+        (container,) = containers(engine)
+        assert container_port(container, "http") == 8000
+        assert container_port(container, "side-channel") not in allowed["turnkv-router"]
 
 
 @pytest.mark.parametrize("overlay", TARGETS)
