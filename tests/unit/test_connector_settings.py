@@ -32,6 +32,18 @@ def test_the_secret_comes_from_the_environment_or_a_file(tmp_path: Path) -> None
     assert ENV in str(err.value) and "side_channel_secret_file" in str(err.value)
 
 
+def test_a_short_or_placeholder_secret_is_refused_where_the_settings_are_read(
+        tmp_path: Path) -> None:
+    for weak in ("short", "REPLACE-ME-" + "x" * 40):
+        with pytest.raises(ValueError, match="openssl rand") as err:
+            side_channel_secret({}, {ENV: weak})
+        assert weak not in str(err.value)
+        mounted = tmp_path / "secret"
+        mounted.write_text(weak)
+        with pytest.raises(ValueError, match="openssl rand"):
+            side_channel_secret({"side_channel_secret_file": str(mounted)}, {})
+
+
 def test_a_secret_in_the_config_is_refused_and_never_repeated() -> None:
     # vLLM logs the whole --kv-transfer-config at startup: a secret there is in the log.
     for environ in ({}, {ENV: "other-" * 8}):

@@ -37,6 +37,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from turnkv_server.connector.cluster_secret import check_secret
+
 SECRET_ENV = "TURNKV_SIDE_CHANNEL_SECRET"
 SECRET_FILE_SETTING = "side_channel_secret_file"
 REPORT_ENV = "TURNKV_SIDE_CHANNEL_REPORT"
@@ -61,7 +63,8 @@ def refuse_secret_in_config(extra: Mapping[str, Any]) -> None:
 
 
 def side_channel_secret(extra: Mapping[str, Any], environ: Mapping[str, str]) -> bytes:
-    """The cluster's side-channel secret: the environment's, or the named file's."""
+    """The cluster's side-channel secret: the environment's, or the named file's; refused if
+    it is short or a placeholder (`cluster_secret.check_secret`)."""
     refuse_secret_in_config(extra)
     secret = environ.get(SECRET_ENV)
     path = extra.get(SECRET_FILE_SETTING)
@@ -82,6 +85,7 @@ def side_channel_secret(extra: Mapping[str, Any], environ: Mapping[str, str]) ->
             f"turnkv: the KV side channel needs a secret shared by the cluster's engines: set "
             f"the environment variable {SECRET_ENV}, or name a file holding it in "
             f"kv_connector_extra_config.{SECRET_FILE_SETTING}")
+    check_secret(secret.encode())
     return secret.encode()
 
 
