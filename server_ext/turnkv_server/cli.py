@@ -13,7 +13,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from turnkv_server import extras
 from turnkv_server.mode_names import (
@@ -29,10 +28,12 @@ SHORT_DELTA_HELP = (help_for("short_delta_tokens")
                     + f" (default: the router's, {SHORT_DELTA_TOKENS})")
 ITL_TARGET_HELP = help_for("itl_target_ms")
 
+# Click's own help layout (rich_markup_mode=None): rich's option tables cut long option names
+# ("--cores-per-engi…") to fit 80 columns; click wraps the help text instead.
 app = typer.Typer(help="turnkv: session KV reuse for multi-turn agents on disaggregated vLLM.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None)
 model_app = typer.Typer(help="Provision the models turnkv serves without a model hub.",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(model_app, name="model")
 
 console = Console(stderr=True)
@@ -71,45 +72,55 @@ def model_tiny() -> None:
     out.print(str(build_tiny(progress=_progress)))
 
 
-@app.command()
+@app.command(short_help="Start a local cluster: vLLM engines behind the router.")
 def up(
     mode: Annotated[str, typer.Option(
-        help=f"{' | '.join(CLUSTER_MODES)} (see docs/protocol.md)")] = DEFAULT_MODE,
-    model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
-        "smollm2"
-    ),
-    prefill: Annotated[int, typer.Option(help="number of prefill engines")] = 1,
-    decode: Annotated[int, typer.Option(help="number of decode engines")] = 1,
-    engines: Annotated[int, typer.Option(
-        help="affinity: number of aggregated engines (each keeps its sessions)")] = 2,
-    dtype: Annotated[str, typer.Option(help="engine dtype (float32 for exact comparisons)")] = (
-        "auto"
-    ),
+        metavar="MODE", help=f"{' | '.join(CLUSTER_MODES)} (see docs/protocol.md)")] = (
+        DEFAULT_MODE),
+    model: Annotated[str, typer.Option(
+        metavar="MODEL", help="smollm2, tiny, or a local HF model folder")] = "smollm2",
+    prefill: Annotated[int, typer.Option(metavar="N", help="number of prefill engines")] = 1,
+    decode: Annotated[int, typer.Option(metavar="N", help="number of decode engines")] = 1,
+    engines: Annotated[int, typer.Option(metavar="N", help=(
+        "affinity: number of aggregated engines (each keeps its sessions)"))] = 2,
+    dtype: Annotated[str, typer.Option(
+        metavar="DTYPE", help="engine dtype (float32 for exact comparisons)")] = "auto",
     prefill_cache: Annotated[bool, typer.Option(help="prefix cache on the prefill engines")] = (
         True
     ),
-    kv_cache_bytes: Annotated[int | None, typer.Option(help="KV cache size per engine")] = None,
+    kv_cache_bytes: Annotated[int | None, typer.Option(
+        metavar="BYTES", help="KV cache size per engine")] = None,
     cores_per_engine: Annotated[int, typer.Option(
-        help="cores pinned to each engine (one engine on two: --mode single "
-             "--cores-per-engine 2)")] = 1,
-    decoder_kv_ttl: Annotated[float, typer.Option(help=help_for("decoder_kv_ttl"))] = 120.0,
+        metavar="N", help="cores pinned to each engine (one engine on two: --mode single "
+                          "--cores-per-engine 2)")] = 1,
+    decoder_kv_ttl: Annotated[float, typer.Option(
+        metavar="SECONDS", help=help_for("decoder_kv_ttl"))] = 120.0,
     short_delta_tokens: Annotated[int | None, typer.Option(
-        help=SHORT_DELTA_HELP)] = None,
-    itl_target_ms: Annotated[float | None, typer.Option(help=ITL_TARGET_HELP, min=0.0)] = None,
+        metavar="TOKENS", help=SHORT_DELTA_HELP)] = None,
+    itl_target_ms: Annotated[float | None, typer.Option(
+        metavar="MS", help=ITL_TARGET_HELP, min=0.0)] = None,
     tier_host_blocks: Annotated[int | None, typer.Option(
-        help="turnkv, or affinity with --engine-leases: a host-memory KV tier of this many "
-             "blocks below each engine's cache (docs/tier.md)", min=1)] = None,
+        metavar="BLOCKS", help="turnkv, or affinity with --engine-leases: a host-memory KV "
+        "tier of this many blocks below each engine's cache (docs/tier.md)", min=1)] = None,
     tier_disk_bytes: Annotated[int | None, typer.Option(
-        help="with --tier-host-blocks: a disk tier of at most this many bytes below it, in "
-             "the run folder (checked files; docs/tier.md)", min=1)] = None,
+        metavar="BYTES", help="with --tier-host-blocks: a disk tier of at most this many "
+        "bytes below it, in the run folder (checked files; docs/tier.md)", min=1)] = None,
     engine_leases: Annotated[bool, typer.Option(
         help="affinity: the engines run the turnkv connector and hold sessions' leases")] = (
         False),
-    port: Annotated[int | None, typer.Option(
-        help="router port (default: a free one, which the router binds itself)")] = None,
-    redis: Annotated[str | None, typer.Option(
-        help=help_for("redis_url") + "; more routers: `turnkv router --redis ...`")] = None,
-    run_dir: Annotated[Path | None, typer.Option(help="run folder for logs and state")] = None,
+    tool_call_parser: Annotated[str, typer.Option(
+        metavar="NAME", help="vLLM's tool-call parser on every engine, so that requests with "
+        "`tools` work: auto (the one for the model's chat template: hermes for the built-in "
+        "ChatML models), a vLLM parser's name, or none (tool calling off)")] = "auto",
+    engine_arg: Annotated[list[str] | None, typer.Option(
+        metavar="ARG", help="one more word of every engine's vLLM command line, as in "
+        "--engine-arg=--seed=1; repeat it for more")] = None,
+    port: Annotated[int | None, typer.Option(metavar="PORT", help=(
+        "router port (default: a free one, which the router binds itself)"))] = None,
+    redis: Annotated[str | None, typer.Option(metavar="URL", help=(
+        help_for("redis_url") + "; more routers: `turnkv router --redis ...`"))] = None,
+    run_dir: Annotated[Path | None, typer.Option(
+        metavar="DIR", help="run folder for logs and state")] = None,
     foreground: Annotated[bool, typer.Option(help="stay attached; Ctrl-C stops it")] = False,
 ) -> None:
     """Start a local cluster; returns once every engine is healthy (unless --foreground)."""
@@ -135,8 +146,9 @@ def up(
             cores_per_engine=cores_per_engine, router_port=port, run_dir=run_dir,
             decoder_kv_ttl=decoder_kv_ttl, short_delta_tokens=short_delta_tokens,
             tier_host_blocks=tier_host_blocks, tier_disk_bytes=tier_disk_bytes,
-            engine_leases=engine_leases, router_args=(*(("--redis", redis) if redis else ()),
-                         *itl_target_args(itl_target_ms)),
+            engine_leases=engine_leases, tool_call_parser=tool_call_parser,
+            engine_extra_args=tuple(engine_arg or ()),
+            router_args=(*(("--redis", redis) if redis else ()), *itl_target_args(itl_target_ms)),
             register_as_current=True,
         )
     except ValueError as exc:
@@ -164,7 +176,7 @@ def up(
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
-                               "help_option_names": []})
+                               "help_option_names": []}, short_help="Run the router alone.")
 def router(ctx: typer.Context) -> None:
     """Run the session router alone in front of existing engines (`turnkv router -h`)."""
     from turnkv_server.router.__main__ import main as router_main
@@ -208,7 +220,7 @@ def down(
     console.print(f"stopped the cluster of {state.run_dir}")
 
 
-@app.command()
+@app.command(short_help="Benchmark a multi-turn workload on each serving mode.")
 def bench(
     workload: Annotated[str, typer.Option(
         help="agent | chat | conversation | smoke | memory-pressure | agent-pressure | trace")] = (
@@ -280,7 +292,7 @@ def bench(
         raise typer.Exit(1)
 
 
-@app.command("bench-report")
+@app.command("bench-report", short_help="Rebuild a bench run's reports from its results.")
 def bench_report(
     folder: Annotated[Path, typer.Argument(help="a turnkv bench output folder")],
 ) -> None:
@@ -306,7 +318,7 @@ def bench_report(
         out.print(f"wrote {written}")
 
 
-@app.command()
+@app.command(short_help="Estimate per-turn TTFT on an 8xH200 + EFA P/D pair.")
 def estimate(
     model: Annotated[str, typer.Option(help="qwen3-32b | glm-5")] = "qwen3-32b",
     workload: Annotated[str, typer.Option(
@@ -343,30 +355,15 @@ def estimate(
 
 
 def _print_status(state: object) -> None:
-    from turnkv_server.launcher import ClusterState, ProcessRef
+    from turnkv_server.launcher import ClusterState
+    from turnkv_server.launcher.status_view import status_table
 
     assert isinstance(state, ClusterState)
-    table = Table(title=f"turnkv cluster — mode {state.mode}, model {state.served_model_name}")
-    servers = ([state.router_process] if state.router_process else []) + state.engines
-    # At 80 columns (a log file, a small terminal) the URLs stay whole: one cut to
-    # "http://127.0.0.1:…" cannot be used. Logs in the run folder's logs/ (printed whole below
-    # the table) go by their file name.
-    url_width = max((len(s.url) for s in servers), default=3)
-    logs = Path(state.run_dir) / "logs"
-    for column in ("server", "url", "pid", "cores", "alive"):
-        table.add_column(column, no_wrap=True,
-                         min_width=url_width if column == "url" else None)
-    table.add_column("log", overflow="fold")
-    for s in servers:
-        alive = ProcessRef(pid=s.pid, create_time=s.create_time).is_alive()
-        log = Path(s.log)
-        table.add_row(s.name, s.url, str(s.pid), ",".join(map(str, s.cores)) or "-",
-                      "[green]yes[/]" if alive else "[red]no[/]",
-                      log.name if log.parent == logs else str(log))
-    out.print(table)
-    out.print(f"logs: {logs}", soft_wrap=True, highlight=False)
+    out.print(status_table(state))
+    out.print(f"logs: {Path(state.run_dir) / 'logs'}", soft_wrap=True, highlight=False)
     out.print(f"client-facing URL: [bold]{state.router}[/]  (OpenAI base_url {state.router}/v1)",
               soft_wrap=True)
+
 
 def main() -> None:
     try:

@@ -41,6 +41,7 @@ from turnkv_server.launcher.kv_transfer import disk_tier, kv_transfer_config
 from turnkv_server.launcher.processes import ProcessRef, stop_group
 from turnkv_server.launcher.progress import LogPhases, StartupDisplay
 from turnkv_server.launcher.state import ClusterState, ServerState, clear_current, set_current
+from turnkv_server.launcher.tool_calling import resolve_parser
 from turnkv_server.paths import turnkv_home
 from turnkv_server.ports import read_report
 
@@ -64,6 +65,7 @@ class Cluster:
         self.router_port_file = self.run_dir / "router.addr"
         # Per cluster: an engine of another cluster on this machine cannot talk to these.
         self.side_channel_secret = config.side_channel_secret or secrets.token_hex(32)
+        self.tool_calling = ""  # why the engines run the tool-call parser they run
 
     def __enter__(self) -> ClusterState:
         return self.start()
@@ -84,6 +86,9 @@ class Cluster:
         served_name = _served_name(self.config.model, model_path)
         self._note(f"{served_name}: {model_path}")
         specs = self._engine_specs(model_path, served_name)
+        parser = specs[0].tool_call_parser
+        self._note(f"tool calling: {f'vLLM parser {parser}' if parser else 'off'} "
+                   f"({self.tool_calling})")
         self.engines = [EngineProcess(spec, self.run_dir) for spec in specs]
         try:
             self._step(2, steps, f"starting {len(specs)} vLLM engine(s), {self.config.mode} mode")
@@ -117,6 +122,7 @@ class Cluster:
         cores = _core_sets(len(roles), cfg.cores_per_engine)
         # Unique per start: NIXL refuses a restarted peer that reuses its agent's name.
         run_tag = uuid.uuid4().hex[:8]
+        parser, self.tool_calling = resolve_parser(cfg.tool_call_parser, model_path)
         specs = []
         for name, role, port, nixl_port, core_set in zip(
                 cfg.engine_names(), roles, ports, nixl_ports, cores, strict=True):
@@ -140,6 +146,7 @@ class Cluster:
                     prefix_caching=cfg.prefill_cache or role != "prefill",
                     kv_cache_bytes=cfg.kv_cache_bytes,
                     max_model_len=cfg.max_model_len,
+                    tool_call_parser=parser,
                     extra_args=cfg.engine_extra_args,
                     side_channel_secret=(self.side_channel_secret
                                          if cfg.mode == "turnkv" or cfg.engine_leases else None),

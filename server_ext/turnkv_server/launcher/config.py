@@ -11,6 +11,7 @@ from typing import Any
 from turnkv_server.launcher.engine import Role
 from turnkv_server.launcher.host_plan import Host
 from turnkv_server.launcher.placement import ROUTER, unknown_names
+from turnkv_server.launcher.tool_calling import AUTO, launcher_options_in
 from turnkv_server.mode_names import CLUSTER_MODES as MODES
 from turnkv_server.mode_names import ClusterMode as Mode
 
@@ -47,6 +48,12 @@ class ClusterConfig:
     startup_timeout: float = 300.0
     # The cluster `turnkv status` / `turnkv down` act on by default.
     register_as_current: bool = False
+    # vLLM's tool-call parser on every engine, so that requests with `tools` work as on vLLM:
+    # "auto" (chosen from the model's chat template, `tool_calling`), a parser's name, or
+    # "none" / None (tool calling off: vLLM then refuses `tool_choice: "auto"`).
+    tool_call_parser: str | None = AUTO
+    # More of vLLM's server arguments for every engine, each one word of its command line
+    # (`--max-num-seqs=8`); not those the launcher sets itself (`tool_calling`).
     engine_extra_args: tuple[str, ...] = field(default_factory=tuple)
     # Extra command-line arguments for the router (see `python -m turnkv_server.router -h`).
     router_args: tuple[str, ...] = field(default_factory=tuple)
@@ -109,6 +116,10 @@ class ClusterConfig:
                 self.tier_host_blocks is None or self.tier_disk_bytes < 1):
             raise ValueError("tier_disk_bytes goes below a host tier (tier_host_blocks) and "
                              "must be positive")
+        owned = launcher_options_in(self.engine_extra_args)
+        if owned:
+            raise ValueError(f"engine arguments {', '.join(owned)} are set by turnkv itself "
+                             "(tool calling: tool_call_parser, `turnkv up --tool-call-parser`)")
         if self.hosts:
             # A `single` cluster has no router: its engine is the endpoint.
             names = self.engine_names() + ([] if self.mode == "single" else [ROUTER])

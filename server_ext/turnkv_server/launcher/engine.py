@@ -31,6 +31,7 @@ import httpx
 from turnkv_server.launcher import placement
 from turnkv_server.launcher.host_plan import Host
 from turnkv_server.launcher.processes import ProcessRef, pin_group, stop_group, unpinned_threads
+from turnkv_server.launcher.tool_calling import engine_arguments
 from turnkv_server.ports import SIDE_CHANNEL_REPORT_ENV, PortHold, read_report
 
 # "engine": one of an affinity cluster's aggregated engines (plain vLLM, like "single").
@@ -84,6 +85,8 @@ class EngineSpec:
     host: str = placement.LOOPBACK
     # The simulated host it runs on (`launcher.placement`); None: the launcher's namespace.
     placed_on: Host | None = None
+    # vLLM's tool-call parser (`tool_calling`); None: tool calling off.
+    tool_call_parser: str | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     # The turnkv connector's side-channel secret: in the environment, never on the command
     # line (which every user of the machine can read) nor in a repr or a log.
@@ -122,7 +125,7 @@ class EngineSpec:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
-        return cmd + list(self.extra_args)
+        return cmd + engine_arguments(self.tool_call_parser) + list(self.extra_args)
 
     def environment(self, workdir: Path, tmp: Path,
                     side_channel_report: Path | None = None) -> dict[str, str]:
