@@ -10,6 +10,7 @@ prefill engine did not compute, and from turn 2 the session reuses its KV.
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ from llama_index.core.base.llms.types import ChatMessage
 
 import turnkv
 from tests.support.conversation import SYSTEM, USER_TURNS
+from tests.support.waiting import wait_for
 from turnkv.integrations.langchain import ChatTurnKV
 from turnkv.integrations.llamaindex import CACHE_READ_KEY, TurnKVLLM
 from turnkv.integrations.turns import wire_of
@@ -133,3 +135,22 @@ def test_llamaindex_chat_stream_achat_in_a_given_session(router_cluster: Cluster
         llm.close()  # the session was given: the LLM leaves it to its owner
         assert router_session(state, session.id).status_code == 200
     assert router_session(state, session.id).status_code == 404
+
+
+def test_models_collected_unclosed_release_their_sessions(router_cluster: ClusterState) -> None:
+    """A model never closed (as LangChain's standard tests leave theirs) releases the session
+    it opened once it is garbage-collected: the router holds it no longer."""
+    state = router_cluster
+    chat = ChatTurnKV(model=state.served_model_name, base_url=f"{state.router}/v1",
+                      api_key="unused", temperature=0, max_tokens=MAX_TOKENS, ttl=TTL)
+    chat.invoke([SystemMessage(SYSTEM), HumanMessage(USER_TURNS[0])])
+    llm = TurnKVLLM(model=state.served_model_name, api_base=f"{state.router}/v1",
+                    api_key="unused", temperature=0, max_tokens=MAX_TOKENS, ttl=TTL)
+    llm.chat([ChatMessage(role="user", content=USER_TURNS[0])])
+    sessions = [chat.session.id, llm.session.id]
+    assert [router_session(state, s).status_code for s in sessions] == [200, 200]
+    del chat, llm
+    gc.collect()
+    for session_id in sessions:
+        wait_for(lambda s=session_id: router_session(state, s).status_code == 404,  # type: ignore[misc]
+                 f"the router releasing session {session_id}")

@@ -7,7 +7,7 @@
     reply = llm.invoke(messages)
     reply.response_metadata["turnkv"]                        # the turn's stats (a dict)
     reply.usage_metadata["input_token_details"]["cache_read"]  # prompt tokens not recomputed
-    llm.close()                                              # releases the session
+    llm.close()      # releases the session (as do `with ChatTurnKV(...) as llm:` and its GC)
 
 Every call (`invoke`, `ainvoke`, `stream`, `astream`, and those of tool-bound models from
 `bind_tools`) goes through `turnkv.http_client(session)` / `turnkv.async_http_client(session)`,
@@ -32,6 +32,7 @@ from turnkv.http import async_http_client, http_client
 from turnkv.integrations import extra_missing
 from turnkv.integrations.turns import (
     STATS_KEY,
+    SessionHold,
     SessionOwner,
     cache_read,
     open_session,
@@ -59,15 +60,16 @@ class ChatTurnKV(SessionOwner, ChatOpenAI):
 
     Give it a `session` (a `turnkv.Session` you manage), or let it open one from `session_id`
     (None: a random ID), `ttl`, `priority`, `prefix_id` and `keep`; `close()` / `aclose()`
-    then releases that session on the router unless `keep=True`. Every other argument is
+    (or the end of a `with` / `async with` block) then releases that session on the router
+    unless `keep=True`, and so does the model's garbage collection if it was never closed
+    (not at interpreter exit: there the lease ends it). Every other argument is
     `ChatOpenAI`'s. `stream_usage` defaults to True, so that streams report usage on servers
     without turnkv too. `http_client` / `http_async_client` default to turnkv's tagging
     clients for the session: replacing them leaves the calls untagged.
     """
 
     stream_usage: bool | None = True
-    _turnkv_session: Any = PrivateAttr(default=None)
-    _turnkv_owns_session: bool = PrivateAttr(default=False)
+    _turnkv_hold: Any = PrivateAttr(default=None)
 
     def __init__(
         self, *, session: SessionCore | None = None, session_id: str | None = None,
@@ -80,8 +82,7 @@ class ChatTurnKV(SessionOwner, ChatOpenAI):
         kwargs.setdefault("http_client", http_client(bound))
         kwargs.setdefault("http_async_client", async_http_client(bound))
         super().__init__(**kwargs)
-        self._turnkv_session = bound
-        self._turnkv_owns_session = owned
+        self._turnkv_hold = SessionHold(bound, owned)
 
 
     # -- non-streamed calls ------------------------------------------------------------------

@@ -8,7 +8,7 @@
     response.additional_kwargs["turnkv"]      # the turn's stats (a dict)
     response.additional_kwargs["cache_read"]  # prompt tokens the prefill engine did not compute
     response.raw                              # the openai response, with the router's `turnkv`
-    llm.close()                               # releases the session
+    llm.close()     # releases the session (as do `with TurnKVLLM(...) as llm:` and its GC)
 
 `chat`, `achat`, `stream_chat`, `astream_chat` (and `complete`, which LlamaIndex sends as a
 chat turn here) go through `turnkv.http_client(session)` / `turnkv.async_http_client(session)`,
@@ -30,6 +30,7 @@ from turnkv.http import async_http_client, http_client
 from turnkv.integrations import extra_missing
 from turnkv.integrations.turns import (
     STATS_KEY,
+    SessionHold,
     SessionOwner,
     cache_read,
     open_session,
@@ -63,16 +64,17 @@ class TurnKVLLM(SessionOwner, OpenAILike):
 
     Give it a `session` (a `turnkv.Session` you manage), or let it open one from `session_id`
     (None: a random ID), `ttl`, `priority`, `prefix_id` and `keep`; `close()` / `aclose()`
-    then releases that session on the router unless `keep=True`. Every other argument is
-    `OpenAILike`'s; `is_chat_model` defaults to True (the server applies the chat template).
+    (or the end of a `with` / `async with` block) then releases that session on the router
+    unless `keep=True`, and so does the LLM's garbage collection if it was never closed (not
+    at interpreter exit: there the lease ends it). Every other argument is `OpenAILike`'s;
+    `is_chat_model` defaults to True (the server applies the chat template).
     `http_client` / `async_http_client` default to turnkv's tagging clients for the session:
     replacing them leaves the calls untagged.
     """
 
     is_chat_model: bool = Field(
         default=True, description="Send chat turns to /chat/completions.")
-    _turnkv_session: Any = PrivateAttr(default=None)
-    _turnkv_owns_session: bool = PrivateAttr(default=False)
+    _turnkv_hold: Any = PrivateAttr(default=None)
 
     def __init__(
         self, *, session: SessionCore | None = None, session_id: str | None = None,
@@ -88,8 +90,7 @@ class TurnKVLLM(SessionOwner, OpenAILike):
         kwargs.setdefault("http_client", http_client(bound))
         kwargs.setdefault("async_http_client", async_http_client(bound))
         super().__init__(**kwargs)
-        self._turnkv_session = bound
-        self._turnkv_owns_session = owned
+        self._turnkv_hold = SessionHold(bound, owned)
 
     @classmethod
     def class_name(cls) -> str:

@@ -8,14 +8,21 @@ to it, by the turn index in the response's `turnkv` field, else by the response 
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from turnkv.core import SessionCore
 from turnkv.sessions import session as ambient_session
 from turnkv.stats import TurnStats
 
 STATS_KEY = "turnkv"
+# The threads that release collected adapters' sessions are named RELEASE_THREAD-<session>.
+RELEASE_THREAD = "turnkv-release"
+
+Owner = TypeVar("Owner", bound="SessionOwner")
 
 
 def open_session(
@@ -33,31 +40,92 @@ def open_session(
                            keep=keep), True
 
 
-class SessionOwner:
-    """`session`, `close()` and `aclose()` for an adapter that carries a turnkv session.
+class SessionHold:
+    """The session an adapter carries, and whether the adapter opened it (and so releases it).
 
-    The adapter sets `_turnkv_session` and `_turnkv_owns_session` (from `open_session`) as
-    private attributes of its pydantic model.
+    A session the adapter opened is released when the adapter is closed (`close()`,
+    `aclose()`, the end of a `with` / `async with` block) or, failing that, when the last
+    adapter object holding it is garbage-collected. Copies of an adapter (pydantic's
+    `model_copy`, `copy.deepcopy`) share this hold, so the session outlives every one of them.
+    A session passed in stays the caller's: nothing here releases it.
     """
 
-    _turnkv_session: Any
-    _turnkv_owns_session: bool
+    def __init__(self, session: SessionCore, owned: bool) -> None:
+        self.session = session
+        self.owned = owned
+        self._on_collection: weakref.finalize[Any, Any] | None = None
+        if owned:
+            # The callback holds the session, not the adapter, so the adapter can be collected.
+            self._on_collection = weakref.finalize(self, release_in_background, session)
+            # At interpreter exit nothing is sent (no request may hold the exit up, nor fail
+            # while the interpreter tears down): the session's lease ends it on the router.
+            self._on_collection.atexit = False
+
+    def __copy__(self) -> SessionHold:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SessionHold:
+        return self
+
+    def take_release(self) -> bool:
+        """True once, if this hold is the one to release its session now (the collection's
+        release is called off)."""
+        return self._on_collection is not None and self._on_collection.detach() is not None
+
+
+def release_in_background(session: SessionCore) -> None:
+    """The release of a collected adapter's session: in a thread of its own, because a
+    garbage collection runs wherever it happens (an event loop's thread included) and must
+    neither wait on the network nor raise into the code it interrupted."""
+    if session.closed:
+        return
+    with contextlib.suppress(RuntimeError):  # no new threads while the interpreter exits
+        threading.Thread(target=_release_quietly, args=(session,), daemon=True,
+                         name=f"{RELEASE_THREAD}-{session.id}").start()
+
+
+def _release_quietly(session: SessionCore) -> None:
+    # A failed release is logged by the session (`SessionCall.quiet`); nothing may escape.
+    with contextlib.suppress(Exception):
+        session._closing(final=not session.keep).send()
+
+
+class SessionOwner:
+    """`session`, `close()` / `aclose()` and `with` / `async with` for an adapter that carries
+    a turnkv session (`SessionHold`, set by the adapter as the private attribute
+    `_turnkv_hold` of its pydantic model)."""
+
+    _turnkv_hold: Any
 
     @property
     def session(self) -> SessionCore:
         """The turnkv session every call of this adapter belongs to."""
-        session: SessionCore = self._turnkv_session
+        session: SessionCore = self._turnkv_hold.session
         return session
 
     def close(self) -> None:
         """Release the session this adapter opened (unless `keep`); a session passed in is the
         caller's to close."""
-        if self._turnkv_owns_session:
-            self._turnkv_session.close(final=not self._turnkv_session.keep)
+        hold: SessionHold = self._turnkv_hold
+        if hold.take_release():
+            hold.session._closing(final=not hold.session.keep).send()
 
     async def aclose(self) -> None:
-        if self._turnkv_owns_session:
-            await self._turnkv_session.aclose(final=not self._turnkv_session.keep)
+        hold: SessionHold = self._turnkv_hold
+        if hold.take_release():
+            await hold.session._closing(final=not hold.session.keep).asend()
+
+    def __enter__(self: Owner) -> Owner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self: Owner) -> Owner:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 def wire_of(raw: Any) -> dict[str, Any] | None:
