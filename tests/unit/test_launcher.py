@@ -137,8 +137,14 @@ def test_the_side_channel_secret_is_per_cluster_and_only_in_the_environment(
         assert secret not in " ".join(spec.command(tmp_path / "p"))  # ps shows command lines
         assert secret not in repr(spec)
     assert secret not in repr(first.config)
-    assert cluster(mode="turnkv", side_channel_secret="operator's").side_channel_secret == (
-        "operator's")
+    operators = "operator's own, " + "x" * 32
+    assert cluster(mode="turnkv", side_channel_secret=operators).side_channel_secret == (
+        operators)
+    # One every engine would refuse is refused before any starts, without being repeated.
+    for weak in ("operator's", "REPLACE-ME-" + "x" * 32):
+        with pytest.raises(ValueError, match="openssl rand") as err:
+            cluster(mode="turnkv", side_channel_secret=weak)
+        assert weak not in str(err.value)
     # Upstream's connectors have no use for it, and an inherited one is not passed on.
     baseline = cluster(mode="standard")._engine_specs(Path("/m"), "m")
     assert all(SECRET_ENV not in s.environment(tmp_path, tmp_path) for s in baseline)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from turnkv_server.connector.cluster_secret import check_secret
 from turnkv_server.launcher.engine import Role
 from turnkv_server.launcher.host_plan import Host
 from turnkv_server.launcher.placement import ROUTER, unknown_names
@@ -116,6 +117,9 @@ class ClusterConfig:
                 self.tier_host_blocks is None or self.tier_disk_bytes < 1):
             raise ValueError("tier_disk_bytes goes below a host tier (tier_host_blocks) and "
                              "must be positive")
+        if self.side_channel_secret is not None:
+            # Refused here, with the engines' own words, rather than by every engine at start.
+            check_secret(self.side_channel_secret.encode())
         owned = launcher_options_in(self.engine_extra_args)
         if owned:
             raise ValueError(f"engine arguments {', '.join(owned)} are set by turnkv itself "
