@@ -55,15 +55,16 @@ def _handler(router: FakeRouter) -> type[http.server.BaseHTTPRequestHandler]:
 
         def do_DELETE(self) -> None:  # noqa: N802
             session_id = self.path.rstrip("/").rsplit("/", 1)[-1]
+            # Recorded before the answer goes: a client that has its answer finds it recorded.
+            with router.changed:
+                router.released.append(session_id)
+                router.changed.notify_all()
             content = json.dumps({"session_id": session_id, "released": True}).encode()
             self.send_response(200)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(content)))
             self.end_headers()
             self.wfile.write(content)
-            with router.changed:
-                router.released.append(session_id)
-                router.changed.notify_all()
 
         def log_message(self, *args: object) -> None:
             pass
