@@ -158,7 +158,7 @@ def test_tenants_never_hit_each_others_cached_prefixes(
 
 
 # -- bad input -------------------------------------------------------------------------------
-# The strategies, and how an answer is checked, are shared with `scripts/reliability.py fuzz`
+# The strategies, and how an answer is checked, are shared with scripts/fuzz_router.py
 # (10,000 cases and more, outside the suite): tests/support/router_fuzz.py, whose `KINDS`
 # build the same requests as the four tests below. The tests' bodies stay as they are:
 # hypothesis seeds a derandomized run from the test's source (decorators and comments aside),

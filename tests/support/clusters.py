@@ -52,14 +52,14 @@ IDLE_ROUTER = ("--health-interval", "3600")
 
 class RouterProcess:
     """Another router process on a cluster's engines (`launched.router_command`: the router
-    `launched`'s configuration describes, in front of `launched.engines`); stopped by its
-    PID."""
+    `launched`'s configuration describes, in front of `launched.engines`), on `port` (0: a
+    free one); stopped by its PID."""
 
-    def __init__(self, launched: Cluster, log: Path) -> None:
+    def __init__(self, launched: Cluster, log: Path, port: int = 0) -> None:
         port_file = log.with_suffix(".addr")
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
-                [*launched.router_command(0, port_file)], stdin=subprocess.DEVNULL, stdout=out,
+                [*launched.router_command(port, port_file)], stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.log = log

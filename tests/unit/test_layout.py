@@ -1,8 +1,9 @@
 """The project's layout, read from its source: import graph and module sizes.
 
-Nothing here imports the project: each module under `sdk/` and `server_ext/` is parsed with
-`ast`, and every import it holds counts, wherever it is written (module level, inside a
-function, under `if TYPE_CHECKING:`). A cycle closed by a function-level or type-checking
+Nothing here imports the project: each module under `sdk/`, `server_ext/` and `scripts/` (whose
+programs import their sibling modules by their plain names) is parsed with `ast`, and every
+import it holds counts, wherever it is written (module level, inside a function, under
+`if TYPE_CHECKING:`). A cycle closed by a function-level or type-checking
 import is still a cycle: it only moves the failure from import time to call time, and the
 modules in it still cannot be read apart.
 
@@ -13,12 +14,13 @@ packages that Python initialises on the way to a submodule are not edges of thei
 otherwise every package whose `__init__` re-exports a submodule would form "a cycle" with it.
 
 The rules (issue 16):
-- no import cycle among the project's own modules (`turnkv.*`, `turnkv_server.*`);
+- no import cycle among the project's own modules (`turnkv.*`, `turnkv_server.*`, the
+  scripts');
 - the router and the KV connector never import each other, directly or through other
   project modules: they share the engine protocol, nothing else;
 - the SDK (`turnkv.*`) imports nothing of `turnkv_server`, vLLM or NIXL: a client installs
   it without the server's dependencies;
-- no module under `sdk/` or `server_ext/` is over 400 lines.
+- no module under `sdk/`, `server_ext/` or `scripts/` is over 400 lines.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE_ROOTS = (ROOT / "sdk", ROOT / "server_ext")
-PROJECT = ("turnkv", "turnkv_server")
+SOURCE_ROOTS = (ROOT / "sdk", ROOT / "server_ext", ROOT / "scripts")
 ROUTER = "turnkv_server.router"
 CONNECTOR = "turnkv_server.connector"
 SDK = "turnkv"
 SDK_FORBIDDEN = ("turnkv_server", "vllm", "nixl")
 MAX_LINES = 400
+# Programs under scripts/ (a few, for the check that they are found).
+SCRIPTS = ("fuzz_router", "soak")
 
 Graph = dict[str, dict[str, int]]  # module -> {imported project module: line of the import}
 
@@ -117,10 +120,12 @@ def _deepest_known(name: str, known: dict[str, Module]) -> str | None:
 
 
 def import_graph(known: dict[str, Module]) -> Graph:
+    """Every import of one scanned module by another (vLLM's, the standard library's and the
+    tests' support are not scanned: no edges)."""
     edges: Graph = {name: {} for name in known}
     for module in known.values():
         for imp in module.imports:
-            if not any(_in(imp.target, package) for package in PROJECT):
+            if _deepest_known(imp.target, known) is None:
                 continue
             # `from pkg import sub` imports the submodule `pkg.sub` when there is one;
             # otherwise it takes a name from `pkg` (whose `__init__` runs).
@@ -270,7 +275,7 @@ def _fail_on(reports: list[str], headline: str) -> None:
 def test_the_sources_are_found() -> None:
     """Guards the checks below against passing on nothing."""
     known, edges = project()
-    for package in (SDK, "turnkv_server", ROUTER, CONNECTOR):
+    for package in (SDK, "turnkv_server", ROUTER, CONNECTOR, *SCRIPTS):
         assert package in known, f"{package} not found under {[str(r) for r in SOURCE_ROOTS]}"
     assert sum(map(len, edges.values())) > 50, "too few imports between project modules"
 
@@ -341,3 +346,27 @@ def test_the_checks_find_what_they_are_for(tmp_path: Path) -> None:
         "turnkv/b.py:3: turnkv.b imports vllm.config"]
     assert size_reports(known, MAX_LINES) == [
         f"turnkv_server/connector/params.py: {MAX_LINES + 1} lines"]
+
+
+def test_the_checks_cover_the_scripts(tmp_path: Path) -> None:
+    """A script imports its sibling modules by their plain names (Python puts scripts/ on the
+    path of the script it runs): those imports are edges too, and a script has the modules'
+    size limit."""
+    files = {
+        "server_ext/turnkv_server/__init__.py": "",
+        "server_ext/turnkv_server/launcher.py": "X = 1\n",
+        "scripts/soak.py": "import json\nfrom soak_cluster import Soak\n"
+                           "from turnkv_server import launcher\n",
+        "scripts/soak_cluster.py": "def f():\n    import soak\n" + "x = 1\n" * MAX_LINES,
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    known = scan([tmp_path / "server_ext", tmp_path / "scripts"], tmp_path)
+    edges = import_graph(known)
+    assert edges["soak"] == {"soak_cluster": 2, "turnkv_server.launcher": 3}
+    cycles = cycle_reports(known, edges)
+    assert len(cycles) == 1 and "soak, soak_cluster" in cycles[0], cycles
+    assert "soak_cluster -> soak  [scripts/soak_cluster.py:2]" in cycles[0]
+    assert size_reports(known, MAX_LINES) == [
+        f"scripts/soak_cluster.py: {MAX_LINES + 2} lines"]

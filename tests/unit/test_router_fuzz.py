@@ -1,7 +1,7 @@
 """The router fuzzer's shared cases (tests/support/router_fuzz.py) against the security
 test's own fuzz tests, without a cluster: for the same draws, each kind builds exactly the
 requests its test sends (the tests keep their bodies, which seed their derandomized examples;
-`scripts/reliability.py fuzz` sends the builders'), and answers are judged alike."""
+scripts/fuzz_router.py sends the builders'), and answers are judged alike."""
 
 from __future__ import annotations
 
