@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import fuzz_seed
 from turnkv_server.launcher.cluster import VLLM_CACHE_ENV
 
 # Engines started by tests stay on loopback and never reach for a model hub.
@@ -29,3 +30,17 @@ def shared_vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
             os.environ.pop(VLLM_CACHE_ENV, None)
         else:
             os.environ[VLLM_CACHE_ENV] = previous
+
+
+def pytest_report_header() -> str:
+    return f"fuzz seed: {fuzz_seed.SEED} ({fuzz_seed.ENV}={fuzz_seed.SEED} replays the fuzz cases)"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The run's fuzz seed again after a failure (the header is not shown under -q): it
+    replays the run's fuzz cases even when a fuzz test died without its own message (a
+    timeout, a crash)."""
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
+        terminalreporter.write_line(
+            f"fuzz seed of this run: {fuzz_seed.SEED} ({fuzz_seed.ENV}={fuzz_seed.SEED} "
+            "replays the fuzz cases)")

@@ -1,8 +1,8 @@
 """Fuzzing the router's HTTP API: what a fuzz case draws, what it sends and what it checks.
 
-Shared by tests/integration/test_router_security.py (a few hundred derandomized cases in the
-test suite) and scripts/fuzz_router.py (10,000 cases and more, measured outside the suite), so
-that both fuzz the same API the same way.
+Shared by tests/integration/test_router_security.py (a few hundred cases in the test suite,
+new on every run: tests/support/fuzz_seed.py) and scripts/fuzz_router.py (10,000 cases and
+more, measured outside the suite), so that both fuzz the same API the same way.
 
 A case is one draw of a kind's strategies, built into one or more `Request`s. Every answer must
 be below 500, read to its end (streamed or not); an error answer (400 and above) must say what

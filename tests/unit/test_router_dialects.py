@@ -16,9 +16,10 @@ import httpx
 import orjson
 import pytest
 import uvicorn
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.fuzz_seed import fuzz
 from tests.unit.test_router_affinity import StandIn
 from turnkv.protocol import MAX_TTL_SECONDS, CacheHints, TurnTag
 from turnkv_server.router.app import create_app
@@ -180,7 +181,7 @@ def mostly(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.integers(0, 4).flatmap(lambda i: DIALECT_VALUES if i == 0 else valid)
 
 
-@settings(max_examples=300, deadline=None)
+@fuzz(300)
 @given(sc=mostly(st.none() | st.fixed_dictionaries({}, optional={
            "session_id": mostly(st.sampled_from(["s", "n"])),
            "action": mostly(st.sampled_from(["open", "close", None])),

@@ -1,7 +1,8 @@
 """The router fuzzer's shared cases (tests/support/router_fuzz.py) against the security
 test's own fuzz tests, without a cluster: for the same draws, each kind builds exactly the
-requests its test sends (the tests keep their bodies, which seed their derandomized examples;
-scripts/fuzz_router.py sends the builders'), and answers are judged alike."""
+requests its test sends (scripts/fuzz_router.py sends the builders'), and answers are judged
+alike. And the suite's fuzz is one: each run draws new cases, and a failure says how to draw
+them again (tests/support/fuzz_seed.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from tests.integration import test_router_security as security
+from tests.support.fuzz_seed import fuzz
 from tests.support.router_fuzz import KINDS, Answer, Request, auth, check, problem
 
 TESTS = {
@@ -51,8 +53,7 @@ def test_each_kind_builds_the_requests_its_test_sends(kind: str) -> None:
     inner = TESTS[kind].hypothesis.inner_test  # type: ignore[attr-defined]
     cluster = SimpleNamespace(router=ROUTER, served_model_name="tiny")
 
-    @settings(max_examples=30, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @fuzz(30, suppress_health_check=list(HealthCheck))
     @given(st.fixed_dictionaries(KINDS[kind].strategies))
     def same(drawn: dict[str, Any]) -> None:
         client = Recorder()
