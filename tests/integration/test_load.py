@@ -1,14 +1,17 @@
-"""A bounded load test: 64 concurrent sessions on a real `turnkv` cluster (tiny model), for
-40 seconds.
+"""Bounded load on a real `turnkv` cluster (tiny model): 64 concurrent sessions for 30 seconds,
+and thousands of cheap turns for the router's memory.
 
 64 workers each play sessions back to back through the router: a few turns each, every turn a
 short new message after the last reply, the last one `final`. The engines' KV caches hold 128
 blocks (`tests.support.clusters.SHORT_LEASES`, shared with test_router_security.py), so the
 leases of 64 live sessions press against the pin cap of 64. Nothing may fail; while
-the load runs, each engine's pinned blocks stay under its cap; the router's memory is the same
-after the load as after its first round (within a margin far below what a per-turn leak
-would add); and when every session has ended, every KV block is free. Latency is printed,
-not asserted.
+the load runs, each engine's pinned blocks stay under its cap; and when every session has
+ended, every KV block is free. Latency is printed, not asserted.
+
+The router's memory: after a warm-up, thousands of one-token turns (sessions of a few turns,
+streamed or not, ended by `final`), the router's resident memory read every few hundred
+turns; its growth per thousand turns (least squares over the readings) stays under a bound
+that a router keeping 1 KiB of every turn passes.
 """
 
 from __future__ import annotations
@@ -17,24 +20,21 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
 from tests.support.clusters import SHORT_LEASES, ClusterPool, ClusterSpec, RouterView
+from tests.support.measure import group_rss_mib
 from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import ClusterState
-from turnkv_server.launcher.processes import group_members
 
 SESSIONS = 64
 TURNS = 4
 MAX_TOKENS = 8
-LOAD_S = 40.0  # then each worker ends the session it is in
-# Memory the router may gain between the first round and the end. Its sessions are bounded
-# and released by `final`; what would break this is something kept per turn.
-RSS_MARGIN_MIB = 96
+LOAD_S = 30.0  # then each worker ends the session it is in
 
 
 CLUSTER = ClusterSpec("load", SHORT_LEASES, RouterView())
@@ -46,19 +46,10 @@ def cluster(clusters: ClusterPool) -> ClusterState:
     return clusters.get(CLUSTER)[1]
 
 
-def rss_mib(state: ClusterState) -> dict[str, float]:
+def rss_mib(state: ClusterState) -> dict[str, float | None]:
     """Resident memory of each process group the launcher started (engines, router)."""
     servers = [*state.engines, *([state.router_process] if state.router_process else [])]
-    out = {}
-    for server in servers:
-        total = 0
-        for process in group_members(server.pid):
-            try:
-                total += process.memory_info().rss
-            except psutil.Error:
-                continue
-        out[server.name] = total / 2**20
-    return out
+    return {server.name: group_rss_mib(server.pid) for server in servers}
 
 
 async def work(client: httpx.AsyncClient, state: ClusterState, worker: int,
@@ -110,7 +101,7 @@ async def play(client: httpx.AsyncClient, state: ClusterState, session: str,
         messages.append({"role": "assistant", "content": "".join(text)})
 
 
-def test_64_sessions_at_once_for_40_seconds(cluster: ClusterState) -> None:
+def test_64_sessions_at_once_for_30_seconds(cluster: ClusterState) -> None:
     engines = [e.url for e in cluster.engines]
     caps = {url: int((fetch_connector_counters(url)["num_gpu_blocks"] - 1) * 0.5)
             for url in engines}
@@ -150,11 +141,6 @@ def test_64_sessions_at_once_for_40_seconds(cluster: ClusterState) -> None:
     assert turns >= SESSIONS * TURNS and turns % TURNS == 0  # every session ran to `final`
     for url in engines:
         assert pinned_max[url] <= caps[url]
-    # The router's memory is flat. (An engine's grows as its preallocated KV cache is first
-    # touched, which is not a leak: its pinned blocks, above, and free blocks, below, say
-    # what it holds.)
-    start = memory["after the first sessions"]["router"]
-    assert memory["at the end"]["router"] - start < RSS_MARGIN_MIB, memory
 
     # Every session ended with `final`: once the push backs are over, no block is in use.
     def free() -> bool:
@@ -163,3 +149,90 @@ def test_64_sessions_at_once_for_40_seconds(cluster: ClusterState) -> None:
     while not free():
         assert time.monotonic() < deadline, "KV blocks still in use after every session ended"
         time.sleep(0.5)
+
+
+# -- the router's memory ---------------------------------------------------------------------
+
+# Turns played before the first reading: the router's session table, connection pools and
+# allocator arenas fill up to what this load needs.
+WARM_UP_TURNS = 1_000
+MEASURED_TURNS = 2_000
+READ_EVERY = 250  # turns
+CHEAP_SESSIONS = 8  # at once
+CHEAP_TURNS = 4  # per session
+# Growth the router may show per thousand turns after the warm-up. What it keeps of a turn is
+# bounded (sessions end with `final`); a router that kept even 1 KiB of every turn would grow
+# about 1 MiB per thousand.
+MAX_GROWTH_MIB_PER_1000_TURNS = 0.5
+
+
+def reply(text: str, stream: bool) -> str:
+    """The assistant's text in an answer, streamed or not: the next turn's history."""
+    if not stream:
+        return str(json.loads(text)["choices"][0]["message"]["content"] or "")
+    pieces = []
+    for line in text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in json.loads(line[len("data: "):]).get("choices") or []:
+                pieces.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(pieces)
+
+
+async def cheap_turns(client: httpx.AsyncClient, state: ClusterState, count: int,
+                      prefix: str, read: Callable[[int], None] | None = None) -> None:
+    """`count` one-token turns, CHEAP_SESSIONS sessions at once, each of CHEAP_TURNS turns
+    (every other one streamed), the last `final`; `read(turns_done)` every READ_EVERY turns."""
+    done = 0
+    sessions = iter(range(count // CHEAP_TURNS))
+
+    async def session_worker() -> None:
+        nonlocal done
+        for number in sessions:
+            session = f"{prefix}-{number}"
+            messages: list[dict[str, Any]] = []
+            for turn in range(1, CHEAP_TURNS + 1):
+                messages.append({"role": "user", "content": f"{session} turn {turn}"})
+                stream = (number + turn) % 2 == 0
+                body = {"model": state.served_model_name, "messages": messages,
+                        "max_tokens": 1, "temperature": 0, "stream": stream,
+                        "turnkv": {"session_id": session, "turn": turn,
+                                   "hints": {"final": turn == CHEAP_TURNS}}}
+                async with client.stream("POST", f"{state.router}/v1/chat/completions",
+                                         json=body) as response:
+                    text = (await response.aread()).decode()
+                assert response.status_code == 200, text
+                assert '"turnkv"' in text, f"{session} turn {turn}: no stats: {text}"
+                messages.append({"role": "assistant", "content": reply(text, stream)})
+                done += 1
+                if read is not None and done % READ_EVERY == 0:
+                    read(done)
+
+    await asyncio.gather(*(session_worker() for _ in range(CHEAP_SESSIONS)))
+
+
+def test_the_routers_memory_per_thousand_turns(cluster: ClusterState) -> None:
+    assert cluster.router_process is not None
+    router_pid = cluster.router_process.pid
+    readings: list[tuple[int, float]] = []
+
+    def read(turns: int) -> None:
+        rss = group_rss_mib(router_pid)
+        assert rss is not None, "the router is gone"
+        readings.append((turns, rss))
+
+    async def run() -> None:
+        limits = httpx.Limits(max_connections=CHEAP_SESSIONS + 4)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            await cheap_turns(client, cluster, WARM_UP_TURNS, "warm-up")
+            read(0)
+            await cheap_turns(client, cluster, MEASURED_TURNS, "memory", read)
+
+    started = time.monotonic()
+    asyncio.run(run())
+    turns, mib = zip(*readings, strict=True)
+    growth = statistics.linear_regression(turns, mib).slope * 1000
+    print(f"{MEASURED_TURNS} turns after {WARM_UP_TURNS} of warm-up in "
+          f"{time.monotonic() - started:.0f} s; router RSS {mib[0]:.1f} -> {mib[-1]:.1f} MiB, "
+          f"{growth:+.3f} MiB per 1000 turns; readings (turns, MiB): "
+          f"{[(t, round(m, 2)) for t, m in readings]}")
+    assert growth < MAX_GROWTH_MIB_PER_1000_TURNS, readings
