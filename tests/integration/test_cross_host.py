@@ -11,7 +11,8 @@ Every turn is checked against a single engine's greedy output for the same conve
 (`tests.support.oracle`): across hosts, with the engines' link cut while a turn's KV moves,
 and after the first router's host is gone (the second router finds the session in Redis).
 
-Needs root (`ip netns`); skipped where simulated hosts are not permitted. Marked `hosts`:
+Needs root (`ip netns`); skipped where simulated hosts are not permitted, or under CI (the `CI`
+environment variable set) failed with the reason (`tests.support.prerequisites`). Marked `hosts`:
 `make test` leaves it out, `make test-hosts` runs it (about two minutes here).
 """
 
@@ -41,6 +42,7 @@ from tests.support.clusters import (
 )
 from tests.support.conversation import SYSTEM, conversation
 from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_chat, routed_chat
+from tests.support.prerequisites import cannot_run
 from tests.support.redis_server import redis_server_on
 from tests.support.reference import SHORT_SCRIPT, References
 from tests.support.waiting import wait_for
@@ -132,10 +134,10 @@ def long_conversation(replies: list[str]) -> list[list[dict[str, Any]]]:
 
 @pytest.fixture(scope="module")
 def permitted() -> None:
-    """Skip before anything starts where simulated hosts cannot be made."""
+    """Skip (under CI: fail) before anything starts where simulated hosts cannot be made."""
     reason = netns_permitted()
     if reason is not None:
-        pytest.skip(f"simulated hosts need `ip netns add` (root), not permitted here: {reason}")
+        cannot_run(f"simulated hosts need `ip netns add` (root), not permitted here: {reason}")
 
 
 @pytest.fixture(scope="module")

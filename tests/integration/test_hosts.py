@@ -1,7 +1,8 @@
 """Simulated hosts for real (`turnkv_server.launcher.hosts`): namespaces on a private bridge.
 
-Needs root (CAP_NET_ADMIN); skipped where `ip netns add` is not permitted. No engine: a
-few seconds of tiny Python servers and clients inside the namespaces. Nothing is sent
+Needs root (CAP_NET_ADMIN); skipped where `ip netns add` is not permitted (under CI, with
+the `CI` environment variable set, failed with the reason: `tests.support.prerequisites`).
+No engine: a few seconds of tiny Python servers and clients inside the namespaces. Nothing is sent
 outside the simulated range: the forwarding check is a route lookup (`ip route get`), which
 sends no packet.
 """
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.prerequisites import cannot_run
 from turnkv_server.launcher.host_plan import DEFAULT_SUBNET, SUBNET_ENV, Host
 from turnkv_server.launcher.hosts import (
     HostsError,
@@ -60,7 +62,7 @@ except OSError as err:
 def permitted() -> None:
     reason = netns_permitted()
     if reason is not None:
-        pytest.skip(f"simulated hosts need `ip netns add` (root), not permitted here: {reason}")
+        cannot_run(f"simulated hosts need `ip netns add` (root), not permitted here: {reason}")
 
 
 @pytest.fixture
