@@ -14,6 +14,24 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["VLLM_NO_USAGE_STATS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM's development routes, `/reset_prefix_cache` among them: the integration tests' pool
+# empties a shared engine set with it before a test that needs nothing left in it
+# (tests.support.cluster_pool).
+os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Here, not in tests/integration: a unit test may import an integration module.
+    config.addinivalue_line(
+        "markers", "cluster(spec): the test runs on the pool's cluster `spec` "
+                   "(tests.support.clusters.ClusterSpec); the suite orders tests by it")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--reverse-schedule", action="store_true",
+        help="run the integration tests' stages, and the tests within each, in reverse order "
+             "(tests/integration/conftest.py): a check that no test relies on an earlier one")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,51 +5,40 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.clusters import (
-    ROUTER_CLUSTER,
-    SINGLE_SMOLLM2,
-    SINGLE_TINY,
-    ClusterPool,
-    ClusterSpec,
-)
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import ROUTER_CLUSTER, SINGLE_SMOLLM2, SINGLE_TINY, ClusterSpec
 from tests.support.reference import SMOLLM2_SCRIPTS, TINY_SCRIPTS, References
 from turnkv_server.launcher import ClusterState
 from turnkv_server.models import build_tiny
 
-# The order in which the pool's clusters come up (`tests.support.clusters`): each engine set
-# once, its users one after the other. Within a set, the tests that need its engines as they
-# started come first, those that leave them otherwise later:
-# - the tiny turnkv pair with a 32-block cache (`lease-eviction`), right after the single tiny
-#   engine, which its test still needs (to size a prompt and play its reference) before the
-#   pair starts; then the same pair with a host tier (`tier`), then an affinity router in
-#   front of its decode engine (`tier-affinity`), then a turnkv router with the pair as one
-#   pool (`tier-pool`), then one that admits new sessions by a budget (`tier-admission`);
-# - the tiny turnkv pair with 128-block caches and 3 s leases: the router with tenants' keys
-#   (`security`, which ends with every block free), then the load test (`load`);
-# - tiny turnkv engines: the shared-session routers (every block must be free at the end),
-#   then `cached_tokens` through the router (its sessions released at the end), then the
-#   faults (engines killed and restarted; sessions left open), then test_router.py, whose
-#   last test leaves a decode engine dead;
-# - tiny standard engines: an affinity router in front of the two decode engines (before
-#   test_router.py, whose last test leaves a decode engine dead), then test_router.py;
+# The order in which the pool's clusters come up (`tests.support.cluster_pool`): each engine
+# set once, its users one after the other. The order is for speed only: every test gets its
+# cluster healthy from the pool, and a test that needs nothing left in it by others asks for
+# it clean (`ClusterPool.clean`), so that any test passes alone and in any order
+# (`--reverse-schedule` runs the stages, and the tests within each, backwards). What keeps
+# engine starts to one per set:
+# - the single tiny engine first: it plays every tiny reference (`tiny_references`), and the
+#   lease-eviction test sizes a prompt on it before the tier pair starts;
+# - the tiny turnkv pair with 32-block caches and tiers: `lease-eviction`, `tier`, then other
+#   routers in front of it (`tier-affinity`, `tier-pool`, `tier-admission`);
+# - the tiny turnkv pair with 128-block caches and 3 s leases: `security`, then `load`;
+# - tiny turnkv engines: the shared-session routers, `cached_tokens`, the faults, then
+#   test_router.py, whose last test leaves a decode engine dead;
+# - tiny standard engines: an affinity router in front of the two decode engines, then
+#   test_router.py (a dead decode engine again);
 # - tiny bidirectional engines: the SDK, adapter and example tests (`router_cluster`), then
 #   test_router.py;
-# - SmolLM2 turnkv engines (`connector`, after the single SmolLM2 engine played its
-#   references): the demo agent's test (test_examples.py; every block free at its end), then
-#   test_turnkv_connector.py, whose last test stops them.
+# - SmolLM2 turnkv engines (after the single SmolLM2 engine played its references): the demo
+#   agent's test and test_turnkv_connector.py's turns, then its tests of the launcher, the last
+#   of which stops the cluster through `turnkv down`.
 SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "tier-pool",
             "tier-admission", "security",
             "load", "shared-sessions",
             "usage-turnkv", "faults", "router-turnkv", "router-affinity", "router-standard",
-            "router-cluster", "router-bidirectional", "router-push", "connector")
+            "router-cluster", "router-bidirectional", "router-push", "connector",
+            "connector-launcher")
 # Clusters that tests reach through a fixture of this file rather than a `cluster` mark.
 FIXTURE_CLUSTERS = {"router_cluster": ROUTER_CLUSTER, "plain_engine": SINGLE_TINY}
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "cluster(spec): the test runs on the pool's cluster `spec` "
-                   "(tests.support.clusters.ClusterSpec); the suite orders tests by it")
 
 
 def cluster_of(item: pytest.Item) -> ClusterSpec | None:
@@ -64,7 +53,7 @@ def cluster_of(item: pytest.Item) -> ClusterSpec | None:
     return None
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
@@ -79,6 +68,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return (1, SCHEDULE.index(spec.name) if known else len(SCHEDULE), spec.name)
 
     items.sort(key=rank)
+    if config.getoption("--reverse-schedule"):
+        items.reverse()
+    for item in items:
+        if "/integration/" in str(item.fspath):
+            spec = cluster_of(item)
+            _stage_of[item.nodeid] = spec.name if spec else "(clusters of their own, or none)"
+
+
+# Each test's stage (its cluster's name), and the seconds each stage's tests took, setup and
+# teardown included (where the pool starts clusters): the suite's summary prints them.
+_stage_of: dict[str, str] = {}
+_stage_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    stage = _stage_of.get(report.nodeid)
+    if stage is not None:
+        _stage_seconds[stage] = _stage_seconds.get(stage, 0.0) + report.duration
 
 
 _pools: list[ClusterPool] = []
@@ -86,7 +93,8 @@ _pools: list[ClusterPool] = []
 
 @pytest.fixture(scope="session")
 def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterPool]:
-    """At most one cluster alive at a time: the 2-core machine thrashes with two."""
+    """At most one cluster alive at a time: the 2-core machine thrashes with two. `get` hands
+    out a healthy one, `clean` one with nothing left in it by earlier tests."""
     pool = ClusterPool(tmp_path_factory)
     _pools.append(pool)
     try:
@@ -107,11 +115,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     starts = [start for pool in _pools for start in pool.starts]
     if starts:
-        terminalreporter.section("clusters started (tests.support.clusters)")
+        terminalreporter.section("clusters started (tests.support.cluster_pool)")
         for what, seconds in starts:
             terminalreporter.write_line(f"{seconds:6.1f}s  {what}")
         total = sum(seconds for _, seconds in starts)
         terminalreporter.write_line(f"{total:6.1f}s  in all, {len(starts)} starts")
+    if _stage_seconds:
+        terminalreporter.section("time per stage (tests/integration/conftest.py SCHEDULE)")
+        for stage, seconds in _stage_seconds.items():
+            terminalreporter.write_line(f"{seconds:6.1f}s  {stage}")
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,8 @@ import httpx
 import pytest
 
 import turnkv
-from tests.support.clusters import IDLE_ROUTER, TINY_ENGINES, ClusterPool, ClusterSpec, RouterView
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import IDLE_ROUTER, TINY_ENGINES, ClusterSpec, RouterView
 from tests.support.conversation import SYSTEM, USER_TURNS
 from tests.support.oracle import RoutedCompletion, compare, routed_chat
 from tests.support.reference import SHORT_SCRIPT, Reference, References
@@ -58,7 +59,9 @@ def reference(tiny_references: References) -> Reference:
 
 @pytest.fixture
 def cluster(clusters: ClusterPool) -> tuple[Cluster, ClusterState]:
-    return clusters.get(CLUSTER)
+    """Clean: what the engines count during a turn (their computed tokens, renewals) is that
+    turn's alone, with no earlier session's release or lease to end meanwhile."""
+    return clusters.clean(CLUSTER)
 
 
 @pytest.fixture

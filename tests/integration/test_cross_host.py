@@ -33,13 +33,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.clusters import (
-    SINGLE_TINY,
-    TINY_BLOCK_BYTES,
-    TINY_CACHE_BYTES,
-    ClusterPool,
-    RouterProcess,
-)
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import SINGLE_TINY, TINY_BLOCK_BYTES, TINY_CACHE_BYTES, RouterProcess
 from tests.support.conversation import SYSTEM, conversation
 from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_chat, routed_chat
 from tests.support.prerequisites import cannot_run
@@ -205,7 +200,7 @@ def second_router(launched: Cluster, host: Host, run_dir: Path) -> RouterProcess
     """Another router in front of `launched`'s engines, on `host`, sharing router A's Redis.
     `RouterProcess` runs a cluster's `router_command`: here that of a cluster whose
     configuration places its router on `host` and whose engines are `launched`'s (as the
-    pool's router views do, tests/support/clusters.py)."""
+    pool's router views do, tests/support/cluster_pool.py)."""
     assert launched.config.hosts is not None
     run_dir.mkdir()
     view = Cluster(dataclasses.replace(

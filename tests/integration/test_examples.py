@@ -35,7 +35,8 @@ from examples.agent.loop import (
 )
 from examples.agent.tools import FolderTools
 from examples.copilot_backend import create_app
-from tests.support.clusters import SMOLLM2_TURNKV, ClusterPool
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import SMOLLM2_TURNKV
 from tests.support.reference import References
 from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import ClusterState
@@ -201,8 +202,8 @@ def test_the_demo_agent_answers_each_question_from_the_file_it_read(
     the file the agent read. The per-turn table fits 80 columns uncut.
 
     Runs on test_turnkv_connector.py's pair (whose reference engine, `smollm2_references`,
-    comes and goes first), before that module's tests, and leaves every block free for them."""
-    state = clusters.get(SMOLLM2_TURNKV)[1]
+    comes and goes first), clean: every block it holds at the end is its own."""
+    state = clusters.clean(SMOLLM2_TURNKV)[1]
     config = AgentConfig(model=state.served_model_name, questions=sample.QUESTIONS,
                          constrain=True)  # the demo's settings: its options' defaults
     started = time.monotonic()

@@ -30,7 +30,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.clusters import TINY_ENGINES, ClusterPool, ClusterSpec, RouterView
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import TINY_ENGINES, ClusterSpec, RouterView
 from tests.support.oracle import Completion, compare, routed_chat
 from tests.support.reference import SHORT_SCRIPT, References
 from tests.support.waiting import wait_for as wait_for_condition
@@ -62,6 +63,13 @@ def reference(tiny_references: References
 @pytest.fixture
 def cluster(clusters: ClusterPool) -> tuple[Cluster, ClusterState]:
     return clusters.get(CLUSTER)
+
+
+@pytest.fixture
+def clean_cluster(clusters: ClusterPool) -> tuple[Cluster, ClusterState]:
+    """For a test that compares the blocks in use before and after: no lease of an earlier
+    test may end in between."""
+    return clusters.clean(CLUSTER)
 
 
 @pytest.fixture
@@ -208,11 +216,19 @@ def test_a_hung_decode_engine_fails_the_turn_instead_of_hanging(
 
 def test_a_transfer_that_times_out(
     reference: tuple[list[list[dict[str, Any]]], list[Completion]],
-    cluster: tuple[Cluster, ClusterState], client: httpx.Client,
+    clean_cluster: tuple[Cluster, ClusterState], client: httpx.Client,
 ) -> None:
-    launched, state = cluster
+    launched, state = clean_cluster
     prefill, decode = engine(launched, "prefill"), engine(launched, "decode")
     assert prefill.ref is not None
+    # A write can land only once the decode engine has met the prefill engine (their hello
+    # answered): a receive whose hello never got an answer is handed back at once, with
+    # nothing to quarantine. A session's first turn makes them meet; it then ends.
+    play(state, client, reference, "meet", 1)
+    assert client.delete(f"{state.router}/v1/turnkv/sessions/meet").status_code == 200
+    nothing_in_flight(state, client)
+    wait_for(lambda: fetch_connector_counters(decode.spec.url)["kv_cache_usage"] == 0,
+             "the first turn's blocks free on the decode engine", timeout=30)
     before = fetch_connector_counters(decode.spec.url)
     # The prefill engine hangs before a new conversation's turn: the decode engine registers
     # for its KV and waits; the router waits for the prefill's answer. The turn is streamed:
@@ -302,12 +318,12 @@ def test_an_engine_whose_core_died(
 
 
 def test_a_history_at_the_models_max_length_is_not_pushed_back(
-    cluster: tuple[Cluster, ClusterState], client: httpx.Client,
+    clean_cluster: tuple[Cluster, ClusterState], client: httpx.Client,
 ) -> None:
     """A turn whose prompt and output fill the model's context exactly: the prefill engine
     refuses the push back (no room for its one token), and the decode engine, which kept the
     turn's blocks to send them, is told to give the send up."""
-    launched, state = cluster
+    launched, state = clean_cluster
     prefill, decode = engine(launched, "prefill"), engine(launched, "decode")
     max_len = int(httpx.get(f"{decode.spec.url}/v1/models").json()["data"][0]["max_model_len"])
     before = fetch_connector_counters(decode.spec.url)

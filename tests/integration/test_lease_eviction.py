@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.clusters import LEASE_EVICTION, LEASE_EVICTION_BLOCKS, SINGLE_TINY, ClusterPool
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import LEASE_EVICTION, LEASE_EVICTION_BLOCKS, SINGLE_TINY
 from tests.support.conversation import SYSTEM, USER_TURNS
 from tests.support.oracle import Completion, RoutedCompletion, compare, greedy_chat, routed_chat
 from tests.support.reference import SHORT_SCRIPT, Reference, References
@@ -59,8 +60,6 @@ def reference(tiny_references: References) -> Reference:
     # The first three turns of the shared-session tests' conversation: each session plays them
     # under a cache salt of its own, so that no session hits another's blocks.
     return tiny_references[SHORT_SCRIPT]
-
-
 
 
 # -- sizing ----------------------------------------------------------------------------------
@@ -217,7 +216,7 @@ def test_the_session_expected_back_last_loses_its_lease_first(
 
     with httpx.Client(timeout=600) as client:
         # The long prompt and its reference, on the single engine (conftest runs this test
-        # right after its other users, before the pair starts in its place).
+        # right after its other users, before the pair starts in its place: no start more).
         _, single = clusters.get(SINGLE_TINY)
         messages, long_tokens = sized_prompt(client, single, blocks)
         long_expected = greedy_chat(single.router, single.served_model_name, messages,
@@ -227,9 +226,11 @@ def test_the_session_expected_back_last_loses_its_lease_first(
         print(f"leases of {leases} blocks; a long prompt of {long_tokens} tokens "
               f"({blocks} blocks) in {LEASE_EVICTION_BLOCKS}")
 
-        _, state = clusters.get(CLUSTER)
+        # The plan's premise: nothing else in either cache (no lease, no block in use).
+        _, state = clusters.clean(CLUSTER)
         engines = Engines(state)
-        for role, counters in engines.read().items():
+        start = engines.read()
+        for role, counters in start.items():
             assert (counters["block_size"], counters["num_gpu_blocks"]) == (
                 BLOCK, LEASE_EVICTION_BLOCKS + 1), (role, counters)
 
@@ -247,8 +248,8 @@ def test_the_session_expected_back_last_loses_its_lease_first(
                  f"(the plan's premise: if this fails, the sizing needs redoing)")
         before = engines.read()
         for role, counters in before.items():
-            assert counters.get("leases_pressure", 0.0) == 0, (role, counters)
-            assert counters.get("leases_over_cap", 0.0) == 0, (role, counters)
+            for name in ("leases_pressure", "leases_over_cap"):
+                assert change(counters, start[role], name) == 0, (role, name, counters)
 
         # The long turn: each engine ends, for its room, the leases of the sessions expected
         # back last (120 s, then 60 s). Least recently used would end the 2 s session's first.
@@ -260,7 +261,7 @@ def test_the_session_expected_back_last_loses_its_lease_first(
         after = engines.read()
         for role in after:
             assert change(after[role], before[role], "leases_pressure") == 2, (role, after[role])
-            assert after[role].get("leases_over_cap", 0.0) == 0, (role, after[role])
+            assert change(after[role], start[role], "leases_over_cap") == 0, (role, after[role])
 
         # Third turns: the 2 s session finds its lease on both engines, the others do not.
         for session_id in BACK_IN:
@@ -299,9 +300,8 @@ def test_the_session_expected_back_last_loses_its_lease_first(
         end = engines.read()
         for role, counters in end.items():
             assert change(counters, before[role], "leases_pressure") == 2, (role, counters)
-            assert counters.get("leases_over_cap", 0.0) == 0, (role, counters)
-            assert counters.get("receives_failed", 0.0) == 0, (role, counters)
-            assert counters.get("sends_failed", 0.0) == 0, (role, counters)
+            for name in ("leases_over_cap", "receives_failed", "sends_failed"):
+                assert change(counters, start[role], name) == 0, (role, name, counters)
 
         for session_id in BACK_IN:
             reply = client.delete(f"{state.router}/v1/turnkv/sessions/{session_id}")

@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.clusters import SHORT_LEASES, ClusterPool, ClusterSpec, RouterView
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import SHORT_LEASES, ClusterSpec, RouterView
 from tests.support.measure import group_rss_mib
 from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import ClusterState
@@ -43,7 +44,8 @@ pytestmark = pytest.mark.cluster(CLUSTER)
 
 @pytest.fixture
 def cluster(clusters: ClusterPool) -> ClusterState:
-    return clusters.get(CLUSTER)[1]
+    """Clean: the pins and blocks counted here are the load's alone."""
+    return clusters.clean(CLUSTER)[1]
 
 
 def rss_mib(state: ClusterState) -> dict[str, float | None]:

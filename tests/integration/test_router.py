@@ -11,9 +11,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.support.clusters import MODES, TINY_ENGINES, ClusterPool, ClusterSpec, RouterView
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import MODES, TINY_ENGINES, ClusterSpec, RouterView
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
 from tests.support.reference import ROUTER_SCRIPT, Reference, References
+from turnkv_server.engine.metrics import sum_samples
 from turnkv_server.launcher import Cluster, ClusterState
 
 TURNS = ROUTER_SCRIPT.turns
@@ -48,6 +50,12 @@ def _assert_same(ref: Completion, out: RoutedCompletion, turn: int) -> None:
     verdict = compare(ref, out.completion)
     print(f"turn {turn}: {verdict.describe()}; stats {out.stats['prompt_tokens']}")
     assert verdict.acceptable, f"turn {turn}: {verdict.describe()}"
+
+
+def fallbacks_for_engines(client: httpx.Client, state: ClusterState) -> float:
+    """The router's turns moved off an engine it could not reach."""
+    return sum_samples(client.get(f"{state.router}/metrics").text, {
+        "n": ("turnkv_fallbacks", "_total", ("reason", "engine_unavailable"))}).get("n", 0.0)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -132,17 +140,23 @@ def test_edited_history_is_detected_and_output_stays_exact(
     assert out.headers["x-turnkv-prefix-break-at"] == str(break_at)
 
 
-def test_session_api_and_bad_input(cluster: tuple[Cluster, ClusterState],
+def test_session_api_and_bad_input(reference: Reference, cluster: tuple[Cluster, ClusterState],
                                    client: httpx.Client) -> None:
     _, state = cluster
     url = f"{state.router}/v1/turnkv/sessions"
-    assert client.get(f"{url}/five-json").json()["turns"] == TURNS
-    renewed = client.post(f"{url}/five-json/hints", json={"ttl": 5, "priority": 3}).json()
+    session = {"session_id": "api"}
+    for turn in (1, 2):
+        out = routed_chat(state.router, state.served_model_name, reference.messages[turn - 1],
+                          MAX_TOKENS, session=session, stream=False, client=client,
+                          extra={"cache_salt": "api"})
+        _assert_same(reference.turns[turn - 1], out, turn)
+    assert client.get(f"{url}/api").json()["turns"] == 2
+    renewed = client.post(f"{url}/api/hints", json={"ttl": 5, "priority": 3}).json()
     assert 0 < renewed["expires_in_s"] <= 5 and renewed["priority"] == 3
-    bad = client.post(f"{url}/five-json/hints", json={"ttl": -1})
+    bad = client.post(f"{url}/api/hints", json={"ttl": -1})
     assert bad.status_code == 400 and "ttl" in bad.json()["error"]["message"]
-    assert client.delete(f"{url}/five-json").json()["released"] is True
-    assert client.get(f"{url}/five-json").status_code == 404
+    assert client.delete(f"{url}/api").json()["released"] is True
+    assert client.get(f"{url}/api").status_code == 404
     assert client.get(f"{url}/not..valid!").status_code in (400, 404)
 
     chat = f"{state.router}/v1/chat/completions"
@@ -213,6 +227,7 @@ def test_a_killed_decode_engine_falls_back_to_the_other_pair(
     reference: Reference, cluster: tuple[Cluster, ClusterState], client: httpx.Client
 ) -> None:
     launched, state = cluster
+    fallbacks = fallbacks_for_engines(client, state)
     session = {"session_id": "failover"}
     first = routed_chat(state.router, state.served_model_name, reference.messages[0],
                         MAX_TOKENS, session=session, stream=False, client=client)
@@ -225,8 +240,7 @@ def test_a_killed_decode_engine_falls_back_to_the_other_pair(
         plain = routed_chat(state.router, state.served_model_name, reference.messages[0],
                             MAX_TOKENS, session=None, stream=False, client=client)
         _assert_same(reference.turns[0], plain, 1)
-    metrics = client.get(f"{state.router}/metrics").text
-    assert 'turnkv_fallbacks_total{reason="engine_unavailable"} 1.0' in metrics
+    assert fallbacks_for_engines(client, state) == fallbacks + 1
     health = client.get(f"{state.router}/v1/turnkv/stats").json()["engines"]
     assert [e["healthy"] for e in health if e["name"] == victim.spec.name] == [False]
 

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.support.clusters import TINY_ENGINES, ClusterPool, ClusterSpec, RouterView
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import TINY_ENGINES, ClusterSpec, RouterView
 from tests.support.oracle import compare, routed_chat
 from tests.support.reference import ROUTER_SCRIPT, Reference, References
 from turnkv_server.launcher import ClusterState
@@ -34,9 +35,10 @@ def reference(tiny_references: References) -> Reference:
     return tiny_references[ROUTER_SCRIPT]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def state(clusters: ClusterPool) -> ClusterState:
-    return clusters.get(CLUSTER)[1]
+    """Clean: a router holding no session, so that it places the first two on idle engines."""
+    return clusters.clean(CLUSTER)[1]
 
 
 @pytest.fixture

@@ -23,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, example, given
 from hypothesis import strategies as st
 
-from tests.support.clusters import SHORT_LEASE_S, SHORT_LEASES, ClusterPool, ClusterSpec, RouterView
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import SHORT_LEASE_S, SHORT_LEASES, ClusterSpec, RouterView
 from tests.support.fuzz_seed import fuzz
 from tests.support.router_fuzz import (
     ADMIN_KEY,
@@ -138,7 +139,9 @@ def test_tenants_cannot_see_extend_or_release_each_others_sessions(
 
 
 def test_tenants_never_hit_each_others_cached_prefixes(
-        cluster: ClusterState, client: httpx.Client) -> None:
+        clusters: ClusterPool, client: httpx.Client) -> None:
+    cluster = clusters.clean(CLUSTER)[1]  # nothing cached: no hit but the test's own
+
     def cached(key: str, salt: str | None = None) -> int:
         body = {"model": cluster.served_model_name, "max_tokens": 1, "temperature": 0,
                 "messages": [{"role": "user", "content": SHARED_PROMPT}]}
@@ -167,7 +170,6 @@ def test_tenants_never_hit_each_others_cached_prefixes(
 
 FUZZ = fuzz(60, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
-tried: dict[str, int] = {}
 
 
 def answered(response: httpx.Response) -> int:
@@ -181,9 +183,7 @@ def answered(response: httpx.Response) -> int:
 
 def send(client: httpx.Client, method: str, url: str, **kwargs: Any) -> int:
     with client.stream(method, url, **kwargs) as response:
-        status = answered(response)
-    tried[f"{status // 100}xx"] = tried.get(f"{status // 100}xx", 0) + 1
-    return status
+        return answered(response)
 
 
 @FUZZ
@@ -255,10 +255,41 @@ def test_a_huge_body_is_refused(cluster: ClusterState, client: httpx.Client) -> 
 
 
 def test_after_the_fuzzing_everything_is_healthy_and_no_kv_is_left(
-        cluster: ClusterState, client: httpx.Client) -> None:
+        clusters: ClusterPool, client: httpx.Client) -> None:
+    """Fuzzed chat requests and tagged turns of its own, on a clean cluster: then every engine
+    is healthy, and once the sessions' engine leases run out no block is in use."""
+    cluster = clusters.clean(CLUSTER)[1]
+    tried: dict[str, int] = {}
+
+    def count(status: int) -> None:
+        tried[f"{status // 100}xx"] = tried.get(f"{status // 100}xx", 0) + 1
+
+    @fuzz(30, suppress_health_check=[HealthCheck.too_slow])
+    @example(body={"messages": "not a list"}, headers={})  # refused, whatever the seed
+    @given(body=CHAT, headers=HEADERS)
+    def chat_requests(body: dict[str, Any], headers: dict[str, str]) -> None:
+        body.setdefault("model", cluster.served_model_name)
+        count(send(client, "POST", f"{cluster.router}/v1/chat/completions", json=body,
+                   headers={**auth(KEY_A), **headers}))
+
+    @fuzz(30, suppress_health_check=[HealthCheck.too_slow])
+    @example(content="hello", tag={"session_id": "fuzz-after", "hints": {"final": True}},
+             stream=False)
+    @given(content=ODD, tag=VALID_TAG | TAG, stream=st.booleans())
+    def tagged_turns(content: str, tag: dict[str, Any], stream: bool) -> None:
+        body = {"model": cluster.served_model_name, "max_tokens": 2, "stream": stream,
+                "messages": [{"role": "user", "content": f"{MARKER} {content}"}],
+                "turnkv": tag}
+        count(send(client, "POST", f"{cluster.router}/v1/chat/completions", json=body,
+                   headers=auth(KEY_B)))
+
+    chat_requests()
+    tagged_turns()
     print(f"fuzzed requests by answer: {dict(sorted(tried.items()))}")
-    # Some were served (the valid turns' examples, whatever the seed), most refused.
-    assert tried.get("2xx", 0) > 0 and tried.get("4xx", 0) > tried.get("2xx", 0)
+    # A valid turn among the examples, whatever the seed: some were served (and left KV
+    # behind to give back), some refused.
+    assert tried.get("2xx", 0) > 0 and tried.get("4xx", 0) > 0, tried
+
     def stats() -> dict[str, Any]:
         return dict(client.get(f"{cluster.router}/v1/turnkv/stats",
                                headers=auth(ADMIN_KEY)).json())
@@ -280,13 +311,22 @@ def test_after_the_fuzzing_everything_is_healthy_and_no_kv_is_left(
     wait_for(empty, "every KV block free on both engines")
 
 
-def test_no_log_holds_a_key_or_a_prompt(cluster: ClusterState) -> None:
-    servers = [*cluster.engines, cluster.router_process]
-    logs = [Path(server.log) for server in servers if server is not None and server.log]
+def test_no_log_holds_a_key_or_a_prompt(cluster: ClusterState, client: httpx.Client) -> None:
+    """Every log of the engines, and of every router this module ran (the pool starts one
+    anew for a test that needs it clean), after keyed requests and a prompt of this test's
+    own, besides whatever the tests before it sent."""
+    assert chat(cluster, client, KEY_A, f"{MARKER} hello", {"session_id": "logged"}
+                ).status_code == 200
+    assert chat(cluster, client, KEY_B, f"{MARKER} hi").status_code == 200
+    assert client.get(f"{cluster.router}/v1/turnkv/stats", headers=auth(ADMIN_KEY)
+                      ).status_code == 200
+    engines = [Path(server.log) for server in cluster.engines if server.log]
     # The router writes nothing at its default level; the engines write their start-up.
-    assert len(logs) == 3 and all(log.exists() for log in logs), logs
-    assert all(log.stat().st_size for log in logs[:2]), logs
-    for log in logs:
+    assert len(engines) == 2 and all(log.exists() and log.stat().st_size for log in engines)
+    assert cluster.router_process is not None and cluster.router_process.log
+    routers = sorted(Path(cluster.run_dir).parent.glob(f"{CLUSTER.name}*/logs/router.log"))
+    assert Path(cluster.router_process.log) in routers, routers
+    for log in [*engines, *routers]:
         text = log.read_text(errors="replace")
         for secret in (*KEYS, ADMIN_KEY, MARKER):
             assert secret not in text, f"{log.name} holds {secret!r}"

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import (
     TINY_ENGINES,
-    ClusterPool,
     ClusterSpec,
     RouterProcess,
     RouterView,
@@ -36,7 +36,6 @@ from turnkv_server.launcher import Cluster, ClusterState
 TURNS = SHORT_SCRIPT.turns
 MAX_TOKENS = SHORT_SCRIPT.max_tokens
 # The tiny turnkv engines (one prefill, two decode): the routers here serve their first two.
-# Their first users: every block must be free once these sessions end.
 CLUSTER = ClusterSpec("shared-sessions", TINY_ENGINES["turnkv"],
                       RouterView(prefill=1, decode=1, service=redis_store))
 pytestmark = pytest.mark.cluster(CLUSTER)
@@ -86,7 +85,8 @@ def test_turns_move_between_routers_and_survive_a_killed_router(
             assert out.stats["decode_node"] == decode
             assert out.stats["prefill_node"] is None  # a short delta: the history was known
 
-            # The launcher's router dies between turns; the other one carries on.
+            # The first router dies between turns (the pool starts the spec's router anew for
+            # the next test that asks for it); the other one carries on.
             assert state.router_process is not None
             os.kill(state.router_process.pid, signal.SIGKILL)
             out = turn(second.url, 3)
@@ -108,10 +108,10 @@ def test_turns_move_between_routers_and_survive_a_killed_router(
 
 
 def test_a_router_killed_mid_stream(
-    reference: tuple[list[list[dict[str, Any]]], list[Completion]],
-    cluster: tuple[Cluster, ClusterState],
+    reference: tuple[list[list[dict[str, Any]]], list[Completion]], clusters: ClusterPool
 ) -> None:
-    launched, state = cluster
+    # Clean: every block in use at the end would be this test's.
+    launched, state = clusters.clean(CLUSTER)
     messages, expected = reference
     logs = Path(state.run_dir) / "logs"
     doomed = RouterProcess(launched, logs / "router-4.log")

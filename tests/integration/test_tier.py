@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import (
     TIER,
     TIER_ADMISSION,
@@ -38,7 +39,6 @@ from tests.support.clusters import (
     TIER_DISK_BLOCKS,
     TIER_POOL,
     TINY_BLOCK_BYTES,
-    ClusterPool,
 )
 from tests.support.conversation import SYSTEM, USER_TURNS
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
@@ -47,7 +47,7 @@ from tests.support.waiting import wait_for
 from turnkv.protocol import CacheHints, TurnTag
 from turnkv.tagging import tag_headers
 from turnkv_server.engine.metrics import families, fetch, fetch_connector_counters
-from turnkv_server.launcher import ClusterState
+from turnkv_server.launcher import Cluster, ClusterState
 
 BLOCK = 128
 SESSION = "tier-session"
@@ -106,9 +106,11 @@ def disk_counters(url: str) -> dict[str, float]:
     return out
 
 
-def disk_folder(state: ClusterState, role: str) -> Path:
-    """Where the `role` engine's disk tier keeps its files (one folder per engine)."""
-    [folder] = (Path(state.run_dir) / "tier-disk").glob(f"turnkv-disk-turnkv-{role}-0-*")
+def disk_folder(launched: Cluster, role: str) -> Path:
+    """Where the `role` engine's disk tier keeps its files (one folder per engine, in the
+    engine set's run folder)."""
+    engine = next(e for e in launched.engines if e.spec.role == role)
+    [folder] = (engine.workdir.parent / "tier-disk").glob(f"turnkv-disk-turnkv-{role}-0-*")
     return folder
 
 
@@ -161,12 +163,12 @@ def evict(state: ClusterState, client: httpx.Client, urls: dict[str, str], tag: 
 def test_an_evicted_session_is_restored_from_the_tier_with_a_single_engines_output(
     reference: Reference, clusters: ClusterPool
 ) -> None:
-    _, state = clusters.get(CLUSTER)
+    _, state = clusters.clean(CLUSTER)
     urls = engine_urls(state)
     # (No gauge yet on engines that never reported tier stats.)
     assert all(tier_in_use(url) in (None, 0.0) for url in urls.values())
-    # This test's own transfers (the lease-eviction test before it, on the same engines, can
-    # lose a push back to a send given up for room: its own business).
+    # This test's own transfers (an earlier test on the same engines may have lost a push
+    # back to a send given up for room: its own business).
     transfers_before = {url: fetch_connector_counters(url) for url in urls.values()}
     with httpx.Client(timeout=600) as client:
         for number in (1, 2, 3):
@@ -217,9 +219,9 @@ def test_a_corrupted_or_deleted_tier_file_is_computed_again_never_served(
     """Every file of the prefill engine's disk tier damaged while the session lives only
     there: its next turn computes the whole prompt, equal to a single engine's, and the tier
     counts what it refused to serve."""
-    _, state = clusters.get(CLUSTER)
+    launched, state = clusters.clean(CLUSTER)
     urls = engine_urls(state)
-    folder = disk_folder(state, "prefill")
+    folder = disk_folder(launched, "prefill")
     session = f"tier-disk-{damage}"
     with httpx.Client(timeout=600) as client:
         for number in (1, 2, 3):
@@ -249,12 +251,11 @@ def test_a_corrupted_or_deleted_tier_file_is_computed_again_never_served(
 def test_an_aggregated_engine_holds_the_sessions_lease_and_restores_it_from_its_tier(
     reference: Reference, clusters: ClusterPool
 ) -> None:
-    _, state = clusters.get(TIER_AFFINITY)
+    _, state = clusters.clean(TIER_AFFINITY)
     engine = state.endpoints()["decode"][0]  # type: ignore[index]
     urls = {"engine": engine}
     session = "tier-aggregated"
     with httpx.Client(timeout=600) as client:
-        wait_for(lambda: no_leases(urls), "no lease left from the previous test")
         before = fetch_connector_counters(engine)
         for number in (1, 2, 3):
             out = turn(state, client, number, reference.messages[number - 1],
@@ -295,12 +296,11 @@ def test_a_session_back_after_a_hinted_pause_finds_its_history_prefetched(
     PREFETCH_PAUSE_S; two long prompts then evict its history to the tier; shortly before the
     pause is over the router has the engine load it back, so that turn 4 finds it in the
     engine's cache (cached, none restored on arrival) with a single engine's output."""
-    _, state = clusters.get(TIER_AFFINITY)
+    _, state = clusters.clean(TIER_AFFINITY)
     engine = state.endpoints()["decode"][0]  # type: ignore[index]
     urls = {"engine": engine}
     session = "tier-prefetch"
     with httpx.Client(timeout=600) as client:
-        wait_for(lambda: no_leases(urls), "no lease left from the previous test")
         for number in (1, 2):
             turn(state, client, number, reference.messages[number - 1],
                  reference.turns[number - 1], session, side="decode")
@@ -333,12 +333,11 @@ def test_the_pair_as_one_pool_serves_each_session_whole_on_one_engine(
     by an engine of its own (no prefill request, no KV moved), whose cache holds its history
     from one turn to the next; outputs equal a single engine's, and each engine holds the lease
     of its own session only."""
-    _, state = clusters.get(TIER_POOL)
+    _, state = clusters.clean(TIER_POOL)
     urls = engine_urls(state)
     sessions = ("pool-a", "pool-b")
     homes: dict[str, set[str]] = {session: set() for session in sessions}
     with httpx.Client(timeout=600) as client:
-        wait_for(lambda: no_leases(urls), "no lease left from the previous test")
         before = {url: fetch_connector_counters(url) for url in urls.values()}
         for number in (1, 2, 3):
             for session in sessions:
@@ -382,7 +381,7 @@ def test_a_new_session_waits_for_room_and_is_then_served_exactly(
     """A router whose admission budget holds one session: b's first turn waits while a lives
     (a's own turns go on meanwhile), and is served once a ends, with a single engine's output
     and its wait in its stats."""
-    _, state = clusters.get(TIER_ADMISSION)
+    _, state = clusters.clean(TIER_ADMISSION)
     with httpx.Client(timeout=600) as client, ThreadPoolExecutor(1) as pool:
         first = turn(state, client, 1, reference.messages[0], reference.turns[0], "admit-a")
         assert first.stats["times"]["queue_ms"] == 0.0, first.stats

@@ -5,8 +5,10 @@ connector's own counters (each engine's `/metrics`) show what moved: turn N+1 se
 engine only the blocks it lacks (or, for a short delta, no prefill at all: the decode engine
 computes it), the decode engine pushes each reply back to the prefill engine, leases stay
 under their cap and end with the session, and a failed or missing peer means recompute, never
-wrong KV. The tests share one cluster and run in file order; the last one stops it through
-`turnkv down`.
+wrong KV. The tests share one cluster: each test that plays turns gets it clean (no lease, no
+block in use, nothing cached; a router of its own holding no session). The launcher's own
+tests come last in the suite's order (the last one stops the cluster through `turnkv down`),
+but pass in any.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import (
+    SMOLLM2_LAUNCHER,
     SMOLLM2_LEASE_S,
     SMOLLM2_SHORT_DELTA_TOKENS,
     SMOLLM2_TURNKV,
-    ClusterPool,
 )
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
 from tests.support.reference import SMOLLM2_SCRIPT, Reference, References
@@ -46,10 +49,11 @@ ENGINE_LEASE_S = SMOLLM2_LEASE_S
 # conversation's user messages are below it, some above.
 SHORT_DELTA_TOKENS = SMOLLM2_SHORT_DELTA_TOKENS
 TURNKV = [sys.executable, "-m", "turnkv_server.cli"]
-# The pair (its last test here stops it), started after the reference engine stopped. The demo
-# agent's test (test_examples.py) runs on it first and leaves every block free.
+# The pair, started after the reference engine stopped: its turns through a router of their
+# own, the launcher's tests through the launcher's.
 CLUSTER = SMOLLM2_TURNKV
 pytestmark = pytest.mark.cluster(CLUSTER)
+launcher_test = pytest.mark.cluster(SMOLLM2_LAUNCHER)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +63,14 @@ def reference(smollm2_references: References) -> Reference:
 
 @pytest.fixture
 def cluster(reference: Reference, clusters: ClusterPool) -> tuple[Cluster, ClusterState]:
-    return clusters.get(CLUSTER)
+    """The pair, clean: every test here counts blocks and leases from none."""
+    return clusters.clean(CLUSTER)
+
+
+@pytest.fixture
+def launcher(reference: Reference, clusters: ClusterPool) -> tuple[Cluster, ClusterState]:
+    """The pair as the launcher started it: its state file, its router."""
+    return clusters.get(SMOLLM2_LAUNCHER)
 
 
 @pytest.fixture
@@ -78,8 +89,6 @@ class Engines:
 
     def read(self) -> tuple[dict[str, float], dict[str, float]]:
         return fetch_connector_counters(self.prefill), fetch_connector_counters(self.decode)
-
-
 
 
 def _turn(state: ClusterState, client: httpx.Client, messages: list[dict[str, Any]],
@@ -118,8 +127,9 @@ def _assert_all_blocks_back(engines: Engines) -> None:
     wait_for(empty, "every lease released and every block free on both engines")
 
 
-def test_status_json_lists_the_endpoints(cluster: tuple[Cluster, ClusterState]) -> None:
-    _, state = cluster
+@launcher_test
+def test_status_json_lists_the_endpoints(launcher: tuple[Cluster, ClusterState]) -> None:
+    _, state = launcher
     status = subprocess.run([*TURNKV, "status", "--json", "--run-dir", state.run_dir],
                             capture_output=True, text=True, check=True)
     endpoints = json.loads(status.stdout)
@@ -129,9 +139,10 @@ def test_status_json_lists_the_endpoints(cluster: tuple[Cluster, ClusterState]) 
     assert len(endpoints["prefill"]) == 1 and len(endpoints["decode"]) == 1
 
 
-def test_every_engine_thread_stays_on_its_own_core(cluster: tuple[Cluster, ClusterState]
+@launcher_test
+def test_every_engine_thread_stays_on_its_own_core(launcher: tuple[Cluster, ClusterState]
                                                    ) -> None:
-    _, state = cluster
+    _, state = launcher
     prefill, decode = state.engines
     assert set(prefill.cores).isdisjoint(decode.cores)
     for engine in state.engines:
@@ -146,6 +157,7 @@ def test_eight_turns_equal_a_single_engine_and_move_only_what_is_missing(
     engines = Engines(state)
     sources = fetch_prompt_token_sources(engines.decode)
     prefill, decode = engines.read()
+    at_start = (prefill, decode)
     block = int(decode["block_size"])
     caps = [int((c["num_gpu_blocks"] - 1) * 0.5) for c in (prefill, decode)]
     assert prefill["kv_cache_usage"] == decode["kv_cache_usage"] == 0
@@ -202,9 +214,11 @@ def test_eight_turns_equal_a_single_engine_and_move_only_what_is_missing(
                      > 0, f"turn {turn}'s prompt counted as received on decode")
             assert (fetch_prompt_token_sources(engines.decode) - sources).local_compute \
                 <= 1 + int(final)
-        for counters, cap in zip((after_prefill, after_decode), caps, strict=True):
+        for counters, first, cap in zip((after_prefill, after_decode), at_start, caps,
+                                        strict=True):
             assert counters["pinned_blocks"] <= cap
-            assert counters["receives_failed"] == counters["sends_failed"] == 0
+            for name in ("receives_failed", "sends_failed"):
+                assert counters.get(name, 0.0) == first.get(name, 0.0), (turn, name, counters)
 
         # What the prefill engine holds of the new history: the prompt it computed, or (after
         # a short delta) the last history, pushed back, as far as it is still shared.
@@ -319,15 +333,17 @@ def test_an_idle_engine_ends_an_expired_lease_without_another_request(
     assert client.delete(f"{state.router}/v1/turnkv/sessions/idle").status_code == 200
 
 
-def test_down_stops_exactly_the_cluster(cluster: tuple[Cluster, ClusterState]) -> None:
-    _, state = cluster
+@launcher_test
+def test_down_stops_exactly_the_cluster(launcher: tuple[Cluster, ClusterState]) -> None:
+    """`turnkv down` stops every process of the cluster (the engines the state file names:
+    the pool records there an engine a test restarted) and nothing else. The pool starts the
+    pair again for whichever test needs it next."""
+    _, state = launcher
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                  start_new_session=True)
     try:
         subprocess.run([*TURNKV, "down", "--run-dir", state.run_dir], check=True)
-        # The restarted decode engine is a new process: `turnkv down` reads the pids the
-        # launcher recorded, so stop it through the launcher here and check the others.
-        for server in [state.engines[0], state.router_process]:
+        for server in [*state.engines, state.router_process]:
             assert server is not None
             assert not ProcessRef(server.pid, server.create_time).is_alive()
             assert group_members(server.pid) == []

@@ -1,10 +1,6 @@
-"""Clusters for the integration tests: each started once, shared across test modules, and one
-at a time.
-
-Starting engines is most of the suite's time (a tiny-model engine takes about 20 s of one
-core), and the test machine has two cores: two clusters alive at once slow each other to a
-crawl. The session's `ClusterPool` (the `clusters` fixture) keeps at most one set of engines
-alive and hands it to every test that asks for it:
+"""What the integration tests run on: engine sets, the routers in front of them, and the
+clusters the suite's tests share (`tests.support.cluster_pool.ClusterPool`, the `clusters`
+fixture, keeps one engine set alive at a time and hands these out).
 
 - an `EngineSet` is what the launcher starts from one `ClusterConfig`: the engines, and the
   launcher's own router in front of them;
@@ -12,31 +8,25 @@ alive and hands it to every test that asks for it:
   router, or through a router of its own (`RouterView`) in front of some of the set's engines.
   Tests that differ only in router settings (a Redis store, timeouts, health probes, how many
   engines it routes to) share the engines that way: a router starts in a second, an engine
-  set in half a minute to a minute.
-
-`tests/integration/conftest.py` orders the tests so that each engine set comes up once, its
-users one after the other, the ones that kill engines last.
+  set in half a minute to a minute. A router of a spec's own is also what the pool can start
+  anew, holding no session, for a test that needs a clean cluster.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from tests.support.redis_server import redis_server
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState, ProcessRef
-from turnkv_server.launcher.engine import EngineProcess
-from turnkv_server.launcher.state import ServerState
+from turnkv_server.launcher import Cluster, ClusterConfig
 from turnkv_server.mode_names import ClusterMode
 from turnkv_server.models import build_tiny, resolve_model
 from turnkv_server.ports import read_report
@@ -46,7 +36,7 @@ from turnkv_server.ports import read_report
 # has a transfer that takes seconds, so it changes nothing for them.
 RECEIVE_TIMEOUT_S = 4.0
 # The launcher's router of a shared engine set serves no test (each has a router of its own,
-# started after whatever the tests before it did to the engines): it should not probe them.
+# which the pool can start anew): it should not probe them.
 IDLE_ROUTER = ("--health-interval", "3600")
 
 
@@ -123,117 +113,6 @@ class ClusterSpec:
     router: RouterView | None = None
 
 
-@dataclass
-class _View:
-    spec: ClusterSpec
-    launched: Cluster
-    state: ClusterState
-    stack: ExitStack
-
-
-@dataclass
-class _Running:
-    engines: EngineSet
-    launched: Cluster
-    state: ClusterState
-    view: _View | None = None
-
-    def alive(self) -> bool:
-        return all(e.ref is not None and e.ref.is_alive() for e in self.launched.engines)
-
-
-class ClusterPool:
-    """At most one engine set alive; `get` starts what a spec needs, stopping the rest."""
-
-    def __init__(self, tmp: pytest.TempPathFactory) -> None:
-        self._tmp = tmp
-        self._running: _Running | None = None
-        # What was started, and how long it took: the suite's summary prints it.
-        self.starts: list[tuple[str, float]] = []
-
-    def get(self, spec: ClusterSpec) -> tuple[Cluster, ClusterState]:
-        """The spec's cluster: `launched` (the launcher's `Cluster`, or for a router of the
-        spec's own, a `Cluster` naming the engines it routes to: its `router_command` is that
-        router's) and its state (`state.router`: where to send requests)."""
-        running = self._running
-        # An engine killed by an earlier test (and not restarted): start the set again.
-        if running is not None and (running.engines != spec.engines or not running.alive()):
-            self.release()
-            running = None
-        if running is None:
-            started = time.monotonic()
-            config = spec.engines.config(self._tmp.mktemp(spec.engines.name))
-            launched = Cluster(config)
-            running = _Running(spec.engines, launched, launched.start())
-            self._running = running
-            self.starts.append((f"engines {spec.engines.name}", time.monotonic() - started))
-        if spec.router is None:
-            self._stop_view(running)
-            return running.launched, running.state
-        if running.view is None or running.view.spec != spec:
-            self._stop_view(running)
-            started = time.monotonic()
-            running.view = self._start_view(spec, spec.router, running)
-            self.starts.append((f"router {spec.name}", time.monotonic() - started))
-        return running.view.launched, running.view.state
-
-    def release(self) -> None:
-        """Stop whatever runs (tests that start clusters of their own come next)."""
-        running, self._running = self._running, None
-        if running is not None:
-            self._stop_view(running)
-            running.launched.stop()
-
-    def _start_view(self, spec: ClusterSpec, view: RouterView, running: _Running) -> _View:
-        run_dir = self._tmp.mktemp(spec.name)
-        (run_dir / "logs").mkdir()
-        stack = ExitStack()
-        try:
-            extra = stack.enter_context(view.service(run_dir)) if view.service else ()
-            config = dataclasses.replace(
-                running.launched.config, mode=view.mode or running.launched.config.mode,
-                run_dir=run_dir, num_prefill=view.prefill,
-                num_decode=view.decode, router_args=(*view.args, *extra),
-                short_delta_tokens=view.short_delta_tokens, register_as_current=False,
-                # The view starts a router only: the engines' tiers are theirs already.
-                tier_host_blocks=None, tier_disk_bytes=None)
-            launched = Cluster(config)
-            engines = running.launched.engines
-            prefill = [e for e in engines if e.spec.role == "prefill"][: view.prefill]
-            decode = [e for e in engines if e.spec.role == "decode"][: view.decode]
-            assert (len(prefill), len(decode)) == (view.prefill, view.decode), spec
-            launched.engines = [*prefill, *decode]
-            router = RouterProcess(launched, run_dir / "logs" / "router.log")
-            stack.callback(router.stop)
-            state = ClusterState(
-                mode=config.mode, model=running.state.model,
-                served_model_name=running.state.served_model_name, run_dir=str(run_dir),
-                router=router.url, engines=[_server(e) for e in launched.engines],
-                router_process=ServerState(
-                    name="router", role="router", url=router.url, pid=router.process.pid,
-                    create_time=ProcessRef.of(router.process.pid).create_time,
-                    log=str(router.log)))
-        except BaseException:
-            stack.close()
-            raise
-        return _View(spec, launched, state, stack)
-
-    @staticmethod
-    def _stop_view(running: _Running) -> None:
-        view, running.view = running.view, None
-        if view is not None:
-            view.stack.close()
-
-
-def _server(engine: EngineProcess) -> ServerState:
-    """An engine's entry in a state, as the launcher records it (its current process)."""
-    spec, ref = engine.spec, engine.ref
-    assert ref is not None
-    return ServerState(name=spec.name, role=spec.role, url=spec.url, pid=ref.pid,
-                       create_time=ref.create_time, cores=list(spec.cores),
-                       nixl_port=spec.nixl_port, log=str(engine.log_path))
-
-
 @contextmanager
 def redis_store(run_dir: Path) -> Iterator[tuple[str, ...]]:
     """A real redis-server for routers that share sessions: `--redis <its URL>`."""
@@ -281,17 +160,21 @@ SINGLE_SMOLLM2 = ClusterSpec("single-smollm2", EngineSet("single-smollm2", lambd
     ClusterConfig(mode="single", model=str(resolve_model("smollm2")), dtype="float32",
                   run_dir=run_dir))))
 
-# SmolLM2 behind the turnkv connector, float32: test_turnkv_connector.py's pair (its last test
-# stops it), used first by the demo agent's test in test_examples.py, which gives every block
-# back. Engine leases last SMOLLM2_LEASE_S unless a client asks for less (the router keeps
-# sessions longer); turns adding at most SMOLLM2_SHORT_DELTA_TOKENS tokens are served by the
-# decode engine alone.
+# SmolLM2 behind the turnkv connector, float32: test_turnkv_connector.py's pair, which the demo
+# agent's test in test_examples.py runs on too. Engine leases last SMOLLM2_LEASE_S unless a
+# client asks for less (the router keeps sessions longer); turns adding at most
+# SMOLLM2_SHORT_DELTA_TOKENS tokens are served by the decode engine alone. Turns go through a
+# router of their own (`SMOLLM2_TURNKV`); the launcher's tests (`turnkv status`, `turnkv down`)
+# talk to the launcher's (`SMOLLM2_LAUNCHER`).
 SMOLLM2_LEASE_S = 10.0
 SMOLLM2_SHORT_DELTA_TOKENS = 60
-SMOLLM2_TURNKV = ClusterSpec("connector", EngineSet("smollm2-turnkv", lambda run_dir: (
-    ClusterConfig(mode="turnkv", model=str(resolve_model("smollm2")), dtype="float32",
-                  run_dir=run_dir, connector_settings={"lease_ttl_s": SMOLLM2_LEASE_S},
-                  short_delta_tokens=SMOLLM2_SHORT_DELTA_TOKENS))))
+SMOLLM2_ENGINES = EngineSet("smollm2-turnkv", lambda run_dir: ClusterConfig(
+    mode="turnkv", model=str(resolve_model("smollm2")), dtype="float32", run_dir=run_dir,
+    connector_settings={"lease_ttl_s": SMOLLM2_LEASE_S},
+    short_delta_tokens=SMOLLM2_SHORT_DELTA_TOKENS))
+SMOLLM2_TURNKV = ClusterSpec("connector", SMOLLM2_ENGINES, RouterView(
+    short_delta_tokens=SMOLLM2_SHORT_DELTA_TOKENS))
+SMOLLM2_LAUNCHER = ClusterSpec("connector-launcher", SMOLLM2_ENGINES)
 
 # test_lease_eviction.py's and test_tier.py's pair: one prefill and one decode engine (tiny
 # model, float32) whose KV caches hold LEASE_EVICTION_BLOCKS blocks each (and vLLM's null
@@ -301,18 +184,18 @@ SMOLLM2_TURNKV = ClusterSpec("connector", EngineSet("smollm2-turnkv", lambda run
 # after the turnkv connector), and below that a disk tier of TIER_DISK_BLOCKS blocks (this
 # project's checked files): what a long prompt pushes out of the host tier is found on disk.
 # Room, and room only, ends leases there: they may pin the whole cache (no pin cap), and every
-# turn goes through the prefill engine (no short deltas served by the decode engine alone). Its
-# users talk to the launcher's router.
+# turn goes through the prefill engine (no short deltas served by the decode engine alone):
+# routers of the specs' own in front of both engines.
 LEASE_EVICTION_BLOCKS = 32
 TIER_HOST_BLOCKS = 16
 TIER_DISK_BLOCKS = 256
-LEASE_EVICTION = ClusterSpec("lease-eviction", EngineSet(
-    "tiny-turnkv-1p1d-32-blocks-tiers", lambda run_dir: _tiny(
-        "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,
-        connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0,
-        tier_host_blocks=TIER_HOST_BLOCKS,
-        tier_disk_bytes=TIER_DISK_BLOCKS * TINY_BLOCK_BYTES)))
-TIER = ClusterSpec("tier", LEASE_EVICTION.engines)
+TIER_ENGINES = EngineSet("tiny-turnkv-1p1d-32-blocks-tiers", lambda run_dir: _tiny(
+    "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,
+    connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0,
+    tier_host_blocks=TIER_HOST_BLOCKS, tier_disk_bytes=TIER_DISK_BLOCKS * TINY_BLOCK_BYTES,
+    router_args=IDLE_ROUTER))
+LEASE_EVICTION = ClusterSpec("lease-eviction", TIER_ENGINES, RouterView(short_delta_tokens=0))
+TIER = ClusterSpec("tier", TIER_ENGINES, RouterView(short_delta_tokens=0))
 # The aggregated flavour on the same engines: an affinity router with `--engine-leases` in
 # front of the decode engine alone, which serves whole turns with its connector and tier.
 TIER_AFFINITY = ClusterSpec("tier-affinity", TIER.engines, RouterView(
@@ -322,7 +205,7 @@ TIER_AFFINITY = ClusterSpec("tier-affinity", TIER.engines, RouterView(
 TIER_POOL = ClusterSpec("tier-pool", TIER.engines, RouterView(args=("--pair-pool",)))
 # Admission on the same engines: a turnkv router whose budget of session history
 # (ADMISSION_TOKENS) holds one session of test_tier.py's conversation, not two; every turn
-# through the prefill engine, as with the launcher's router.
+# through the prefill engine, as with `TIER`'s router.
 ADMISSION_TOKENS = 300
 TIER_ADMISSION = ClusterSpec("tier-admission", TIER.engines, RouterView(
     short_delta_tokens=0, args=("--admission-tokens", str(ADMISSION_TOKENS))))

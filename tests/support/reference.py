@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from tests.support.clusters import ClusterPool, ClusterSpec
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import ClusterSpec
 from tests.support.conversation import conversation
 from tests.support.oracle import Completion, greedy_chat
 
