@@ -272,7 +272,7 @@ def test_a_conversation_across_hosts_equals_a_single_engine(
     assert any(r["dst"] == str(hosts.subnet) and r.get("metric") == int(hosts.tag, 16)
                for r in blackholes), blackholes
     # Each engine runs in its host (the recorded PID is the server itself: `ip netns exec`
-    # and taskset exec), listens on the host's address and has UCX on the host's interface.
+    # execs), listens on the host's address and has UCX on the host's interface.
     for engine, name in ((c.engine("prefill"), "prefill"), (c.engine("decode"), "decode")):
         host, ref = hosts[name], engine.ref
         assert ref is not None and engine.spec.placed_on == host

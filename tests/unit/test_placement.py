@@ -91,7 +91,7 @@ def test_a_placed_engine_starts_inside_its_host_and_is_stopped_by_its_pid(
     engine.start()
     try:
         assert asked[0][:4] == ["ip", "netns", "exec", DECODE.namespace]
-        assert asked[0][4:7] == ["taskset", "-c", ",".join(map(str, spec.cores))]
+        assert asked[0][4:] == engine.spec.command(engine.http_report)
         assert engine._hold is None
         assert engine.ref is not None and engine.ref.is_alive()
     finally:

@@ -117,6 +117,9 @@ class EngineSpec:
             # Each response's `metrics` (queue time, time to the first token): the router's
             # stats time the prompt's computation as the engine measured it.
             "--enable-per-request-metrics",
+            # A refused request's body (a user's prompt) stays out of the engine's log, even
+            # under VLLM_SERVER_DEV_MODE, which otherwise logs it with the error's stack.
+            "--no-log-error-stack",
             "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
         ]
         if self.kv_cache_bytes is not None:
@@ -208,11 +211,12 @@ class EngineProcess:
         self.started_at = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.log_offset = log.tell()
-            # `ip netns exec` (on a host) and taskset both exec: the PID is the server's.
+            # `ip netns exec` (on a host) execs: the PID is the server's. The engine starts on
+            # any core and is pinned to its own once healthy (`is_healthy`): engines that
+            # outnumber the cores would otherwise import vLLM two to a core while another
+            # core idles, their start twice as long.
             self._popen = subprocess.Popen(
-                placement.wrap(self.spec.placed_on, [
-                    "taskset", "-c", _cpu_list(self.spec.cores),
-                    *self.spec.command(self.http_report)]),
+                placement.wrap(self.spec.placed_on, self.spec.command(self.http_report)),
                 cwd=self.workdir,
                 env=self.spec.environment(self.workdir, self.tmp_dir, side_channel),
                 stdin=subprocess.DEVNULL,
@@ -237,6 +241,7 @@ class EngineProcess:
             self._read_side_channel_report()
             self._reported = True
             self.release_ports()
+            self.pin()
         return healthy
 
     def _read_http_report(self) -> bool:
