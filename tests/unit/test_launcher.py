@@ -50,6 +50,8 @@ def test_engine_command_and_environment(tmp_path: Path) -> None:
                         "--port-file", str(tmp_path / "http.addr")]
     assert cmd[cmd.index("--port") + 1] == "0"
     assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
+    # No request body in the engine's log with a refused request's stack.
+    assert "--no-log-error-stack" in cmd
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(1 << 28)
     assert '"kv_role": "kv_producer"' in cmd[cmd.index("--kv-transfer-config") + 1]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
