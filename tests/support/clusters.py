@@ -213,14 +213,18 @@ TIER_ADMISSION = ClusterSpec("tier-admission", TIER.engines, RouterView(
 # test_router_security.py's and test_load.py's pair: one prefill and one decode engine (tiny
 # model, float32) whose KV caches hold LOAD_BLOCKS blocks each, so that the load test's 64 live
 # sessions press against the connector's pin cap of half of them; engine leases last
-# SHORT_LEASE_S unless a client asks for less, so that what a fuzzed or loaded session left
-# behind comes back soon. Each module puts a router of its own in front (API keys for the one,
-# none for the other).
+# SHORT_LEASE_S unless a client asks otherwise, never past SHORT_LEASE_MAX_S, so that what a
+# fuzzed or loaded session left behind comes back soon. Each module puts a router of its own
+# in front (API keys for the one, none for the other).
 LOAD_BLOCKS = 128
 SHORT_LEASE_S = 3.0
+# The operator's cap on a lease, which a client's TTL hint cannot pass: the fuzz draws hints
+# of up to 600 s, whose leases must still end within a test's wait.
+SHORT_LEASE_MAX_S = 8.0
 SHORT_LEASES = EngineSet("tiny-turnkv-1p1d-128-blocks-short-leases", lambda run_dir: _tiny(
     "turnkv", run_dir, kv_cache_bytes=(LOAD_BLOCKS + 1) * TINY_BLOCK_BYTES,
-    connector_settings={"lease_ttl_s": SHORT_LEASE_S}, router_args=IDLE_ROUTER))
+    connector_settings={"lease_ttl_s": SHORT_LEASE_S, "lease_max_ttl_s": SHORT_LEASE_MAX_S},
+    router_args=IDLE_ROUTER))
 
 # The SDK, adapter and example tests: one prefill and one decode engine behind the router in
 # `bidirectional` mode, where a session's turns reuse its KV. `state.router` is the router's
