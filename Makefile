@@ -67,8 +67,10 @@ demo: install
 
 # The cross-host tests (`hosts` marker) run apart, in `make test-hosts`: the suite is at its
 # time limit without them.
+# Two pytest-xdist workers (tests/conftest.py): one runs the integration tests in their
+# schedule's order, the other the unit tests meanwhile, on the cores the engines leave idle.
 test: install lint typecheck redis
-	$(PY) -m pytest -q -ra -m "not hosts"
+	$(PY) -m pytest -q -ra -m "not hosts" -n 2
 
 # A turnkv cluster across simulated hosts (network namespaces: needs root, else skipped with
 # the reason): tests/integration/test_cross_host.py, about two minutes.

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,8 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["VLLM_NO_USAGE_STATS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One fuzz seed for the run: pytest-xdist's workers inherit it from the process that starts them.
+os.environ[fuzz_seed.ENV] = str(fuzz_seed.SEED)
 # vLLM's development routes, `/reset_prefix_cache` among them: the integration tests' pool
 # empties a shared engine set with it before a test that needs nothing left in it
 # (tests.support.cluster_pool).
@@ -48,6 +51,20 @@ def shared_vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
             os.environ.pop(VLLM_CACHE_ENV, None)
         else:
             os.environ[VLLM_CACHE_ENV] = previous
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test` runs two workers (`-n 2`): one runs every integration test, in the order
+    tests/integration/conftest.py gives them (one cluster at a time, as without xdist); the
+    other runs the unit tests meanwhile, on the cores the engines leave idle."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class IntegrationApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "integration" if nodeid.startswith("tests/integration/") else nodeid
+
+    return IntegrationApart(config, log)
 
 
 def pytest_report_header() -> str:

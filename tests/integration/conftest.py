@@ -53,9 +53,13 @@ def cluster_of(item: pytest.Item) -> ClusterSpec | None:
     return None
 
 
+def is_integration(item: pytest.Item) -> bool:
+    return "/integration/" in str(item.fspath)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "/integration/" in str(item.fspath):
+        if is_integration(item):
             item.add_marker(pytest.mark.integration)
 
     # Tests that start clusters of their own (or none) first, while the pool holds none; then
@@ -71,7 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if config.getoption("--reverse-schedule"):
         items.reverse()
     for item in items:
-        if "/integration/" in str(item.fspath):
+        if is_integration(item):
             spec = cluster_of(item)
             _stage_of[item.nodeid] = spec.name if spec else "(clusters of their own, or none)"
 
@@ -107,13 +111,33 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterPool]:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test that starts a cluster of its own finds none of the pool's running (this runs
     before any fixture of the test, module-scoped ones included)."""
-    if cluster_of(item) is None:
+    if is_integration(item) and cluster_of(item) is None:
         for pool in _pools:
             pool.release()
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a pytest-xdist worker: hand the figures below to the controller, which prints the
+    summary (`pytest_testnodedown`)."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["cluster_starts"] = [start for pool in _pools for start in pool.starts]
+        output["stage_seconds"] = dict(_stage_seconds)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_testnodedown(node: object, error: object) -> None:
+    output = getattr(node, "workeroutput", {})
+    _worker_starts.extend(tuple(start) for start in output.get("cluster_starts", []))
+    for stage, seconds in output.get("stage_seconds", {}).items():
+        _stage_seconds[stage] = _stage_seconds.get(stage, 0.0) + seconds
+
+
+_worker_starts: list[tuple[str, float]] = []
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    starts = [start for pool in _pools for start in pool.starts]
+    starts = [start for pool in _pools for start in pool.starts] + _worker_starts
     if starts:
         terminalreporter.section("clusters started (tests.support.cluster_pool)")
         for what, seconds in starts:

@@ -139,8 +139,10 @@ class TestChatTurnKVStandard(ChatModelIntegrationTests):
         assert second.usage_metadata["input_token_details"].get("cache_read", 0) > 0
         return second
 
-    @pytest.mark.skip(reason="a timing benchmark over responses recorded with VCR: this suite "
-                             "records nothing and asserts no timing (docs/benchmarks.md measures)")
+    # Not run (LangChain's own check wants an override marked xfail, with its reason).
+    @pytest.mark.xfail(reason="a timing benchmark over responses recorded with VCR: this suite "
+                              "records nothing and asserts no timing (docs/benchmarks.md "
+                              "measures)", run=False)
     def test_stream_time(self, *args: Any, **kwargs: Any) -> None:
         """LangChain's stream-overhead benchmark. Its VCR cassette would also refuse the live
         requests (a health probe) that set up this suite's cluster."""
