@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import fuzz_seed
+from tests.support import fuzz_seed, suite_summary
 from turnkv_server.launcher.cluster import VLLM_CACHE_ENV
 
 # Engines started by tests stay on loopback and never reach for a model hub.
@@ -67,14 +67,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return IntegrationApart(config, log)
 
 
+_worker_summaries: list[dict[str, Any]] = []
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, in the controller
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    summary = getattr(node, "workeroutput", {}).get(suite_summary.WORKER_OUTPUT)
+    if summary:
+        _worker_summaries.append(summary)
+
+
 def pytest_report_header() -> str:
     return f"fuzz seed: {fuzz_seed.SEED} ({fuzz_seed.ENV}={fuzz_seed.SEED} replays the fuzz cases)"
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The run's fuzz seed again after a failure (the header is not shown under -q): it
-    replays the run's fuzz cases even when a fuzz test died without its own message (a
-    timeout, a crash)."""
+    """The integration worker's summary (under pytest-xdist); the run's fuzz seed again
+    after a failure (the header is not shown under -q): it replays the run's fuzz cases even
+    when a fuzz test died without its own message (a timeout, a crash)."""
+    for summary in _worker_summaries:
+        stages: dict[str, float] = summary["stage_seconds"]
+        suite_summary.write(terminalreporter, (tuple(s) for s in summary["starts"]), stages)
     if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
         terminalreporter.write_line(
             f"fuzz seed of this run: {fuzz_seed.SEED} ({fuzz_seed.ENV}={fuzz_seed.SEED} "

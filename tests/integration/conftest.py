@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import suite_summary
 from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import ROUTER_CLUSTER, SINGLE_SMOLLM2, SINGLE_TINY, ClusterSpec
 from tests.support.reference import SMOLLM2_SCRIPTS, TINY_SCRIPTS, References
@@ -117,37 +118,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """In a pytest-xdist worker: hand the figures below to the controller, which prints the
-    summary (`pytest_testnodedown`)."""
+    """In a pytest-xdist worker: hand the summary's figures to the controller
+    (tests/conftest.py prints them)."""
     output = getattr(session.config, "workeroutput", None)
     if output is not None:
-        output["cluster_starts"] = [start for pool in _pools for start in pool.starts]
-        output["stage_seconds"] = dict(_stage_seconds)
-
-
-@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
-def pytest_testnodedown(node: object, error: object) -> None:
-    output = getattr(node, "workeroutput", {})
-    _worker_starts.extend(tuple(start) for start in output.get("cluster_starts", []))
-    for stage, seconds in output.get("stage_seconds", {}).items():
-        _stage_seconds[stage] = _stage_seconds.get(stage, 0.0) + seconds
-
-
-_worker_starts: list[tuple[str, float]] = []
+        output[suite_summary.WORKER_OUTPUT] = {
+            "starts": [start for pool in _pools for start in pool.starts],
+            "stage_seconds": dict(_stage_seconds)}
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    starts = [start for pool in _pools for start in pool.starts] + _worker_starts
-    if starts:
-        terminalreporter.section("clusters started (tests.support.cluster_pool)")
-        for what, seconds in starts:
-            terminalreporter.write_line(f"{seconds:6.1f}s  {what}")
-        total = sum(seconds for _, seconds in starts)
-        terminalreporter.write_line(f"{total:6.1f}s  in all, {len(starts)} starts")
-    if _stage_seconds:
-        terminalreporter.section("time per stage (tests/integration/conftest.py SCHEDULE)")
-        for stage, seconds in _stage_seconds.items():
-            terminalreporter.write_line(f"{seconds:6.1f}s  {stage}")
+    suite_summary.write(terminalreporter, (start for pool in _pools for start in pool.starts),
+                        _stage_seconds)
 
 
 @pytest.fixture(scope="session")
