@@ -29,6 +29,7 @@ from turnkv import protocol as p
 from turnkv_server.router.admission import Admission, ClientLeft
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.dialects import DialectError
+from turnkv_server.router.errors import error_response, install_error_handlers
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
 from turnkv_server.router.placement import Engine, EnginePool
@@ -90,7 +91,7 @@ class Router:
     async def serve(self, request: Request, path: str) -> Response:
         tenant = self.tenants.tenant_for(request.headers.get("authorization"))
         if tenant is None:
-            return error_response(401, "missing or unknown API key")
+            return error_response(401, "missing or unknown API key", path=path)
         try:
             body = await self._read_body(request)
             tag, prefix_id = extract_tags(body, request.headers, tenant)
@@ -98,7 +99,7 @@ class Router:
             check_supported(body)
         except (BadRequest, DialectError) as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
-            return error_response(exc.status, exc.message, param=exc.param)
+            return error_response(exc.status, exc.message, param=exc.param, path=path)
         if self.tenants.enforced:
             body["cache_salt"] = self.tenants.cache_salt(tenant, body.get("cache_salt"))
         try:
@@ -108,7 +109,8 @@ class Router:
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except TurnFailed as exc:
             self.metrics.errors.labels("503").inc()
-            return error_response(503, str(exc), headers={"Retry-After": RETRY_AFTER_S})
+            return error_response(503, str(exc), headers={"Retry-After": RETRY_AFTER_S},
+                                  path=path)
         except EngineRejected as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
             return Response(exc.content, exc.status, media_type="application/json")
@@ -142,22 +144,6 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-def error_response(
-    status: int, message: str, *, kind: str | None = None, param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """An OpenAI-shaped error."""
-    kinds = {400: "invalid_request_error", 401: "authentication_error",
-             403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 503: "service_unavailable"}
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message, "type": kind or kinds.get(status, "api_error"),
-                           "param": param, "code": status}},
-        headers=headers,
-    )
-
-
 def create_app(config: RouterConfig) -> FastAPI:
     router = Router(config)
 
@@ -181,6 +167,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     # redirected to, and acted on as, another session's route.
     app = FastAPI(title="turnkv router", lifespan=lifespan, redirect_slashes=False)
     app.state.router = router
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
