@@ -154,10 +154,21 @@ FallbackReason = Literal[
 ]
 
 
+# Which of a request's keys named its session (docs/protocol.md, "Session keys"), in the
+# router's order: turnkv's own tag, Dynamo's session, vLLM's session ID, the Responses
+# lineage, a coding agent's own session header, Codex's prompt cache key; or the router
+# inferred the session from the conversation's content.
+SessionSource = Literal["tag", "dynamo", "vllm", "lineage", "agent", "prompt_cache_key",
+                        "inferred"]
+
+
 class TurnStats(BaseModel):
     """The `turnkv` field of a response (the final SSE chunk when streaming)."""
 
     session_id: str | None = None
+    # A `SessionSource` from this router; a plain string so that stats from a later router,
+    # which may name another source, still parse (None: no session, or an older router).
+    session_source: str | None = None
     turn: int = Field(default=0, ge=0)
     mode: str
     prefill_node: str | None = None
@@ -185,6 +196,7 @@ __all__ = [
     "CacheHints",
     "KvMoved",
     "PromptTokens",
+    "SessionSource",
     "TurnStats",
     "TurnTag",
     "TurnTimes",

@@ -37,7 +37,7 @@ from turnkv_server.router.session_service import SessionService
 from turnkv_server.router.session_store import RedisStore
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey, SessionTable
 from turnkv_server.router.stats import RouterMetrics
-from turnkv_server.router.tags import BadRequest, check_supported, extract_tags
+from turnkv_server.router.tags import BadRequest, check_supported, read_keys
 from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.turn import TurnFailed, Turns
 from turnkv_server.router.upstream import EngineConnectionError, EngineRejected, Upstream
@@ -94,17 +94,19 @@ class Router:
             return error_response(401, "missing or unknown API key", path=path)
         try:
             body = await self._read_body(request)
-            tag, prefix_id = extract_tags(body, request.headers, tenant)
-            tag = self.tenants.capped_tag(tenant, tag)
+            keys = read_keys(body, request.headers, tenant,
+                             lineage=self.lineage_of(path, body))
             check_supported(body)
         except (BadRequest, DialectError) as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
             return error_response(exc.status, exc.message, param=exc.param, path=path)
+        tag = self.tenants.capped_tag(tenant, keys.tag)
         if self.tenants.enforced:
             body["cache_salt"] = self.tenants.cache_salt(tenant, body.get("cache_salt"))
         try:
-            return await self.turns.serve(path, body, tag, tenant, prefix_id,
-                                          gone=lambda: disconnected(request))
+            return await self.turns.serve(path, body, tag, tenant, keys.prefix_id,
+                                          gone=lambda: disconnected(request),
+                                          source=keys.source, stats_in_stream=keys.native)
         except ClientLeft:
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except TurnFailed as exc:
@@ -114,6 +116,11 @@ class Router:
         except EngineRejected as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
             return Response(exc.content, exc.status, media_type="application/json")
+
+    def lineage_of(self, path: str, body: dict[str, Any]) -> str | None:
+        """The session a chain of Responses names (third in the order of session keys): the
+        chain's root response ID, or its `conversation`; None for other routes."""
+        return None
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
         length = request.headers.get("content-length")

@@ -6,9 +6,10 @@ or hint at its future, read as turnkv's tag (docs/protocol.md, "Peers' dialects"
 - Dynamo's `X-Dynamo-Session-ID` header names the session; `X-Dynamo-Session-Final: true`
   ends it after the turn.
 - Dynamo's `nvext.agent_hints.priority` is the session's priority, clamped to turnkv's range.
-- OpenAI's `prompt_cache_key` is a prefix ID, never a session: clients share one key across
-  many conversations (a user, a prompt template), and one turnkv session holds one
-  conversation's history, one turn at a time.
+- OpenAI's `prompt_cache_key` is a prefix ID: clients share one key across many
+  conversations (a user, a prompt template), and one turnkv session holds one conversation's
+  history, one turn at a time. (Codex sends its conversation ID as the key: for a Codex
+  request `tags.read_keys` reads it as the session too.)
 
 The turnkv tag (body and `X-TurnKV-*` headers) wins field by field. A dialect's lifecycle
 (its TTL, its end) acts only on the session its own field names, so that a dialect can never
@@ -53,6 +54,8 @@ class Dialects:
     # session_control's, else the header's: a body field wins over a header, as turnkv's own.
     session_id: str | None = None
     prefix_id: str | None = None
+    # The `prompt_cache_key` as sent (`tags.read_keys` decides whether it names a session).
+    cache_key: str | None = None
     priority: int | None = None
     # Hints that act only on the session their own field named: (that session ID, hints).
     bound: tuple[tuple[str, dict[str, Any]], ...] = ()
@@ -94,7 +97,8 @@ def read_dialects(body: dict[str, Any], headers: Mapping[str, str], tenant: str)
         # would be all that is left of the dialect.
         if not nvext:
             del body["nvext"]
-    prefix_id = _prefix_id(body.pop("prompt_cache_key", None), tenant)
+    cache_key = body.pop("prompt_cache_key", None)
+    prefix_id = _prefix_id(cache_key, tenant)
     priority = _priority(agent_hints)
     controlled = _session_control(control)
     header_id = _header_session(headers.get(HEADER_DYNAMO_SESSION))
@@ -106,7 +110,8 @@ def read_dialects(body: dict[str, Any], headers: Mapping[str, str], tenant: str)
     if final and named is not None:
         bound.append((named, {"final": True}))
     return Dialects(session_id=controlled[0] if controlled else header_id,
-                    prefix_id=prefix_id, priority=priority, bound=tuple(bound))
+                    prefix_id=prefix_id, cache_key=cache_key if prefix_id else None,
+                    priority=priority, bound=tuple(bound))
 
 
 def _session_control(raw: Any) -> tuple[str, dict[str, Any]] | None:

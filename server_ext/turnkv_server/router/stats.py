@@ -82,6 +82,7 @@ def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
         number = (session.turns + 1) if session else 1
     return p.TurnStats(
         session_id=session.key.session_id if session else None,
+        session_source=turn.session_source if session else None,
         turn=number,
         mode=mode,
         prefill_node=None if prefill is None else placement.prefill.name,

@@ -1,19 +1,25 @@
-"""Reading a request's turnkv tag: the body's `turnkv` field, the `X-TurnKV-*` headers under
-it, and peers' dialects (`dialects`) under both; and what the router refuses to serve.
+"""Reading a request's keys: turnkv's own tag (the body's `turnkv` field, the `X-TurnKV-*`
+headers under it), then the session keys of other stacks in one order (docs/protocol.md,
+"Session keys"): Dynamo's (`dialects`), vLLM's, the Responses lineage, the coding agents'
+headers (`peer_sessions`), Codex's `prompt_cache_key`. A request none of them names is left
+to the content (`inferred_sessions`). And what the router refuses to serve.
 
-The body wins field by field. Either way the tag is validated by the same pydantic models the
-SDK uses and removed before the request reaches an engine.
+The turnkv tag wins field by field; the first key that names a session names it, and the
+tag's hints go with that session. Either way the tag is validated by the same pydantic models
+the SDK uses, and every key is removed before the request reaches an engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from turnkv import protocol as p
 from turnkv_server.router.dialects import read_dialects
+from turnkv_server.router.peer_sessions import foreign_id, read_peer_sessions
 
 DEFAULT_TENANT = "default"
 
@@ -38,17 +44,41 @@ _HEADER_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+@dataclass(frozen=True)
+class RequestKeys:
+    """What a request names: its tag (the session and hints, from whichever key named it),
+    which key that was, and for a request with no session the prefix that places it."""
+
+    tag: p.TurnTag | None
+    source: p.SessionSource | None  # None: no key named a session
+    prefix_id: str | None  # a sessionless request's (`prompt_cache_key`)
+    # turnkv's own tag came (the body's field or an `X-TurnKV-*` header): its client reads
+    # the stats chunk of a stream.
+    native: bool = False
+    # `prompt_cache_retention: 24h`: the TTL asked for, for a session named later (inferred).
+    retention_ttl: float | None = None
+
+
 def extract_tag(body: dict[str, Any], headers: Mapping[str, str],
                 tenant: str = DEFAULT_TENANT) -> p.TurnTag | None:
-    """Pop the tag from ``body`` (mutates it), merge the headers under it and peers' dialects
-    under both; raises `DialectError` for a dialect field it cannot read."""
-    return extract_tags(body, headers, tenant)[0]
+    """Pop the tag from ``body`` (mutates it), merge the headers under it and peers' keys
+    under both; raises `DialectError` for a peer's field it cannot read."""
+    return read_keys(body, headers, tenant).tag
 
 
 def extract_tags(body: dict[str, Any], headers: Mapping[str, str],
                  tenant: str = DEFAULT_TENANT) -> tuple[p.TurnTag | None, str | None]:
     """`extract_tag`'s tag and, for a request with no session, the prefix ID a dialect named
     (`prompt_cache_key`): where the turn is placed, and nothing more."""
+    keys = read_keys(body, headers, tenant)
+    return keys.tag, keys.prefix_id
+
+
+def read_keys(body: dict[str, Any], headers: Mapping[str, str],
+              tenant: str = DEFAULT_TENANT, lineage: str | None = None) -> RequestKeys:
+    """The request's keys, in the documented order (docs/protocol.md, "Session keys"); pops
+    every one from `body` (mutates it). `lineage`: the session a chain of Responses names (its
+    root response's ID, or its `conversation`), from the Responses route; None elsewhere."""
     raw = body.pop("turnkv", None)
     if raw is not None and not isinstance(raw, dict):
         raise BadRequest("'turnkv' must be an object", param="turnkv")
@@ -67,12 +97,30 @@ def extract_tags(body: dict[str, Any], headers: Mapping[str, str],
                 merged.setdefault("hints", {}).update(value)
             else:
                 merged[key] = value
+    native = bool(merged)
     dialects = read_dialects(body, headers, tenant)
+    peers = read_peer_sessions(body, headers)
+    source: p.SessionSource | None = "tag" if "session_id" in merged else None
+    if source is None:
+        # Codex sends its conversation ID as the key; anyone else's names a shared prefix.
+        codex_key = foreign_id(dialects.cache_key) if peers.from_codex and dialects.cache_key \
+            else None
+        named: tuple[tuple[p.SessionSource, str | None], ...] = (
+            ("dynamo", dialects.session_id), ("vllm", peers.vllm),
+            ("lineage", foreign_id(lineage) if lineage else None), ("agent", peers.agent),
+            ("prompt_cache_key", codex_key))
+        source, session_id = next(((s, i) for s, i in named if i is not None), (None, None))
+        if session_id is not None:
+            merged["session_id"] = session_id
     merged = dialects.under(merged)
     if not merged:
-        return None, dialects.prefix_id
+        return RequestKeys(None, None, dialects.prefix_id, retention_ttl=peers.retention_ttl)
+    if peers.retention_ttl is not None and "session_id" in merged \
+            and isinstance(merged.get("hints", {}), dict):
+        merged["hints"] = {"ttl": peers.retention_ttl, **merged.get("hints", {})}
     try:
-        return p.TurnTag.model_validate(merged), None
+        return RequestKeys(p.TurnTag.model_validate(merged), source, None, native,
+                           peers.retention_ttl)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])

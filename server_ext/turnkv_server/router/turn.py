@@ -21,22 +21,22 @@ owned from its sending until it is closed (`upstream.Stream`); the decode reques
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from turnkv import protocol as p
 from turnkv_server.engine.requests import decode_request, prefill_request
 from turnkv_server.router import stats
 from turnkv_server.router.admission import Admission, ClientGone
+from turnkv_server.router.chunks import ask_usage, has_output, strip_token_ids
+from turnkv_server.router.decode import Decode, RelayResponse, drop_decode
 from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.placement import EnginePool, Placement
 from turnkv_server.router.session_service import SessionService
@@ -45,7 +45,6 @@ from turnkv_server.router.upstream import (
     EngineConnectionError,
     EngineRejected,
     EngineUnavailable,
-    Stream,
     Upstream,
 )
 
@@ -72,8 +71,11 @@ class Turns:
     retries: int  # a turn that fails on an unavailable engine is replayed this many times
 
     async def serve(self, path: str, body: dict[str, Any], tag: p.TurnTag | None, tenant: str,
-                    prefix_id: str | None = None, gone: ClientGone | None = None) -> Response:
-        """The turn's response (`prefix_id`: a sessionless turn's); raises `TurnFailed`,
+                    prefix_id: str | None = None, gone: ClientGone | None = None, *,
+                    source: p.SessionSource | None = "tag",
+                    stats_in_stream: bool = True) -> Response:
+        """The turn's response (`prefix_id`: a sessionless turn's; `source`: which key named
+        the session; `stats_in_stream`: the client reads a stats chunk); raises `TurnFailed`,
         `EngineRejected` (the engine's 4xx, for the client as it is) or `ClientLeft`."""
         session, opened = None, False
         if tag is not None:
@@ -81,7 +83,11 @@ class Turns:
             prefix_id = tag.prefix_id
         turn = Turn(path=path, body=body, tag=tag, session=session,
                     want_token_ids=bool(body.get("return_token_ids")),
-                    stream=bool(body.get("stream")), prefix_id=prefix_id)
+                    stream=bool(body.get("stream")), prefix_id=prefix_id,
+                    session_source=source if session is not None else None)
+        if turn.stream:
+            turn.usage_in_stream = ask_usage(path, body)
+            turn.stats_in_stream = stats_in_stream or turn.usage_in_stream
         response: Response | None = None
         try:
             turn.queued_ms = await self.admission.admit(session, gone)
@@ -252,6 +258,7 @@ class Turns:
         template: dict[str, Any] | None = None
         usage: dict[str, Any] | None = None
         metrics: Any = None  # vLLM's per-request timing, on its usage chunk
+        usage_chunk: dict[str, Any] | None = None  # the engine's, held for the stats
         try:
             async for payload in decode.stream.events():
                 if payload == b"[DONE]":
@@ -260,7 +267,13 @@ class Turns:
                                  first_token_ms, usage, None, metrics)
                     decode.complete(None, turn_stats)
                     await self._remember(turn, decode.plan, turn_stats)
-                    yield stats.chunk(turn, turn_stats, template)
+                    if usage_chunk is not None and turn.usage_in_stream:
+                        # One last chunk with no choices, as vLLM's own: its usage and the
+                        # stats together.
+                        usage_chunk["turnkv"] = turn_stats.model_dump()
+                        yield stats.sse(usage_chunk)
+                    elif turn.stats_in_stream:
+                        yield stats.chunk(turn, turn_stats, template)
                     yield b"data: [DONE]\n\n"
                     continue
                 try:
@@ -283,6 +296,9 @@ class Turns:
                     strip_token_ids(chunk)
                     if not chunk.get("choices") and not chunk.get("usage") and "error" not in chunk:
                         continue
+                if chunk.get("usage") and not chunk.get("choices") and "error" not in chunk:
+                    usage_chunk = chunk  # sent, if asked for, with the stats at the end
+                    continue
                 yield stats.sse(chunk)
         except EngineConnectionError as exc:
             # Mid-stream loss of the decode engine: the client gets an error event, never a
@@ -313,88 +329,3 @@ class Turns:
         history = (None if turn.prompt_token_ids is None
                    else [*turn.prompt_token_ids, *turn.output_token_ids])
         await self.sessions.remember(turn.session, turn.tag, plan.placement, turn_stats, history)
-
-
-class RelayResponse(StreamingResponse):
-    """A streamed turn's response. The relay generator ends its decode request in its
-    `finally`, but a generator that never started (the client left before the first byte) has
-    no `finally` to run, and one left at a `yield` runs it only when it is collected: `on_end`
-    runs as soon as the response is over, however it ended."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_end: Callable[[], None],
-                 **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._on_end = on_end
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_end()
-
-
-@dataclass
-class Decode:
-    """One attempt's decode request once its headers are in.
-
-    It ends exactly once, one of two ways: `complete` (the reply was read whole) or `cut`
-    (anything else: the stream broke or the client left, the turn failed elsewhere, the
-    request is no longer wanted); either way the mode's `finish` learns which. The response
-    itself is closed by `close` (or `cut`), which also gives back the engine's in-flight
-    count; both are idempotent, so every path may call them.
-    """
-
-    turn: Turn
-    plan: TurnPlan
-    stream: Stream
-    mode: Mode
-    state: Literal["open", "complete", "cut"] = "open"
-
-    def complete(self, reply: dict[str, Any] | None, turn_stats: p.TurnStats) -> None:
-        if self.state == "open":
-            self.state = "complete"
-            self.mode.finish(self.turn, self.plan, TurnEnd("complete", reply, turn_stats))
-
-    def cut(self) -> None:
-        self.stream.close()
-        if self.state == "open":
-            self.state = "cut"
-            self.mode.finish(self.turn, self.plan, TurnEnd("cut"))
-
-    def close(self) -> None:
-        self.stream.close()
-
-
-async def drop_decode(task: asyncio.Task[Decode]) -> None:
-    """Cancel a decode request the turn no longer wants (its prefill failed, or the turn was
-    cancelled).
-
-    A streamed response's headers come at once, so the task may have returned its `Decode`
-    already, and cancelling a finished task closes nothing: the engine would keep the request
-    (waiting for KV that never comes) and its in-flight count for good. Cut what it returned.
-    """
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    if task.done():
-        _cut_result(task)
-    else:
-        # This task was cancelled while awaiting: cut the request whenever it opens.
-        task.add_done_callback(_cut_result)
-
-
-def _cut_result(task: asyncio.Task[Decode]) -> None:
-    if not task.cancelled() and task.exception() is None:
-        task.result().cut()
-
-
-def strip_token_ids(data: dict[str, Any]) -> None:
-    data.pop("prompt_token_ids", None)
-    for choice in data.get("choices") or []:
-        choice.pop("token_ids", None)
-
-
-def has_output(chunk: dict[str, Any]) -> bool:
-    return any(choice.get("text") or choice.get("token_ids") or any(
-        (choice.get("delta") or {}).get(key) for key in ("content", "tool_calls", "reasoning"))
-        for choice in chunk.get("choices") or [])

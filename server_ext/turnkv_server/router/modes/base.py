@@ -65,6 +65,13 @@ class Turn:
     prefetch: PrefetchOutcome | None = None
     # How long it waited for admission, in ms (`router.admission`).
     queued_ms: float = 0.0
+    # Which key named its session (`router.tags.read_keys`), or "inferred".
+    session_source: str | None = None
+    # What a streamed turn relays besides the answer: the engine's usage chunk (the client
+    # asked for `stream_options.include_usage`; the router always asks the engine) and the
+    # turn's stats chunk (the client asked for either, or sent turnkv's own tag).
+    usage_in_stream: bool = True
+    stats_in_stream: bool = True
 
 
 @dataclass(frozen=True)
