@@ -218,13 +218,14 @@ KEYS = {"sk-a": "tenant-a", "sk-b": "tenant-b"}
 
 
 @contextlib.asynccontextmanager
-async def router_with_tenants(engines: list[StandIn]) -> AsyncIterator[str]:
+async def router_with_tenants(engines: list[StandIn], **settings: Any) -> AsyncIterator[str]:
     for engine in engines:
         await engine.start()
     # Tenant A may ask for priorities up to 5 (by default no tenant above 0).
     app = create_app(RouterConfig(mode="affinity", engine=[e.url for e in engines],
                                   api_keys=KEYS, health_interval=60.0,
-                                  tenant_caps={KEYS["sk-a"]: {"max_priority": 5}}))
+                                  tenant_caps={KEYS["sk-a"]: {"max_priority": 5}},
+                                  **settings))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.create_task(server.serve())
     try:
@@ -300,10 +301,12 @@ def test_dialect_sessions_are_the_tenants_own_and_engines_never_see_them() -> No
 
 def test_turns_without_a_session_go_where_their_prompt_cache_key_is_warm() -> None:
     """OpenAI clients send `prompt_cache_key` and no session: each such turn goes to the
-    engine its key's prefix warmed first; turns without a key keep the round robin."""
+    engine its key's prefix warmed first; turns without a key keep the round robin. (With
+    sessions inferred from the content, each chat turn here would open a session: the router
+    that infers none shows the sessionless placement, which completions keep.)"""
     async def main() -> None:
         engines = [StandIn(), StandIn()]
-        async with router_with_tenants(engines) as url, \
+        async with router_with_tenants(engines, no_inferred_sessions=True) as url, \
                 httpx.AsyncClient(timeout=30) as client:
             async def chat(key: str, **extra: Any) -> httpx.Response:
                 body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],

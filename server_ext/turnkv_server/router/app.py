@@ -30,6 +30,7 @@ from turnkv_server.router.admission import Admission, ClientLeft
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.dialects import DialectError
 from turnkv_server.router.errors import error_response, install_error_handlers
+from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
 from turnkv_server.router.placement import Engine, EnginePool
@@ -65,10 +66,15 @@ class Router:
         self.sessions = SessionService(table, store, on_end=self.mode.drop_session,
                                        on_change=self.admission.recheck,
                                        on_forget=self.mode.forget_session)
+        # Boundaries of every live session's conversation and a few of their forks, on the
+        # session table's clock, for as long as the longest lease.
+        self.inferred = None if config.no_inferred_sessions else InferredSessions(
+            4 * config.max_sessions, config.max_ttl, table.clock,
+            on_infer=self.metrics.count_inferred)
         self.turns = Turns(pool=self.pool, mode=self.mode, mode_name=config.mode,
                            upstream=self.upstream, sessions=self.sessions,
                            admission=self.admission, metrics=self.metrics,
-                           retries=config.retries)
+                           retries=config.retries, inferred=self.inferred)
 
     async def health_loop(self) -> None:
         while True:
@@ -100,13 +106,18 @@ class Router:
         except (BadRequest, DialectError) as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
             return error_response(exc.status, exc.message, param=exc.param, path=path)
-        tag = self.tenants.capped_tag(tenant, keys.tag)
+        tag, source = keys.tag, keys.source
+        if tag is None and self.inferred is not None:
+            # No key names a session: a conversation this router served may (its content).
+            tag = self.inferred.tag_for(path, body, tenant, keys.prefix_id, keys.retention_ttl)
+            source = "inferred" if tag is not None else None
+        tag = self.tenants.capped_tag(tenant, tag)
         if self.tenants.enforced:
             body["cache_salt"] = self.tenants.cache_salt(tenant, body.get("cache_salt"))
         try:
             return await self.turns.serve(path, body, tag, tenant, keys.prefix_id,
                                           gone=lambda: disconnected(request),
-                                          source=keys.source, stats_in_stream=keys.native)
+                                          source=source, stats_in_stream=keys.native)
         except ClientLeft:
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except TurnFailed as exc:

@@ -280,9 +280,15 @@ class RouterMetrics:
                                           "waiting the longest wait allowed", registry=r)
         self.admission_waiting = Gauge("turnkv_admission_waiting", "Turns waiting for "
                                        "admission now", registry=r)
+        self.inferred = Counter("turnkv_inferred_sessions", "Turns no key named, by the "
+                                "session their conversation's content gave them: continued, "
+                                "forked (a branch or an edit) or new", ["outcome"], registry=r)
         self.hint_renewals = Counter("turnkv_hint_renewals", "Renew-only requests sent to "
                                      "engines for hints between turns, by outcome",
                                      ["outcome"], registry=r)
+
+    def count_inferred(self, outcome: str) -> None:
+        self.inferred.labels(outcome).inc()
 
     def count_renewal(self, outcome: str) -> None:
         self.hint_renewals.labels(outcome).inc()

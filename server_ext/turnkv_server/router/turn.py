@@ -36,7 +36,9 @@ from turnkv_server.engine.requests import decode_request, prefill_request
 from turnkv_server.router import stats
 from turnkv_server.router.admission import Admission, ClientGone
 from turnkv_server.router.chunks import ask_usage, has_output, strip_token_ids
+from turnkv_server.router.conversations import Reply
 from turnkv_server.router.decode import Decode, RelayResponse, drop_decode
+from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.placement import EnginePool, Placement
 from turnkv_server.router.session_service import SessionService
@@ -69,6 +71,8 @@ class Turns:
     admission: Admission
     metrics: stats.RouterMetrics
     retries: int  # a turn that fails on an unavailable engine is replayed this many times
+    # Sessions recognised from their content (None: turns no key names have none).
+    inferred: InferredSessions | None = None
 
     async def serve(self, path: str, body: dict[str, Any], tag: p.TurnTag | None, tenant: str,
                     prefix_id: str | None = None, gone: ClientGone | None = None, *,
@@ -97,6 +101,7 @@ class Turns:
         finally:
             # A streamed turn stays in flight until its relay ends.
             if session is not None and not isinstance(response, StreamingResponse):
+                self._inferred_turn_over(turn)
                 failed = response is None or response.status_code >= 400
                 await self.sessions.end_turn(session, opened, failed)
 
@@ -244,7 +249,8 @@ class Turns:
                      None, usage, reply, data.get("metrics"))
         stats.correct_usage(usage, decode.plan, turn_stats)
         decode.complete(reply, turn_stats)
-        await self._remember(turn, decode.plan, turn_stats)
+        await self._remember(turn, decode.plan, turn_stats,
+                             Reply.of_response(data) if self._infers(turn) else None)
         if not turn.want_token_ids:
             strip_token_ids(data)
         data["turnkv"] = turn_stats.model_dump()
@@ -259,6 +265,7 @@ class Turns:
         usage: dict[str, Any] | None = None
         metrics: Any = None  # vLLM's per-request timing, on its usage chunk
         usage_chunk: dict[str, Any] | None = None  # the engine's, held for the stats
+        reply = Reply() if self._infers(turn) else None  # what the conversation goes on with
         try:
             async for payload in decode.stream.events():
                 if payload == b"[DONE]":
@@ -266,7 +273,7 @@ class Turns:
                                  completion_tokens or len(turn.output_token_ids),
                                  first_token_ms, usage, None, metrics)
                     decode.complete(None, turn_stats)
-                    await self._remember(turn, decode.plan, turn_stats)
+                    await self._remember(turn, decode.plan, turn_stats, reply)
                     if usage_chunk is not None and turn.usage_in_stream:
                         # One last chunk with no choices, as vLLM's own: its usage and the
                         # stats together.
@@ -286,6 +293,8 @@ class Turns:
                     first_token_ms = (time.perf_counter() - turn.accepted_at) * 1000
                 for choice in chunk.get("choices") or []:
                     turn.output_token_ids.extend(choice.get("token_ids") or [])
+                if reply is not None:
+                    reply.feed(chunk)
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                     completion_tokens = int(usage.get("completion_tokens") or 0)
@@ -312,6 +321,7 @@ class Turns:
     def _end_relay(self, decode: Decode) -> None:
         """The end of a streamed turn, however it came: idempotent (the relay's `finally` and
         the response's `on_end` both call it)."""
+        self._inferred_turn_over(decode.turn)
         if decode.stream.closed:
             return
         if decode.state != "complete":
@@ -320,8 +330,12 @@ class Turns:
         if decode.turn.session is not None:
             decode.turn.session.in_flight = False
 
-    async def _remember(self, turn: Turn, plan: TurnPlan, turn_stats: p.TurnStats) -> None:
-        self.metrics.record(turn_stats, tagged=turn.session is not None)
+    async def _remember(self, turn: Turn, plan: TurnPlan, turn_stats: p.TurnStats,
+                        reply: Reply | None = None) -> None:
+        """The turn, served: its stats counted, its prefix warm, its session's history (and
+        for an inferred session, `reply` as its conversation's latest boundary)."""
+        self.metrics.record(turn_stats, tagged=turn.session is not None
+                            and turn.session_source != "inferred")
         if turn.prefix_id:
             self.pool.remember_prefix(turn.prefix_id, plan.placement)
         if turn.session is None:
@@ -329,3 +343,15 @@ class Turns:
         history = (None if turn.prompt_token_ids is None
                    else [*turn.prompt_token_ids, *turn.output_token_ids])
         await self.sessions.remember(turn.session, turn.tag, plan.placement, turn_stats, history)
+        if reply is not None and self.inferred is not None:
+            self.inferred.served(turn.session.key, reply.message())
+
+    def _infers(self, turn: Turn) -> bool:
+        return self.inferred is not None and turn.session_source == "inferred"
+
+    def _inferred_turn_over(self, turn: Turn) -> None:
+        """However the turn ended: a turn that did not come to `_remember` leaves its
+        conversation's latest boundary as it was (after `served`, this does nothing)."""
+        if self._infers(turn) and turn.session is not None:
+            assert self.inferred is not None
+            self.inferred.abandon(turn.session.key)
