@@ -50,21 +50,38 @@ DEFAULT_BENCH_MODES = "affinity,single-2core,standard,bidirectional,turnkv"
 # `turnkv-itl<ms>`: turnkv with the router's inter-token-latency target at <ms> milliseconds,
 # so that one run can place turnkv at several points of the TTFT/ITL frontier.
 ITL_VARIANT = re.compile(r"turnkv-itl(\d{1,6})")
+# `<mode>-untagged`: the mode's cluster, its turns sent by a stock openai client that names no
+# session and sends no hints (the router infers the sessions from the conversations).
+UNTAGGED_SUFFIX = "-untagged"
+
+
+def untagged(mode: str) -> bool:
+    """Whether a benchmark mode sends its turns untagged (`<mode>-untagged`)."""
+    return mode.endswith(UNTAGGED_SUFFIX) and is_bench_mode(mode)
+
+
+def tagged_mode(mode: str) -> str:
+    """The mode whose cluster a benchmark mode starts and whose settings it takes: itself, or
+    for `<mode>-untagged`, `<mode>`."""
+    return mode.removesuffix(UNTAGGED_SUFFIX)
 
 
 def itl_variant_target(mode: str) -> float | None:
     """The ITL target of a `turnkv-itl<ms>` mode in milliseconds; None for any other name."""
-    match = ITL_VARIANT.fullmatch(mode)
+    match = ITL_VARIANT.fullmatch(tagged_mode(mode))
     return float(match.group(1)) if match else None
 
 
 def is_bench_mode(mode: str) -> bool:
-    """Whether the benchmark knows `mode`: one of `BENCH_MODES` or a `turnkv-itl<ms>`."""
-    return mode in BENCH_MODES or itl_variant_target(mode) is not None
+    """Whether the benchmark knows `mode`: one of `BENCH_MODES` or a `turnkv-itl<ms>`, either
+    of them with `-untagged` or not."""
+    base = tagged_mode(mode)
+    return base in BENCH_MODES or itl_variant_target(base) is not None
 
 
 def cluster_mode(mode: str) -> ClusterMode:
     """The cluster mode a benchmark mode starts."""
+    mode = tagged_mode(mode)
     if itl_variant_target(mode) is not None:
         return "turnkv"
     if mode in BENCH_VARIANTS:
@@ -82,10 +99,10 @@ PAIR = (2, 1)
 
 def bench_layout(mode: str) -> tuple[int, int]:
     """(engines, cores per engine) of a benchmark mode."""
-    return BENCH_ENGINES.get(mode, PAIR)
+    return BENCH_ENGINES.get(tagged_mode(mode), PAIR)
 
 
 def describe_bench_modes() -> str:
     """Each benchmark mode with its engines x cores each, for the command line's help."""
     named = ", ".join("{} ({}x{})".format(mode, *bench_layout(mode)) for mode in BENCH_MODES)
-    return named + ", turnkv-itl<ms> ({}x{})".format(*PAIR)
+    return named + ", turnkv-itl<ms> ({}x{}); any of them as <mode>-untagged".format(*PAIR)

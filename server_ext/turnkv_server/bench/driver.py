@@ -5,6 +5,8 @@ loop), then sends its turns one after another as streamed chat completions, gree
 the conversation growing by the turn's message and then the model's reply. Between turns it
 sleeps the tool or think time. Before each turn it hints the router when the next one comes
 (`next_turn_in`) and marks the last turn `final`, as an agent that knows its tool calls would.
+A `<mode>-untagged` mode sends the same turns from a stock openai client instead (`untagged`):
+no session named, no hints.
 
 A turn that fails (HTTP error, a prompt too long for the model, no answer within the turn
 timeout) is recorded with its error and ends its session: the conversation cannot go on
@@ -22,10 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import openai
+
 import turnkv
 from turnkv_server.bench.results import TurnRecord
+from turnkv_server.bench.untagged import UntaggedSession
 from turnkv_server.bench.watchdog import Watchdog
 from turnkv_server.bench.workloads import SessionSpec, TurnSpec, Workload
+from turnkv_server.mode_names import untagged
 
 # Models served without tool parsers get tool results as user messages with this prefix.
 TOOL_RESULT_PREFIX = "Tool result:\n"
@@ -122,8 +128,10 @@ class Driver:
         self._stop_reason: str | None = None
 
     async def run(self) -> DriveOutcome:
-        client = turnkv.AsyncOpenAI(base_url=self.settings.base_url + "/v1",
-                                    api_key=self.settings.api_key, max_retries=0)
+        plain = untagged(self.settings.mode)
+        client = (openai.AsyncOpenAI if plain else turnkv.AsyncOpenAI)(
+            base_url=self.settings.base_url + "/v1", api_key=self.settings.api_key,
+            max_retries=0)
         slots = (asyncio.Semaphore(self.workload.concurrency)
                  if self.workload.concurrency else None)
         started = time.perf_counter()
@@ -165,19 +173,24 @@ class Driver:
             await asyncio.to_thread(self.stop_servers)
             await asyncio.wait(pending, timeout=UNWIND_GRACE_S)
 
-    async def _session(self, client: turnkv.AsyncOpenAI, spec: SessionSpec,
+    async def _session(self, client: openai.AsyncOpenAI, spec: SessionSpec,
                        slots: asyncio.Semaphore | None, started: float) -> None:
         delay = started + spec.start_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         slot = slots if slots is not None else contextlib.nullcontext()
         try:
+            if not isinstance(client, turnkv.AsyncOpenAI):
+                async with slot:
+                    await self._turns(UntaggedSession(client), spec)
+                return
             async with slot, client.session(timeout=self.settings.turn_timeout_s) as session:
                 await self._turns(session, spec)
         except Exception as exc:
             self.outcome.session_errors.append(f"{spec.session_id}: {type(exc).__name__}: {exc}")
 
-    async def _turns(self, session: turnkv.AsyncSession, spec: SessionSpec) -> None:
+    async def _turns(self, session: turnkv.AsyncSession | UntaggedSession,
+                     spec: SessionSpec) -> None:
         """The session's turns in order, until the last or the first that fails."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": spec.system}]
         for index, turn in enumerate(spec.turns):
@@ -193,8 +206,8 @@ class Driver:
                 return
             messages.append({"role": "assistant", "content": reply})
 
-    async def _turn(self, session: turnkv.AsyncSession, session_id: str, index: int,
-                    messages: list[dict[str, Any]], spec: TurnSpec) -> str | None:
+    async def _turn(self, session: turnkv.AsyncSession | UntaggedSession, session_id: str,
+                    index: int, messages: list[dict[str, Any]], spec: TurnSpec) -> str | None:
         """Send one turn; record it; its reply, or None when the session must stop."""
         chunk_times: list[float] = []
         stream: Any = None

@@ -23,6 +23,7 @@ from turnkv_server.mode_names import (
     describe_bench_modes,
     is_bench_mode,
     itl_variant_target,
+    tagged_mode,
 )
 from turnkv_server.router.config import itl_target_args
 
@@ -112,7 +113,9 @@ def layout(mode: str) -> dict[str, int]:
 
 def mode_settings(mode: str, settings: BenchSettings) -> BenchSettings:
     """`settings` as `mode` runs them: a `turnkv-itl<ms>` mode with its own ITL target,
-    `bound` with caches that hold every session; every other mode as given."""
+    `bound` with caches that hold every session; every other mode as given (and
+    `<mode>-untagged` as `<mode>`)."""
+    mode = tagged_mode(mode)
     target = itl_variant_target(mode)
     if target is not None:
         return replace(settings, itl_target_ms=target)
@@ -129,6 +132,7 @@ def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> Cluster
         raise PlanError(f"unknown mode {mode!r}")
     engines, cores = bench_layout(mode)
     settings = mode_settings(mode, settings)
+    mode = tagged_mode(mode)  # the untagged variant's cluster is the mode's own
     config = ClusterConfig(
         mode=cluster_mode(mode),
         num_aggregated=engines,
