@@ -231,7 +231,9 @@ def bench(
              f"{describe_bench_modes()} (affinity: aggregated engines behind the router, "
              "sessions kept on one; bound: affinity with caches that hold every session; "
              "single-2core: one engine on both cores; turnkv-end-write: turnkv without "
-             "layer-by-layer writes; turnkv-itl<ms>: turnkv with an ITL target of <ms>)")] = (
+             "layer-by-layer writes; turnkv-itl<ms>: turnkv with an ITL target of <ms>; "
+             "<mode>-untagged: the mode's turns from a stock openai client, no session named, "
+             "no hints)")] = (
         DEFAULT_BENCH_MODES),
     model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
         "smollm2"

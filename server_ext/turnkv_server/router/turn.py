@@ -8,14 +8,16 @@
    came once before, for what belongs to the turn and not to one attempt);
 4. sends the prefill request (unless the decode engine serves alone) and the decode request,
    and begins the turn's stats (`stats`) once the prefill is over;
-5. relays the decode engine's answer, whole or streamed, with the stats;
-6. tells the mode how the decode request ended (`Mode.finish`), and remembers the turn.
+5. relays the decode engine's answer, whole or streamed, with the stats (in a stream only
+   where the client asked for them: `Turn.stats_in_stream`, `Turn.usage_in_stream`);
+6. tells the mode how the decode request ended (`Mode.finish`), and remembers the turn (for
+   a session inferred from its conversation, with the reply: `inferred_sessions`).
 
 Engine trouble before the client has received a byte (connection refused, reset, a 5xx) marks
 the engine unhealthy and replays the turn on another pair, which recomputes whatever it lacks;
 a failed read-back of the session's KV is replayed without reuse. Every engine request is
 owned from its sending until it is closed (`upstream.Stream`); the decode request by a
-`Decode`, which ends exactly once, on every path.
+`Decode` (`decode`), which ends exactly once, on every path.
 """
 
 from __future__ import annotations
