@@ -232,8 +232,7 @@ def bench(
              "sessions kept on one; bound: affinity with caches that hold every session; "
              "single-2core: one engine on both cores; turnkv-end-write: turnkv without "
              "layer-by-layer writes; turnkv-itl<ms>: turnkv with an ITL target of <ms>; "
-             "<mode>-untagged: the mode's turns from a stock openai client, no session named, "
-             "no hints)")] = (
+             "<mode>-untagged: its turns from a stock openai client, no tags or hints)")] = (
         DEFAULT_BENCH_MODES),
     model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
         "smollm2"
