@@ -80,6 +80,11 @@ CHAT = st.fixed_dictionaries({
     "kv_transfer_params": JSON,
     "stream_options": JSON,
     "unknown_field": JSON,
+    # Peers' session keys (router/peer_sessions.py), any value.
+    "session_id": ODD | JSON,
+    "conversation_id": ODD | JSON,
+    "prompt_cache_key": ODD | JSON,
+    "prompt_cache_retention": st.sampled_from(["in_memory", "24h"]) | JSON,
 })
 COMPLETION = st.fixed_dictionaries({
     "prompt": ODD.map(lambda s: f"{MARKER} {s}") | JSON,
@@ -87,7 +92,8 @@ COMPLETION = st.fixed_dictionaries({
 }, optional={"turnkv": TAG | JSON, "stream": st.booleans(), "echo": JSON})
 HEADERS = st.dictionaries(
     st.sampled_from(["x-turnkv-session", "x-turnkv-turn", "x-turnkv-ttl", "x-turnkv-final",
-                     "x-turnkv-priority", "x-turnkv-next-turn-in", "x-turnkv-prefix"]),
+                     "x-turnkv-priority", "x-turnkv-next-turn-in", "x-turnkv-prefix",
+                     "x-session-id", "x-claude-code-session-id", "session_id", "originator"]),
     # (What HTTP lets a client send: visible ASCII, no whitespace at either end.)
     st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20).map(str.strip),
     max_size=3)
@@ -223,9 +229,10 @@ def check(status: int, text: str) -> str | None:
             body = None
         if not isinstance(body, dict):
             return f"answered {status} without a JSON error body: {text[:300]}"
-        # The router's and the engines' errors, or the web framework's for unknown routes.
+        # The router's and the engines' errors, unknown routes' too (OpenAI's shape, or
+        # Anthropic's under /v1/messages: both put the message in `error.message`).
         error = body.get("error")
-        message = error.get("message") if isinstance(error, dict) else body.get("detail")
+        message = error.get("message") if isinstance(error, dict) else None
         if not message:
             return f"answered {status} without saying what was wrong: {text[:300]}"
     return None

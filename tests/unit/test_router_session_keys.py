@@ -163,3 +163,17 @@ def test_peer_sessions_are_the_tenants_own_and_engines_never_see_them() -> None:
                 sent = orjson.dumps(body)
                 assert b"conv-1" not in sent and b"claude-9" not in sent
     asyncio.run(main())
+
+
+def test_the_sdk_reads_stats_with_any_session_source_or_none() -> None:
+    """Backward compatible both ways: stats of a router before `session_source` parse (None),
+    and so do a later router's that names a source this SDK does not know."""
+    from turnkv.protocol import TurnStats as WireStats
+    from turnkv.stats import TurnStats
+
+    earlier = {"session_id": "s", "turn": 1, "mode": "turnkv"}
+    assert TurnStats.from_wire(earlier).session_source is None
+    assert TurnStats.from_wire({**earlier, "session_source": "a-later-key"}
+                               ).session_source == "a-later-key"
+    # An SDK before the field ignores it: the wire model drops fields it does not know.
+    assert WireStats.model_config.get("extra", "ignore") == "ignore"

@@ -125,12 +125,13 @@ def test_turnkvs_own_tag_gets_the_stats_chunk_without_usage() -> None:
     async def main() -> None:
         async with affinity_router([VllmLike()]) as (_, url), \
                 httpx.AsyncClient(timeout=30) as client:
-            for tagged in ({"headers": {"X-TurnKV-Session": "t"}},
-                           {"json": {"turnkv": {"session_id": "u"}}}):
+            tags: list[tuple[dict[str, str], dict[str, Any]]] = [
+                ({"X-TurnKV-Session": "t"}, {}), ({}, {"turnkv": {"session_id": "u"}})]
+            for headers, tag in tags:
                 body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                        "stream": True, **tagged.get("json", {})}
+                        "stream": True, **tag}
                 reply = await client.post(f"{url}/v1/chat/completions", json=body,
-                                          headers=tagged.get("headers", {}))
+                                          headers=headers)
                 empty = [e for e in events_of(reply.text) if not e["choices"]]
                 assert len(empty) == 1 and "usage" not in empty[0], empty
                 assert empty[0]["turnkv"]["session_source"] == "tag"
