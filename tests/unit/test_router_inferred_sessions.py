@@ -232,6 +232,28 @@ def test_what_renders_the_conversation_is_part_of_it() -> None:
     assert prompt_digests({"messages": ["not a message"]}, "t") is None
 
 
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=12)
+FIELD = st.sampled_from(["role", "content", "tool_calls", "tool_call_id", "name"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=st.lists(st.dictionaries(FIELD, JSON) | JSON, max_size=4) | JSON,
+       tools=JSON, model=JSON)
+def test_any_request_is_read_or_left_alone_never_a_crash(messages: Any, tools: Any,
+                                                         model: Any) -> None:
+    """Whatever a client sends as messages (the engine judges it), the digests either read
+    it or leave it to a one-off turn: no request fails on the router's account."""
+    body = {"messages": messages, "tools": tools, "model": model}
+    digests = prompt_digests(body, "t")
+    if digests is not None:
+        assert len(digests.prompt) == 16
+
+
 # -- any interleaving ------------------------------------------------------------------------
 
 

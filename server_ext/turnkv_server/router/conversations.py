@@ -69,13 +69,14 @@ def chain(digest: bytes, message: bytes) -> bytes:
 def canonical(message: dict[str, Any]) -> bytes:
     """A message as the digests see it."""
     role = message.get("role")
-    calls = [_call(c) for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    listed = message.get("tool_calls")
+    calls = [_call(c) for c in listed if isinstance(c, dict)] if isinstance(listed, list) else []
     form: list[Any] = [role, _text(message.get("content")), calls]
     if role == "tool":
         form.append(message.get("tool_call_id"))
     elif role != "assistant":
         form.append(message.get("name"))  # names a participant; clients echo none on replies
-    return orjson.dumps(form)
+    return _json(form).encode()
 
 
 @dataclass
@@ -125,11 +126,14 @@ class Reply:
 
 def _seed(body: dict[str, Any], tenant: str) -> bytes:
     rendering = [tenant, *(body.get(name) for name in _RENDERING)]
+    return hashlib.blake2b(_json(rendering).encode(), digest_size=DIGEST_BYTES).digest()
+
+
+def _json(value: Any) -> str:
     try:
-        raw = orjson.dumps(rendering, option=orjson.OPT_SORT_KEYS)
-    except TypeError:  # keys that are not strings: vLLM refuses the request anyway
-        raw = repr(rendering).encode()
-    return hashlib.blake2b(raw, digest_size=DIGEST_BYTES).digest()
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:  # an integer beyond 64 bits: the engine refuses the request anyway
+        return repr(value)
 
 
 def _text(content: Any) -> str:
@@ -143,18 +147,19 @@ def _text(content: Any) -> str:
             if isinstance(part, dict) and part.get("type") == "text":
                 parts.append(str(part.get("text") or ""))
             else:
-                parts.append(orjson.dumps(part, option=orjson.OPT_SORT_KEYS).decode())
+                parts.append(_json(part))
         return "".join(parts).strip()
     return str(content)
 
 
 def _call(call: dict[str, Any]) -> list[Any]:
-    function = call.get("function") or {}
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return [function]  # malformed: the engine refuses it; kept as it is
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
             arguments = orjson.loads(arguments)
         except ValueError:
             return [function.get("name"), arguments.strip()]
-    return [function.get("name"),
-            orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS).decode()]
+    return [function.get("name"), _json(arguments)]
