@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import MODES, TINY_ENGINES, ClusterSpec, RouterView
+from tests.support.conversation import USER_TURNS
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
 from tests.support.reference import ROUTER_SCRIPT, Reference, References
 from turnkv_server.engine.metrics import sum_samples
@@ -235,11 +236,15 @@ def test_a_killed_decode_engine_falls_back_to_the_other_pair(
     victim = next(e for e in launched.engines if e.spec.name == first.stats["decode_node"])
     victim.stop()  # the whole process group, as a crash would leave it
 
-    # The round robin sends one of two turns to the dead engine: both are answered.
+    # The round robin sends one of two sessionless turns to the dead engine: both are
+    # answered. (Plain completions: an untagged chat turn would be a session the router
+    # infers from its conversation, placed like any new session.)
     for _ in range(2):
-        plain = routed_chat(state.router, state.served_model_name, reference.messages[0],
-                            MAX_TOKENS, session=None, stream=False, client=client)
-        _assert_same(reference.turns[0], plain, 1)
+        plain = client.post(f"{state.router}/v1/completions", json={
+            "model": state.served_model_name, "prompt": USER_TURNS[0],
+            "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["turnkv"]["session_id"] is None
     assert fallbacks_for_engines(client, state) == fallbacks + 1
     health = client.get(f"{state.router}/v1/turnkv/stats").json()["engines"]
     assert [e["healthy"] for e in health if e["name"] == victim.spec.name] == [False]

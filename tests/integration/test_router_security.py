@@ -305,7 +305,10 @@ def test_after_the_fuzzing_everything_is_healthy_and_no_kv_is_left(
     time.sleep(ENGINE_LEASE_S + 1)
 
     def empty() -> bool:
-        chat(cluster, client, KEY_B, f"{MARKER} tick")
+        # A session that ends with its turn: it holds nothing after (an untagged chat turn
+        # would be a session of its own, held under a lease).
+        chat(cluster, client, KEY_B, f"{MARKER} tick",
+             tag={"session_id": "tick", "hints": {"final": True}})
         return all(fetch_connector_counters(url).get("kv_cache_usage") == 0
                    for url in engines)
     wait_for(empty, "every KV block free on both engines")
