@@ -9,6 +9,7 @@ from tests.support import suite_summary
 from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import ROUTER_CLUSTER, SINGLE_SMOLLM2, SINGLE_TINY, ClusterSpec
 from tests.support.reference import SMOLLM2_SCRIPTS, TINY_SCRIPTS, References
+from tests.support.stock_conversations import STOCK_CONVERSATIONS
 from turnkv_server.launcher import ClusterState
 from turnkv_server.models import build_tiny
 
@@ -23,8 +24,8 @@ from turnkv_server.models import build_tiny
 # - the tiny turnkv pair with 32-block caches and tiers: `lease-eviction`, `tier`, then other
 #   routers in front of it (`tier-affinity`, `tier-pool`, `tier-admission`);
 # - the tiny turnkv pair with 128-block caches and 3 s leases: `security`, then `load`;
-# - tiny turnkv engines: the shared-session routers, `cached_tokens`, the faults, then
-#   test_router.py, whose last test leaves a decode engine dead;
+# - tiny turnkv engines: the shared-session routers, `cached_tokens`, the stock clients, the
+#   faults, then test_router.py, whose last test leaves a decode engine dead;
 # - tiny standard engines: an affinity router in front of the two decode engines, then
 #   test_router.py (a dead decode engine again);
 # - tiny bidirectional engines: the SDK, adapter and example tests (`router_cluster`), then
@@ -35,7 +36,8 @@ from turnkv_server.models import build_tiny
 SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "tier-pool",
             "tier-admission", "security",
             "load", "shared-sessions",
-            "usage-turnkv", "faults", "router-turnkv", "router-affinity", "router-standard",
+            "usage-turnkv", "stock-clients", "faults", "router-turnkv", "router-affinity",
+            "router-standard",
             "router-cluster", "router-bidirectional", "router-push", "connector",
             "connector-launcher")
 # Clusters that tests reach through a fixture of this file rather than a `cluster` mark.
@@ -139,10 +141,10 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_references(clusters: ClusterPool) -> References:
-    """The single tiny engine's answers to the suite's conversations, all played on the first
-    request, before the first cluster that needs them starts."""
+    """The single tiny engine's answers to the suite's conversations (the stock clients' too),
+    all played on the first request, before the first cluster that needs them starts."""
     references = References(clusters, SINGLE_TINY)
-    references.prefetch(TINY_SCRIPTS)
+    references.prefetch((*TINY_SCRIPTS, *STOCK_CONVERSATIONS))
     return references
 
 

@@ -11,15 +11,17 @@ turnkv prefill/decode pair, and one plain engine beside it as the reference).
   them): no chunk without choices reaches it, and both conversations are sessions whose
   later turns reuse KV.
 
-This module starts its own engines: the pair and the reference engine run together (each turn
-is compared with the reference as it is played, since a stock client sends back the replies
-it got).
+The engines are the suite's tiny turnkv ones (`TINY_ENGINES`), behind a router of this
+module's own; the single tiny engine played each conversation first, with the suite's others
+(`tests.support.stock_conversations`): a stock client sends back the replies it got, so each
+turn's reference is the engine's answer to the same history as long as every reply before it
+equalled the reference's. A turn whose history departs from it (an earlier near-tie the oracle
+accepted) has no reference to compare with: it is checked for its session and reuse only.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,38 +29,36 @@ import httpx
 import openai
 import pytest
 
-from tests.support.clusters import TINY_CACHE_BYTES
-from tests.support.conversation import SYSTEM, USER_TURNS
-from tests.support.oracle import Completion, compare, greedy_chat
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
-from turnkv_server.models import build_tiny
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import TINY_ENGINES, ClusterSpec, RouterView
+from tests.support.oracle import Completion, compare
+from tests.support.reference import References
+from tests.support.stock_conversations import (
+    AT_ONCE,
+    BENCHMARK_IDS,
+    EDITED_AT,
+    MAX_TOKENS,
+    StockConversation,
+    benchmark_conversation,
+)
+from turnkv_server.launcher import ClusterState
 
-MAX_TOKENS = 16
-TURNS = 4
-# Longer than a KV block (128 tokens): the conversations that share it share whole blocks.
-LONG_SYSTEM = " ".join([SYSTEM] * 3)
-EDITED_AT = 3  # the turn at which conversation "edited" rewrites its second question
-
-
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterState,
-                                                                        ClusterState]]:
-    """(the turnkv pair behind its router, the single reference engine), both running."""
-    model = str(build_tiny())
-    pair = Cluster(ClusterConfig(mode="turnkv", model=model, dtype="float32",
-                                 run_dir=tmp_path_factory.mktemp("stock-pair"),
-                                 kv_cache_bytes=TINY_CACHE_BYTES))
-    single = Cluster(ClusterConfig(mode="single", model=model, dtype="float32",
-                                   run_dir=tmp_path_factory.mktemp("stock-single")))
-    with pair as pair_state, single as single_state:
-        yield pair_state, single_state
+# A router of its own (nothing inferred from other modules' turns) in front of one prefill
+# and one decode engine.
+CLUSTER = ClusterSpec("stock-clients", TINY_ENGINES["turnkv"], RouterView())
+pytestmark = pytest.mark.cluster(CLUSTER)
 
 
-def reference(single: ClusterState, messages: list[dict[str, Any]], salt: str,
-              client: httpx.Client) -> Completion:
-    # A salt per conversation: each reference computed as on an engine of its own.
-    return greedy_chat(single.router, single.served_model_name, messages, MAX_TOKENS,
-                       client=client, extra={"cache_salt": salt})
+@pytest.fixture
+def pair(clusters: ClusterPool, tiny_references: References) -> ClusterState:
+    """The turnkv pair behind this module's router, once the references are played (the pool
+    runs one engine set at a time)."""
+    return clusters.get(CLUSTER)[1]
+
+
+def comparable(expected: list[Completion], replies: list[str]) -> bool:
+    """Whether the conversation's history so far is the reference's (its replies equal)."""
+    return replies == [turn.text for turn in expected[:len(replies)]]
 
 
 def stock_turn(client: openai.OpenAI, model: str, messages: list[dict[str, Any]]
@@ -81,43 +81,36 @@ def reused(stats: dict[str, Any]) -> int:
 
 
 def test_untagged_conversations_are_one_inferred_session_each(
-        engines: tuple[ClusterState, ClusterState]) -> None:
-    pair, single = engines
-    conversations: dict[str, list[dict[str, Any]]] = {
-        "shared-a": [{"role": "system", "content": LONG_SYSTEM}],
-        "shared-b": [{"role": "system", "content": LONG_SYSTEM}],
-        "edited": [{"role": "system", "content": LONG_SYSTEM}],
-        "own": [{"role": "system", "content": SYSTEM}],
-    }
-    questions = {name: USER_TURNS[number:] + USER_TURNS[:number]
-                 for number, name in enumerate(conversations)}
-    sessions: dict[str, list[str]] = {name: [] for name in conversations}
+        tiny_references: References, pair: ClusterState) -> None:
+    expected = {c.name: tiny_references[c] for c in AT_ONCE}
+    replies: dict[str, list[str]] = {c.name: [] for c in AT_ONCE}
+    sessions: dict[str, list[str]] = {c.name: [] for c in AT_ONCE}
+    compared: dict[str, int] = {c.name: 0 for c in AT_ONCE}
     stock = openai.OpenAI(base_url=f"{pair.router}/v1", api_key="none", max_retries=0)
 
-    def play(name: str, turn: int, http: httpx.Client) -> None:
-        messages = conversations[name]
-        if name == "edited" and turn == EDITED_AT:
-            messages[3] = {"role": "user", "content": "In one sentence: " + messages[3][
-                "content"]}
-        messages.append({"role": "user", "content": questions[name][turn - 1]})
-        out, stats = stock_turn(stock, pair.served_model_name, messages)
-        expected = reference(single, messages, name, http)
-        verdict = compare(expected, out)
-        assert verdict.acceptable, f"{name} turn {turn}: {verdict.describe()}"
+    def play(conversation: StockConversation, turn: int) -> None:
+        name = conversation.name
+        out, stats = stock_turn(stock, pair.served_model_name,
+                                conversation.messages(turn, replies[name]))
+        if comparable(expected[name], replies[name]):
+            verdict = compare(expected[name][turn - 1], out)
+            assert verdict.acceptable, f"{name} turn {turn}: {verdict.describe()}"
+            compared[name] += 1
         assert stats["session_source"] == "inferred", stats
         sessions[name].append(stats["session_id"])
         if turn > 1:
             # The history it continues is held: on the decode engine (a short delta), or
             # through the prefill engine, whose prefix cache a fork's parent warmed.
             assert reused(stats) > 0, (name, turn, stats["prompt_tokens"])
-        messages.append({"role": "assistant", "content": out.text})
+        replies[name].append(out.text)
 
-    with httpx.Client(timeout=600) as http, ThreadPoolExecutor(len(conversations)) as pool:
-        for turn in range(1, TURNS + 1):
+    turns = AT_ONCE[0].turns
+    with ThreadPoolExecutor(len(AT_ONCE)) as pool:
+        for turn in range(1, turns + 1):
             # Every conversation's turn at once, as the clients of one service send them.
-            list(pool.map(play, conversations, [turn] * len(conversations),
-                          [http] * len(conversations)))
+            list(pool.map(play, AT_ONCE, [turn] * len(AT_ONCE)))
     stock.close()
+    print(f"turns compared with the reference: {compared}")
     for name, ids in sessions.items():
         if name == "edited":
             before, after = ids[:EDITED_AT - 1], ids[EDITED_AT - 1:]
@@ -125,11 +118,11 @@ def test_untagged_conversations_are_one_inferred_session_each(
         else:
             assert len(set(ids)) == 1, (name, ids)
     every = [set(ids) for ids in sessions.values()]
-    assert sum(len(s) for s in every) == len(set.union(*every)) == len(conversations) + 1
+    assert sum(len(s) for s in every) == len(set.union(*every)) == len(AT_ONCE) + 1
     with httpx.Client(timeout=30) as http:
         for name in ("shared-a", "own"):
             view = http.get(f"{pair.router}/v1/turnkv/sessions/{sessions[name][0]}").json()
-            assert view["turns"] == TURNS and view["totals"]["reused_tokens"] > 0, view
+            assert view["turns"] == turns and view["totals"]["reused_tokens"] > 0, view
 
 
 def benchmark_client_turn(router: str, model: str, messages: list[dict[str, Any]],
@@ -158,30 +151,28 @@ def benchmark_client_turn(router: str, model: str, messages: list[dict[str, Any]
         return text, dict(response.headers)
 
 
-@pytest.mark.parametrize("conversation_id", [None, "CONV_ID_7"], ids=["untagged",
-                                                                      "x-session-id"])
+@pytest.mark.parametrize("conversation_id", BENCHMARK_IDS, ids=["untagged", "x-session-id"])
 def test_vllms_multi_turn_client_runs_on_the_router(
-        engines: tuple[ClusterState, ClusterState], conversation_id: str | None) -> None:
-    pair, single = engines
-    salt = f"benchmark-client-{conversation_id}"
-    messages: list[dict[str, Any]] = [{"role": "system", "content": f"{salt}. {SYSTEM}"}]
+        tiny_references: References, pair: ClusterState, conversation_id: str | None) -> None:
+    conversation = benchmark_conversation(conversation_id)
+    expected = tiny_references[conversation]
+    replies: list[str] = []
     session_ids = set()
     with httpx.Client(timeout=600) as http:
-        for turn in range(3):
-            messages.append({"role": "user", "content": USER_TURNS[turn]})
-            text, headers = benchmark_client_turn(pair.router, pair.served_model_name,
-                                                  messages, conversation_id, http)
-            expected = reference(single, messages, salt, http)
+        for turn in range(1, conversation.turns + 1):
+            text, headers = benchmark_client_turn(
+                pair.router, pair.served_model_name, conversation.messages(turn, replies),
+                conversation_id, http)
             # Streamed text, no token IDs to judge a near-tie by: a divergence fails here and
-            # shows in the output.
-            assert text == expected.text, (turn, text, expected.text)
+            # shows in the output (and every turn's history is the reference's).
+            assert text == expected[turn - 1].text, (turn, text, expected[turn - 1].text)
             session_ids.add(headers["x-turnkv-session"])
-            messages.append({"role": "assistant", "content": text})
+            replies.append(text)
         assert len(session_ids) == 1
         session = session_ids.pop()
         if conversation_id is not None:
             assert session == conversation_id
         view = http.get(f"{pair.router}/v1/turnkv/sessions/{session}").json()
-        assert view["turns"] == 3 and view["totals"]["reused_tokens"] > 0, view
+        assert view["turns"] == conversation.turns and view["totals"]["reused_tokens"] > 0, view
         assert view["last_turn"]["session_source"] == (
             "vllm" if conversation_id else "inferred")

@@ -6,6 +6,10 @@ One engine per model serves every test module's reference (`References`, the
 `tiny_references` fixture): the suite's tiny-model conversations are played on it in one go,
 while it runs, and remembered. Each conversation is played under a cache salt of its own, so
 that no conversation hits another's prefixes: each one is computed as on an engine of its own.
+
+A conversation is a `Script` (the suite's own, `conversation`), or anything else `Playable`:
+a test module's conversation played the way its clients play it (a stock client's, an API
+client's), given to the same engine in the same go.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -41,6 +45,22 @@ class Script:
         if self.edited_reply != 1:
             edited += f"-reply-{self.edited_reply}"
         return f"reference-{self.turns}x{self.max_tokens}{edited}"
+
+    def play(self, base_url: str, model: str, client: httpx.Client) -> Reference:
+        return play(base_url, model, self, client)
+
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Playable(Protocol[T_co]):
+    """A conversation the reference engine plays (hashable: `References` plays each once)."""
+
+    def __hash__(self) -> int: ...
+
+    def play(self, base_url: str, model: str, client: httpx.Client) -> T_co:
+        """What the engine at `base_url` answers to it, turn by turn."""
 
 
 @dataclass
@@ -79,9 +99,11 @@ class References:
     def __init__(self, clusters: ClusterPool, engine: ClusterSpec) -> None:
         self._clusters = clusters
         self._engine = engine
-        self._played: dict[Script, Reference] = {}
+        # What each conversation gave, or the error it raised (a client's conversation may
+        # fail on the engine: it fails the tests that compare with it, not the others).
+        self._played: dict[Playable[Any], Any] = {}
 
-    def prefetch(self, scripts: Iterable[Script]) -> None:
+    def prefetch(self, scripts: Iterable[Playable[Any]]) -> None:
         missing = [s for s in scripts if s not in self._played]
         if not missing:
             return
@@ -89,15 +111,21 @@ class References:
         started = time.monotonic()
         with httpx.Client(timeout=600) as client:
             for script in missing:
-                self._played[script] = play(state.router, state.served_model_name, script,
-                                            client)
+                try:
+                    self._played[script] = script.play(state.router, state.served_model_name,
+                                                       client)
+                except Exception as exc:  # noqa: BLE001  (raised again by `__getitem__`)
+                    self._played[script] = exc
         self._clusters.starts.append(
             (f"references on {self._engine.name}: {len(missing)} conversation(s) played",
              time.monotonic() - started))
 
-    def __getitem__(self, script: Script) -> Reference:
+    def __getitem__(self, script: Playable[T]) -> T:
         self.prefetch([script])
-        return self._played[script]
+        played = self._played[script]
+        if isinstance(played, Exception):
+            raise AssertionError(f"{script} failed on {self._engine.name}") from played
+        return played
 
 
 # The tiny-model conversations of the suite, played together before the first cluster that
