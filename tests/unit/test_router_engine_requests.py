@@ -178,9 +178,10 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def cluster(prefill: dict[str, Handler] | None, decode: dict[str, Handler],
-                  short_delta_tokens: int = 0, itl_target_ms: float | None = None
-                  ) -> AsyncIterator[Cluster]:
-    """Stand-in engines (`prefill` None: nothing listens there) behind a `turnkv` router."""
+                  short_delta_tokens: int = 0, itl_target_ms: float | None = None,
+                  **settings: Any) -> AsyncIterator[Cluster]:
+    """Stand-in engines (`prefill` None: nothing listens there) behind a `turnkv` router (with
+    more of its `settings`)."""
     # (A prompt of three tokens, as `prefill_ok` renders it.)
     p, d = StandIn(prefill or {}), StandIn({"/tokenize": tokenize_ok, **decode})
     p.partner, d.partner = d, p
@@ -189,7 +190,7 @@ async def cluster(prefill: dict[str, Handler] | None, decode: dict[str, Handler]
     config = RouterConfig(prefill=[p_url], decode=[d_url], mode="turnkv",
                           prefill_nixl=["p@127.0.0.1:5601"], decode_nixl=["d@127.0.0.1:5602"],
                           short_delta_tokens=short_delta_tokens, itl_target_ms=itl_target_ms,
-                          health_interval=60.0)
+                          health_interval=60.0, **settings)
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.create_task(server.serve())

@@ -4,6 +4,7 @@ import pytest
 
 from turnkv.protocol import CacheHints, TurnTag
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, prefill_request
+from turnkv_server.router.apis.chat import strip_token_ids
 from turnkv_server.router.modes.base import NixlPeer
 from turnkv_server.router.modes.bidirectional import trim_offer
 from turnkv_server.router.placement import EnginePool
@@ -11,7 +12,6 @@ from turnkv_server.router.sessions import LeasePolicy, SessionKey, SessionTable
 from turnkv_server.router.tags import DEFAULT_TENANT, BadRequest, extract_tag
 from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.token_history import common_prefix_len, prefix_break
-from turnkv_server.router.turn import strip_token_ids
 
 
 class Clock:

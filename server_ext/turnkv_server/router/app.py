@@ -27,6 +27,11 @@ from pydantic import ValidationError
 
 from turnkv import protocol as p
 from turnkv_server.router.admission import Admission, ClientLeft
+from turnkv_server.router.apis.base import Api, Prepared, Resolve
+from turnkv_server.router.apis.chat import CHAT, COMPLETIONS
+from turnkv_server.router.apis.messages import MESSAGES
+from turnkv_server.router.apis.responses import RESPONSES_ERRORS
+from turnkv_server.router.apis.responses_state import ResponsesService
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.dialects import DialectError
 from turnkv_server.router.errors import error_response, install_error_handlers
@@ -34,8 +39,9 @@ from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
 from turnkv_server.router.placement import Engine, EnginePool
+from turnkv_server.router.responses_store import responses_store
 from turnkv_server.router.session_service import SessionService
-from turnkv_server.router.session_store import RedisStore
+from turnkv_server.router.session_store import RedisStore, StoreUnavailable
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey, SessionTable
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tags import BadRequest, check_supported, read_keys
@@ -71,6 +77,7 @@ class Router:
         self.inferred = None if config.no_inferred_sessions else InferredSessions(
             4 * config.max_sessions, config.max_ttl, table.clock,
             on_infer=self.metrics.count_inferred)
+        self.responses = ResponsesService(responses_store(config))
         self.turns = Turns(pool=self.pool, mode=self.mode, mode_name=config.mode,
                            upstream=self.upstream, sessions=self.sessions,
                            admission=self.admission, metrics=self.metrics,
@@ -94,44 +101,53 @@ class Router:
             with contextlib.suppress(EngineConnectionError, RuntimeError, ValueError):
                 engine.block_size = await self.upstream.block_size(engine)
 
-    async def serve(self, request: Request, path: str) -> Response:
+    async def serve(self, request: Request, api: Api, resolve: Resolve | None = None
+                    ) -> Response:
+        """A turn that came in on `api`; `resolve` (an API's with state of its own) reads that
+        state before the request's keys are read (the session its lineage names is one of
+        them) and makes the request one turn of its API after. Errors come in the API's
+        shape."""
         tenant = self.tenants.tenant_for(request.headers.get("authorization"))
         if tenant is None:
-            return error_response(401, "missing or unknown API key", path=path)
+            return api.error_response(401, "missing or unknown API key")
         try:
             body = await self._read_body(request)
+            resolved = await resolve(body, tenant) if resolve is not None else None
             keys = read_keys(body, request.headers, tenant,
-                             lineage=self.lineage_of(path, body))
+                             lineage=resolved.lineage if resolved is not None else None)
             check_supported(body)
         except (BadRequest, DialectError) as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
-            return error_response(exc.status, exc.message, param=exc.param, path=path)
+            return api.error_response(exc.status, exc.message, param=exc.param)
+        except StoreUnavailable as exc:
+            self.metrics.errors.labels("503").inc()
+            return api.error_response(503, f"the shared store did not answer: {exc}",
+                                      headers={"Retry-After": RETRY_AFTER_S})
         tag, source = keys.tag, keys.source
         if tag is None and self.inferred is not None:
             # No key names a session: a conversation this router served may (its content).
-            tag = self.inferred.tag_for(path, body, tenant, keys.prefix_id, keys.retention_ttl)
+            tag = self.inferred.tag_for(api.path, body, tenant, keys.prefix_id,
+                                        keys.retention_ttl)
             source = "inferred" if tag is not None else None
         tag = self.tenants.capped_tag(tenant, tag)
+        prepared = (Prepared(api, body, tag, keys.prefix_id) if resolved is None
+                    else resolved.prepare(body, tag, keys.prefix_id))
+        body = prepared.body
         if self.tenants.enforced:
             body["cache_salt"] = self.tenants.cache_salt(tenant, body.get("cache_salt"))
         try:
-            return await self.turns.serve(path, body, tag, tenant, keys.prefix_id,
-                                          gone=lambda: disconnected(request),
-                                          source=source, stats_in_stream=keys.native)
+            return await self.turns.serve(prepared.api, body, prepared.tag, tenant,
+                                          prepared.prefix_id, gone=lambda: disconnected(request),
+                                          home=prepared.home, source=source,
+                                          stats_in_stream=keys.native)
         except ClientLeft:
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except TurnFailed as exc:
             self.metrics.errors.labels("503").inc()
-            return error_response(503, str(exc), headers={"Retry-After": RETRY_AFTER_S},
-                                  path=path)
+            return api.error_response(503, str(exc), headers={"Retry-After": RETRY_AFTER_S})
         except EngineRejected as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
             return Response(exc.content, exc.status, media_type="application/json")
-
-    def lineage_of(self, path: str, body: dict[str, Any]) -> str | None:
-        """The session a chain of Responses names (third in the order of session keys): the
-        chain's root response ID, or its `conversation`; None for other routes."""
-        return None
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
         length = request.headers.get("content-length")
@@ -178,6 +194,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await health
             await router.upstream.close()
+            await router.responses.close()
             if store is not None:
                 await store.close()
 
@@ -221,11 +238,51 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await router.serve(request, "/v1/chat/completions")
+        return await router.serve(request, CHAT)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await router.serve(request, "/v1/completions")
+        return await router.serve(request, COMPLETIONS)
+
+    # -- the Responses and Messages APIs (`router.apis`) ------------------------------------
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await router.serve(request, RESPONSES_ERRORS, router.responses.resolve)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        tenant = router.tenants.tenant_for(request.headers.get("authorization"))
+        if tenant is None:
+            return error_response(401, "missing or unknown API key")
+        try:
+            found = await router.responses.get(tenant, response_id)
+        except StoreUnavailable as exc:
+            return error_response(503, f"the shared store did not answer: {exc}",
+                                  headers={"Retry-After": RETRY_AFTER_S})
+        if found is None:
+            return error_response(404, f"no stored response {response_id!r}",
+                                  param="response_id")
+        return JSONResponse(found.response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        tenant = router.tenants.tenant_for(request.headers.get("authorization"))
+        if tenant is None:
+            return error_response(401, "missing or unknown API key")
+        try:
+            deleted = await router.responses.delete(tenant, response_id)
+        except StoreUnavailable as exc:
+            return error_response(503, f"the shared store did not answer: {exc}",
+                                  headers={"Retry-After": RETRY_AFTER_S})
+        if not deleted:
+            return error_response(404, f"no stored response {response_id!r}",
+                                  param="response_id")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await router.serve(request, MESSAGES)
 
     async def _session_or_error(request: Request, session_id: str) -> Session | JSONResponse:
         tenant = router.tenants.tenant_for(request.headers.get("authorization"))

@@ -138,6 +138,15 @@ class RouterConfig:
     redis_url: str | None = field(default=None, metadata=cli(
         "share sessions with other routers through this Redis server, redis://HOST:PORT/DB "
         "or unix:///PATH?db=DB", flag="--redis", env="TURNKV_REDIS_URL"))
+    # The Responses API's stored responses (`previous_response_id`, GET), per tenant: in Redis
+    # with --redis, else in this router's memory (router/responses_store.py).
+    responses_max_count: int = field(default=10_000, metadata=cli(
+        "stored Responses API responses a tenant keeps; past it, its oldest go first"))
+    responses_max_bytes: int = field(default=256 * 1024 * 1024, metadata=cli(
+        "bytes of stored Responses API responses (each holds its whole conversation) a "
+        "tenant keeps; past it, its oldest go first"))
+    responses_ttl: float = field(default=24 * 3600.0, metadata=cli(
+        "seconds a stored Responses API response lasts"))
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTER_MODES:
@@ -165,6 +174,9 @@ class RouterConfig:
                                       or len(self.decode_nixl) != len(self.decode)):
             raise ValueError("turnkv mode needs --prefill-nixl and --decode-nixl "
                              "ENGINE_ID@HOST:PORT for every engine")
+        if min(self.responses_max_count, self.responses_max_bytes) < 1 \
+                or not self.responses_ttl > 0:
+            raise ValueError("the Responses API's store needs positive bounds")
         if self.admission_tokens is not None and self.admission_tokens <= 0:
             raise ValueError("admission_tokens must be positive")
         if not self.admission_max_wait_s > 0:

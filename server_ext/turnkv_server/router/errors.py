@@ -37,19 +37,24 @@ def is_anthropic(path: str | None) -> bool:
                                  or path.startswith(ANTHROPIC_PREFIX + "/"))
 
 
+def error_body(status: int, message: str, *, kind: str | None = None,
+               param: str | None = None, path: str | None = None) -> dict[str, object]:
+    """An error in the shape of `path`'s API (OpenAI's unless it is `/v1/messages`): a
+    response's body, or a stream's error event's data."""
+    if is_anthropic(path):
+        return {"type": "error", "error": {
+            "type": kind or _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    return {"error": {"message": message, "type": kind or _OPENAI_TYPES.get(status, "api_error"),
+                      "param": param, "code": status}}
+
+
 def error_response(
     status: int, message: str, *, kind: str | None = None, param: str | None = None,
     headers: dict[str, str] | None = None, path: str | None = None,
 ) -> JSONResponse:
-    """An error in the shape of `path`'s API (OpenAI's unless it is `/v1/messages`)."""
-    if is_anthropic(path):
-        content: dict[str, object] = {"type": "error", "error": {
-            "type": kind or _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
-    else:
-        content = {"error": {"message": message,
-                             "type": kind or _OPENAI_TYPES.get(status, "api_error"),
-                             "param": param, "code": status}}
-    return JSONResponse(status_code=status, content=content, headers=headers)
+    """An error response in the shape of `path`'s API (`error_body`)."""
+    return JSONResponse(status_code=status, headers=headers, content=error_body(
+        status, message, kind=kind, param=param, path=path))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,6 +1,8 @@
 """One turn through the router, top to bottom.
 
-`Turns.serve` takes a request the app has authenticated and read (`app`), and:
+`Turns.serve` takes a request the app has authenticated and read (`app`), and the
+description of the API it came in on (`apis`: how its requests and answers are written, which
+is all that differs between chat, completions, Responses and Messages turns), and:
 1. opens its session (`sessions`), in flight until the turn ends, and admits it (`admission`);
 2. places it on a prefill/decode pair (`placement`), by its session, else by its prefix;
 3. asks the mode for the attempt's plan (`modes`): whether the decode engine serves alone, each
@@ -8,8 +10,9 @@
    came once before, for what belongs to the turn and not to one attempt);
 4. sends the prefill request (unless the decode engine serves alone) and the decode request,
    and begins the turn's stats (`stats`) once the prefill is over;
-5. relays the decode engine's answer, whole or streamed, with the stats (in a stream only
-   where the client asked for them: `Turn.stats_in_stream`, `Turn.usage_in_stream`);
+5. relays the decode engine's answer, whole or streamed (event by event: the API's `Relay`),
+   with the stats (a chat stream's stats chunk only where the client asked for it:
+   `Turn.stats_in_stream`, `Turn.usage_in_stream`);
 6. tells the mode how the decode request ended (`Mode.finish`), and remembers the turn (for
    a session inferred from its conversation, with the reply: `inferred_sessions`).
 
@@ -34,10 +37,10 @@ import orjson
 from fastapi.responses import Response, StreamingResponse
 
 from turnkv import protocol as p
-from turnkv_server.engine.requests import decode_request, prefill_request
 from turnkv_server.router import stats
 from turnkv_server.router.admission import Admission, ClientGone
-from turnkv_server.router.chunks import ask_usage, has_output, strip_token_ids
+from turnkv_server.router.apis.base import Api
+from turnkv_server.router.chunks import ask_usage
 from turnkv_server.router.conversations import Reply
 from turnkv_server.router.decode import Decode, RelayResponse, drop_decode
 from turnkv_server.router.inferred_sessions import InferredSessions
@@ -76,23 +79,28 @@ class Turns:
     # Sessions recognised from their content (None: turns no key names have none).
     inferred: InferredSessions | None = None
 
-    async def serve(self, path: str, body: dict[str, Any], tag: p.TurnTag | None, tenant: str,
+    async def serve(self, api: Api, body: dict[str, Any], tag: p.TurnTag | None, tenant: str,
                     prefix_id: str | None = None, gone: ClientGone | None = None, *,
+                    home: tuple[str | None, str] | None = None,
                     source: p.SessionSource | None = "tag",
                     stats_in_stream: bool = True) -> Response:
-        """The turn's response (`prefix_id`: a sessionless turn's; `source`: which key named
-        the session; `stats_in_stream`: the client reads a stats chunk); raises `TurnFailed`,
-        `EngineRejected` (the engine's 4xx, for the client as it is) or `ClientLeft`."""
+        """The turn's response (`api`: the API it came in on; `prefix_id`: a sessionless
+        turn's; `home`: the (prefill, decode) engines a session the turn opens starts on;
+        `source`: which key named the session; `stats_in_stream`: the client reads a stats
+        chunk); raises `TurnFailed`, `EngineRejected` (the engine's 4xx, for the client as it
+        is) or `ClientLeft`."""
         session, opened = None, False
         if tag is not None:
             session, opened = await self.sessions.begin_turn(SessionKey(tenant, tag.session_id))
             prefix_id = tag.prefix_id
-        turn = Turn(path=path, body=body, tag=tag, session=session,
-                    want_token_ids=bool(body.get("return_token_ids")),
-                    stream=bool(body.get("stream")), prefix_id=prefix_id,
+            if opened and home is not None and session.decode is None:
+                session.prefill, session.decode = home
+        turn = Turn(path=api.path, body=body, tag=tag, session=session,
+                    want_token_ids=api.wants_token_ids(body), stream=api.stream(body),
+                    prefix_id=prefix_id, api=api,
                     session_source=source if session is not None else None)
         if turn.stream:
-            turn.usage_in_stream = ask_usage(path, body)
+            turn.usage_in_stream = ask_usage(api.path, body)
             turn.stats_in_stream = stats_in_stream or turn.usage_in_stream
         response: Response | None = None
         try:
@@ -193,7 +201,7 @@ class Turns:
         started = time.perf_counter()
         try:
             response = await self.upstream.post(
-                engine, turn.path, prefill_request(turn.body, plan.prefill_params),
+                engine, turn.path, api_of(turn).prefill_request(turn.body, plan.prefill_params),
                 headers={"X-Request-Id": turn.request_id})
         except EngineConnectionError as exc:
             # Connection refused or reset, a timeout, a truncated body: the engine cannot serve
@@ -206,14 +214,15 @@ class Turns:
             raise EngineUnavailable(engine, f"HTTP {response.status}")
         if response.status != 200:
             raise EngineRejected(response.status, response.content)
-        return stats.PrefillResult.read(response.json(), (time.perf_counter() - started) * 1000)
+        return stats.PrefillResult.read(api_of(turn).prefill_answer(response.json()),
+                                        (time.perf_counter() - started) * 1000)
 
     async def _open_decode(self, turn: Turn, plan: TurnPlan,
                            params: dict[str, Any] | None) -> Decode:
         """The decode request, once its headers are in: a `Decode` the caller must end."""
         engine = plan.placement.decode
-        request = decode_request(turn.body, params,
-                                 token_ids=turn.session is not None or turn.want_token_ids)
+        request = api_of(turn).decode_request(
+            turn.body, params, token_ids=turn.session is not None or turn.want_token_ids)
         try:
             upstream = await self.upstream.open(engine, turn.path, request,
                                                 headers={"X-Request-Id": turn.request_id})
@@ -243,80 +252,47 @@ class Turns:
             raise
         finally:
             decode.close()
-        choices = data.get("choices") or [{}]
-        turn.output_token_ids = list(choices[0].get("token_ids") or [])
-        usage = data.get("usage") or {}
-        reply = data.pop("kv_transfer_params", None)
-        stats.finish(turn, decode.plan, turn_stats, int(usage.get("completion_tokens") or 0),
-                     None, usage, reply, data.get("metrics"))
-        stats.correct_usage(usage, decode.plan, turn_stats)
-        decode.complete(reply, turn_stats)
+        answer = api_of(turn).read_whole(data)
+        turn.output_token_ids = answer.output_token_ids
+        stats.finish(turn, decode.plan, turn_stats, answer.completion_tokens, None,
+                     answer.usage, answer.reply, answer.metrics)
+        decode.complete(answer.reply, turn_stats)
         await self._remember(turn, decode.plan, turn_stats,
                              Reply.of_response(data) if self._infers(turn) else None)
-        if not turn.want_token_ids:
-            strip_token_ids(data)
-        data["turnkv"] = turn_stats.model_dump()
+        api_of(turn).write_whole(data, turn, decode.plan, turn_stats)
+        await api_of(turn).answered(data)
         return Response(orjson.dumps(data), media_type="application/json",
                         headers=stats.headers(turn_stats))
 
     async def _relay(self, turn: Turn, decode: Decode, turn_stats: p.TurnStats
                      ) -> AsyncIterator[bytes]:
         first_token_ms: float | None = None
-        completion_tokens = 0
-        template: dict[str, Any] | None = None
-        usage: dict[str, Any] | None = None
-        metrics: Any = None  # vLLM's per-request timing, on its usage chunk
-        usage_chunk: dict[str, Any] | None = None  # the engine's, held for the stats
-        reply = Reply() if self._infers(turn) else None  # what the conversation goes on with
+        relay = api_of(turn).relay(turn, decode.plan, turn_stats)
         try:
-            async for payload in decode.stream.events():
-                if payload == b"[DONE]":
-                    stats.finish(turn, decode.plan, turn_stats,
-                                 completion_tokens or len(turn.output_token_ids),
-                                 first_token_ms, usage, None, metrics)
-                    decode.complete(None, turn_stats)
-                    await self._remember(turn, decode.plan, turn_stats, reply)
-                    if usage_chunk is not None and turn.usage_in_stream:
-                        # One last chunk with no choices, as vLLM's own: its usage and the
-                        # stats together.
-                        usage_chunk["turnkv"] = turn_stats.model_dump()
-                        yield stats.sse(usage_chunk)
-                    elif turn.stats_in_stream:
-                        yield stats.chunk(turn, turn_stats, template)
-                    yield b"data: [DONE]\n\n"
-                    continue
-                try:
-                    chunk = orjson.loads(payload)
-                except ValueError:
-                    yield b"data: " + payload + b"\n\n"
-                    continue
-                template = template or chunk
-                if first_token_ms is None and has_output(chunk):
+            async for event in decode.stream.sse():
+                seen = relay.read(event)
+                if first_token_ms is None and seen.output:
                     first_token_ms = (time.perf_counter() - turn.accepted_at) * 1000
-                for choice in chunk.get("choices") or []:
-                    turn.output_token_ids.extend(choice.get("token_ids") or [])
-                if reply is not None:
-                    reply.feed(chunk)
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                    completion_tokens = int(usage.get("completion_tokens") or 0)
-                    metrics = chunk.get("metrics")
-                    # (A P/D turn's reuse is known since its prefill.)
-                    stats.correct_usage(usage, decode.plan, turn_stats)
-                if not turn.want_token_ids:
-                    strip_token_ids(chunk)
-                    if not chunk.get("choices") and not chunk.get("usage") and "error" not in chunk:
-                        continue
-                if chunk.get("usage") and not chunk.get("choices") and "error" not in chunk:
-                    usage_chunk = chunk  # sent, if asked for, with the stats at the end
+                if seen.last and decode.state == "open":
+                    answer = relay.answer
+                    stats.finish(turn, decode.plan, turn_stats,
+                                 answer.completion_tokens or len(turn.output_token_ids),
+                                 first_token_ms, answer.usage, answer.reply, answer.metrics)
+                    decode.complete(answer.reply, turn_stats)
+                    await self._remember(turn, decode.plan, turn_stats, relay.message)
+                    written = relay.write(turn_stats)
+                    # Kept before the client has it all: its next request may follow at once.
+                    await api_of(turn).answered(relay.whole)
+                    for out in written:
+                        yield out
                     continue
-                yield stats.sse(chunk)
+                for out in relay.write(turn_stats):
+                    yield out
         except EngineConnectionError as exc:
             # Mid-stream loss of the decode engine: the client gets an error event, never a
             # silently truncated answer.
             exc.engine.healthy = False
-            yield stats.sse({"error": {"message": f"decode engine lost mid-stream: {exc!r}",
-                                       "type": "service_unavailable", "code": 503}})
+            yield relay.error(f"decode engine lost mid-stream: {exc!r}")
         finally:
             self._end_relay(decode)
 
@@ -357,3 +333,9 @@ class Turns:
         if self._infers(turn) and turn.session is not None:
             assert self.inferred is not None
             self.inferred.abandon(turn.session.key)
+
+
+def api_of(turn: Turn) -> Api:
+    """The turn's API description (`serve` sets it on every turn)."""
+    assert isinstance(turn.api, Api), turn.api
+    return turn.api

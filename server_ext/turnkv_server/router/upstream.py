@@ -28,7 +28,6 @@ import aiohttp
 import orjson
 
 from turnkv_server.engine.metrics import parse_cache_config
-from turnkv_server.engine.requests import tokenize_request
 from turnkv_server.router.placement import Engine
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -76,6 +75,18 @@ class Reply:
         return orjson.loads(self.content)
 
 
+@dataclass(frozen=True)
+class SseEvent:
+    """One server-sent event: its name (`event:`), if any, and its data."""
+
+    name: bytes | None
+    data: bytes
+
+    def encode(self) -> bytes:
+        head = b"event: " + self.name + b"\n" if self.name else b""
+        return head + b"data: " + self.data + b"\n\n"
+
+
 class Stream:
     """A response whose headers are in and whose body is read by the caller, who closes it.
 
@@ -112,9 +123,25 @@ class Stream:
 
     async def events(self) -> AsyncIterator[bytes]:
         """The `data:` payloads of an SSE body, in order."""
+        async for event in self.sse():
+            yield event.data
+
+    async def sse(self) -> AsyncIterator[SseEvent]:
+        """The events of an SSE body, in order, each with its `event:` name if it has one (the
+        Responses and Messages APIs name theirs; Anthropic's clients dispatch on the name)."""
+        name: bytes | None = None
+        data: list[bytes] = []
         async for line in self.lines():
-            if line.startswith(b"data:"):
-                yield line[5:].strip()
+            if not line:
+                if data:
+                    yield SseEvent(name, b"\n".join(data))
+                name, data = None, []
+            elif line.startswith(b"data:"):
+                data.append(line[5:].strip())
+            elif line.startswith(b"event:"):
+                name = line[6:].strip()
+        if data:
+            yield SseEvent(name, b"\n".join(data))
 
     def close(self) -> None:
         if self.closed:
@@ -186,9 +213,10 @@ class Upstream:
             raise
         return Stream(response, engine)
 
-    async def tokenize(self, engine: Engine, body: dict[str, Any]) -> list[int]:
-        """The prompt of a turn's `body` as `engine` will see it (chat template applied)."""
-        response = await self.post(engine, "/tokenize", tokenize_request(body), timeout=30.0)
+    async def tokenize(self, engine: Engine, request: dict[str, Any]) -> list[int]:
+        """The prompt of a `/tokenize` request (`engine.requests.tokenize_request`) as `engine`
+        will see it (chat template applied)."""
+        response = await self.post(engine, "/tokenize", request, timeout=30.0)
         if 400 <= response.status < 500:
             # A prompt the engine cannot render (an empty one, say) is the client's to fix: the
             # same 4xx a whole turn would get, never an engine taken for unavailable.

@@ -32,11 +32,12 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from turnkv.protocol import CacheHints, FallbackReason, PrefetchOutcome, TurnStats, TurnTag
+from turnkv_server.engine.requests import tokenize_request
 from turnkv_server.router.config import RouterConfig
-from turnkv_server.router.placement import EnginePool, Placement
+from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import LeasePolicy, Session
 from turnkv_server.router.upstream import Upstream
 
@@ -72,6 +73,50 @@ class Turn:
     # turn's stats chunk (the client asked for either, or sent turnkv's own tag).
     usage_in_stream: bool = True
     stats_in_stream: bool = True
+    # The API it came in on (`router.apis`; None: chat or completions, by `path`).
+    api: TurnApi | None = None
+
+
+class TurnApi(Protocol):
+    """What the modes need to know of the API a turn came in on (`router.apis.base.Api`)."""
+
+    @property
+    def gives_token_ids(self) -> bool:
+        """The engines report the turn's prompt and output token IDs on its route."""
+
+    def tokenize_request(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The `/tokenize` request that renders the prompt alone; None where there is none."""
+
+    def engine_request_id(self, request_id: str) -> str:
+        """The ID the engines give a request sent with `X-Request-Id: request_id`."""
+
+
+def tokenize_body(turn: Turn) -> dict[str, Any] | None:
+    """The engines' `/tokenize` request for the turn's prompt; None where its API has none (the
+    Responses and Messages APIs)."""
+    return tokenize_request(turn.body) if turn.api is None else \
+        turn.api.tokenize_request(turn.body)
+
+
+async def tokenize(upstream: Upstream, engine: Engine, turn: Turn) -> list[int] | None:
+    """The turn's prompt as `engine` renders it; None where its API renders no prompt alone:
+    the modes then plan as for a turn the router does not tokenize (`affinity`)."""
+    request = tokenize_body(turn)
+    return None if request is None else await upstream.tokenize(engine, request)
+
+
+def gives_token_ids(turn: Turn) -> bool:
+    """Whether the engines report the turn's token IDs: without them its session keeps no
+    history (nothing to push back, no prefix to check)."""
+    return turn.api is None or turn.api.gives_token_ids
+
+
+def engine_request_id(turn: Turn) -> str:
+    """The ID the engines give the attempt's requests."""
+    if turn.api is not None:
+        return turn.api.engine_request_id(turn.request_id)
+    prefix = "chatcmpl" if turn.path.endswith("/chat/completions") else "cmpl"
+    return f"{prefix}-{turn.request_id}"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, one_token_request
-from turnkv_server.router.modes.base import Mode, ModeContext, Turn, TurnEnd, TurnPlan
+from turnkv_server.router.modes.base import (
+    Mode,
+    ModeContext,
+    Turn,
+    TurnEnd,
+    TurnPlan,
+    tokenize,
+    tokenize_body,
+)
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session
 from turnkv_server.router.token_history import common_prefix_len
@@ -83,14 +91,18 @@ class Bidirectional(Mode):
             # than read from an engine the router is steering away from.
             return replace(plain, reuse_note=("session_moved",
                                               f"KV held on {held.decode}, not read back"))
-        prompt_ids = await self.ctx.upstream.tokenize(placement.prefill, turn.body)
+        prompt_ids = await tokenize(self.ctx.upstream, placement.prefill, turn)
+        if prompt_ids is None:
+            return plain  # (`finish` offers nothing for such a turn's API)
         params, _ = trim_offer(held.params, held.token_ids, prompt_ids,
                                await self._block_size(placement.prefill))
         return replace(plain, prefill_params=params, reuse=True)
 
     def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
         session = turn.session
-        if end.how != "complete" or session is None or turn.prompt_token_ids is None:
+        if end.how != "complete" or session is None or turn.prompt_token_ids is None \
+                or tokenize_body(turn) is None:
+            # (An offer is trimmed to the next prompt, which such an API cannot render alone.)
             return
         token_ids = [*turn.prompt_token_ids, *turn.output_token_ids]
         decode = plan.placement.decode

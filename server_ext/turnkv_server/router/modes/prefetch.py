@@ -28,7 +28,7 @@ from typing import Any
 from turnkv.protocol import CacheHints, PrefetchOutcome
 from turnkv_server.engine.protocol import KEY, TurnParams
 from turnkv_server.engine.requests import one_token_request
-from turnkv_server.router.modes.base import Turn
+from turnkv_server.router.modes.base import Turn, tokenize
 from turnkv_server.router.modes.engine_orders import CONTROL_TIMEOUT_S, EngineOrders
 from turnkv_server.router.modes.leases import lease_key
 from turnkv_server.router.placement import Engine
@@ -120,7 +120,7 @@ class Prefetches:
         if prompt is None and engines:
             # The affinity router does not tokenize its turns: the engine says what it read.
             with contextlib.suppress(EngineConnectionError, EngineRejected):
-                prompt = await self._upstream.tokenize(engines[0], turn.body)
+                prompt = await tokenize(self._upstream, engines[0], turn)
         if prompt is None:
             return
         request = one_token_request(turn.body.get("model"), [*prompt, *turn.output_token_ids],

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE
-from turnkv_server.router.modes.base import Mode, Turn, TurnPlan
+from turnkv_server.router.modes.base import Mode, Turn, TurnPlan, engine_request_id
 from turnkv_server.router.placement import Placement
 
 
@@ -23,7 +23,6 @@ class Push(Mode):
         if peer is None:
             raise RuntimeError(f"push mode needs the NIXL side channel of {placement.prefill.name}"
                                " (--prefill-nixl ENGINE_ID@HOST:PORT)")
-        prefix = "chatcmpl" if turn.path.endswith("/chat/completions") else "cmpl"
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -33,6 +32,6 @@ class Push(Mode):
             "tp_size": 1,
             "pp_size": 1,
             # Upstream requires it; registrations are matched by the shared X-Request-Id.
-            "remote_request_id": f"{prefix}-{turn.request_id}",
+            "remote_request_id": engine_request_id(turn),
             "remote_block_ids": [],
         }

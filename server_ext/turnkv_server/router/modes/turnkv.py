@@ -65,6 +65,8 @@ from turnkv_server.router.modes.base import (
     Turn,
     TurnEnd,
     TurnPlan,
+    gives_token_ids,
+    tokenize,
 )
 from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
@@ -147,9 +149,11 @@ class Turnkv(Mode):
             if self._pool is not None:
                 return self._pool.plan(session, placement, self._params(turn))
         # The decode engine keeps the turn for the push back, unless there is nothing to keep,
-        # or nobody to keep it for: a push back to a prefill engine that is down is refused.
+        # or nobody to keep it for (a push back to a prefill engine that is down is refused),
+        # or no history to push back over (an API whose route returns no token IDs).
         keep = (session is not None and not turn_hints(turn).final and placement.prefill.healthy
-                and not self._no_push_back.active(placement.prefill.name))
+                and not self._no_push_back.active(placement.prefill.name)
+                and gives_token_ids(turn))
         decode_send = _transfer_id(turn, "d2p") if keep else None
         alone, diverted = await self._short_delta(turn, placement)
         note: tuple[FallbackReason, str] | None = None
@@ -182,7 +186,9 @@ class Turnkv(Mode):
         if (self.ctx.short_delta_tokens <= 0 or session is None or not session.tokens
                 or session.decode != decode.name or self._pressure.active(decode.name)):
             return None, None
-        prompt_ids = await self.ctx.upstream.tokenize(decode, turn.body)
+        prompt_ids = await tokenize(self.ctx.upstream, decode, turn)
+        if prompt_ids is None:
+            return None, None
         delta = new_tokens(prompt_ids, session.tokens)
         if delta > self.ctx.short_delta_tokens:
             return None, None
@@ -205,7 +211,11 @@ class Turnkv(Mode):
         session = turn.session
         held = bool(session is not None and session.tokens
                     and session.decode == placement.decode.name)
-        prompt_ids = await self.ctx.upstream.tokenize(placement.decode, turn.body)
+        prompt_ids = await tokenize(self.ctx.upstream, placement.decode, turn)
+        if prompt_ids is None:
+            # Its API renders no prompt alone: the engine's usage counts it, and nothing
+            # judges whether it held the history (`held` False).
+            return DecodeAlone(None, new_tokens=0, held=False)
         history = session.tokens if session is not None and held else []
         return DecodeAlone(prompt_ids, new_tokens(prompt_ids, history), held=held)
 

@@ -1,0 +1,200 @@
+"""What the turn pipeline (`router.turn`) needs to know of the API a turn came in on: one small
+description per API (`Api`), so that every API goes through the same pipeline, modes and stats.
+
+The engines serve each API natively (vLLM 0.32 takes `kv_transfer_params` on all of them), so
+an answer is the one a single engine gives to the same request. What differs between APIs is
+only how a request is read and written:
+
+- how the prefill request is written (one token, whole, asking for the prompt's token IDs
+  where the route can give them) and the decode request (asking for token IDs likewise);
+- how the prompt is rendered alone for the modes that tokenize first (`/tokenize` speaks chat
+  only: other APIs have none, and the modes plan without);
+- where an answer keeps its usage, token IDs and `kv_transfer_params` (`Answer`, read into the
+  chat-shaped usage `router.stats` reads), and where the router writes its corrections and the
+  turn's stats back, whole or streamed (`Relay`, one streamed answer event by event);
+- the shape of its errors (`router.errors`).
+
+`Api` instances may carry one turn's own context (the Responses API's state): `answered` is
+called with the client's whole answer once the turn is served.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse
+
+from turnkv import protocol as p
+from turnkv_server.router.conversations import Reply
+from turnkv_server.router.errors import error_response
+from turnkv_server.router.upstream import SseEvent
+
+if TYPE_CHECKING:
+    from turnkv_server.router.modes.base import Turn, TurnPlan
+
+__all__ = ["Answer", "Api", "Prepared", "Relay", "Resolve", "Resolved", "Seen", "SseEvent"]
+
+
+@dataclass
+class Answer:
+    """What a decode engine's answer says about the turn, in the router's terms: usage is
+    chat-shaped (`prompt_tokens`, `completion_tokens`, `prompt_tokens_details.cached_tokens`),
+    whatever the API's own shape."""
+
+    output_token_ids: list[int] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    # The decode engine's kv_transfer_params, where the answer carries them.
+    reply: dict[str, Any] | None = None
+    # vLLM's per-request timing.
+    metrics: Any = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return int((self.usage or {}).get("completion_tokens") or 0)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What one streamed event was: whether it carries model output (the first such event
+    times the first token), and whether it is the one the turn's stats go with (the answer is
+    whole once it has been read: its usage is in)."""
+
+    output: bool = False
+    last: bool = False
+
+
+class Relay(ABC):
+    """One streamed answer, read event by event (`read`), each then written for the client
+    (`write`). The pipeline finishes the turn's stats between the two for the `last` event."""
+
+    def __init__(self) -> None:
+        self.answer = Answer()
+        # The client's whole answer, where the API's stream ends with one (the Responses API's
+        # `response.completed`): what `Api.answered` gets.
+        self.whole: dict[str, Any] | None = None
+        # The assistant message relayed, gathered for a session inferred from its
+        # conversation (`inferred_sessions`: chat only); None where nothing gathers it.
+        self.message: Reply | None = None
+
+    @abstractmethod
+    def read(self, event: SseEvent) -> Seen:
+        """Take in one event of the decode engine's stream."""
+
+    @abstractmethod
+    def write(self, stats: p.TurnStats) -> list[bytes]:
+        """What the event just read becomes for the client (none, one, or more events);
+        `stats` are final when it was the `last`."""
+
+    @abstractmethod
+    def error(self, message: str) -> bytes:
+        """An error event in the stream's own shape: the decode engine was lost mid-answer."""
+
+
+class Api(ABC):
+    """An API the router serves, as the turn pipeline needs to know it."""
+
+    # The engines' route for it.
+    path: str
+    # Whether the engines report a turn's prompt and output token IDs on this route: without
+    # them the session keeps no token history (the modes plan as they do for `affinity`).
+    gives_token_ids: bool = True
+
+    def stream(self, body: dict[str, Any]) -> bool:
+        return bool(body.get("stream"))
+
+    def wants_token_ids(self, body: dict[str, Any]) -> bool:
+        """The client itself asked for token IDs (the router otherwise strips them)."""
+        return False
+
+    @abstractmethod
+    def prefill_request(self, body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+        """The client's request as a one-token, whole prefill carrying `params`, asking for
+        the prompt's token IDs where the route gives them."""
+
+    @abstractmethod
+    def decode_request(self, body: dict[str, Any], params: dict[str, Any] | None,
+                       token_ids: bool) -> dict[str, Any]:
+        """The client's request with the decode engine's params, asking for token IDs when
+        `token_ids` (the router keeps the session's history) and the route gives them."""
+
+    def tokenize_request(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The engines' `/tokenize` request that renders `body`'s prompt alone; None where the
+        API has none."""
+        return None
+
+    @abstractmethod
+    def prefill_answer(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The prefill engine's answer as a chat answer's fields `stats.PrefillResult` reads
+        (`usage`, `prompt_token_ids`, `kv_transfer_params`, `metrics`)."""
+
+    @abstractmethod
+    def read_whole(self, data: dict[str, Any]) -> Answer:
+        """What a whole (non-streamed) answer says."""
+
+    @abstractmethod
+    def write_whole(self, data: dict[str, Any], turn: Turn, plan: TurnPlan,
+                    stats: p.TurnStats) -> None:
+        """Make `data` (in place) the client's answer: usage corrected to what the turn did
+        not compute, the router's fields off, the turn's stats in."""
+
+    @abstractmethod
+    def relay(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> Relay:
+        """A streamed answer's relay (`stats` hold the prefill's part already)."""
+
+    def engine_request_id(self, request_id: str) -> str:
+        """The ID the engines give the request the router sends with `X-Request-Id:
+        request_id` (vLLM's NixlPushConnector pairs the two engines' requests by it)."""
+        return f"chatcmpl-{request_id}"
+
+    async def answered(self, whole: dict[str, Any] | None) -> None:
+        """The turn was served: `whole` is the client's whole answer where there is one."""
+        return None
+
+    def error_response(self, status: int, message: str, *, kind: str | None = None,
+                       param: str | None = None,
+                       headers: dict[str, str] | None = None) -> JSONResponse:
+        """An error in the API's shape (`router.errors`: Anthropic's on `/v1/messages`,
+        else OpenAI's)."""
+        return error_response(status, message, kind=kind, param=param, headers=headers,
+                              path=self.path)
+
+
+@dataclass
+class Prepared:
+    """A request made ready for the pipeline by its route: the API that serves it, the body the
+    engines get (before each engine's own fields), its tag and prefix ID, and where a session
+    it opens starts (the (prefill, decode) engines its state says hold its KV; prefill None:
+    the decode engine alone)."""
+
+    api: Api
+    body: dict[str, Any]
+    tag: p.TurnTag | None
+    prefix_id: str | None
+    home: tuple[str | None, str] | None = None
+
+
+@dataclass
+class Resolved:
+    """What a route with state of its own (the Responses API's) resolved of a request before
+    its keys are read (`tags.read_keys`): the session its lineage names, which takes its place
+    in the order of session keys, and how the request, once its keys are read (its body
+    without them, its tag from whichever key named it, its prefix ID), becomes one turn of
+    its API (`prepare`)."""
+
+    lineage: str | None
+    prepare: Callable[[dict[str, Any], p.TurnTag | None, str | None], Prepared]
+
+
+# A route's step between reading a request (the body, the tenant) and reading its keys.
+Resolve = Callable[[dict[str, Any], str], Awaitable[Resolved]]
+
+
+def corrected_cached(plan: TurnPlan, stats: p.TurnStats, cached: int | None) -> int | None:
+    """The cached-token figure the client is told, given the decode engine's (`cached`): what
+    the turn did not compute (`stats.correct_usage` says why); None: leave it as it is."""
+    if plan.alone is not None or cached is None:
+        return None
+    return stats.prompt_tokens.prefill_reused
