@@ -305,6 +305,38 @@ def test_a_message_turn_reads_the_turnkv_tag_and_corrects_anthropic_usage(stream
     asyncio.run(main())
 
 
+def test_anthropic_clients_authenticate_with_x_api_key_and_count_tokens(tmp_path: Any
+                                                                      ) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"key-a": "acme"}))
+    from turnkv_server.router.config import load_api_keys
+
+    async def count(engine: StandIn, request: web.Request, body: dict[str, Any]
+                    ) -> web.StreamResponse:
+        return ok({"input_tokens": len(PROMPT)})
+
+    async def main() -> None:
+        engines = {**ENGINES, "/v1/messages/count_tokens": count}
+        async with cluster(engines, engines, api_keys=load_api_keys(str(keys))) as c, \
+                httpx.AsyncClient(timeout=30) as client:
+            body = {"model": "m", "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            served = await client.post(f"{c.url}/v1/messages", json=body,
+                                       headers={"x-api-key": "key-a"})
+            assert served.status_code == 200, served.text
+            refused = await client.post(f"{c.url}/v1/messages", json=body,
+                                        headers={"x-api-key": "key-b"})
+            assert refused.status_code == 401
+            assert refused.json()["error"]["type"] == "authentication_error"
+            counted = await client.post(f"{c.url}/v1/messages/count_tokens", json=body,
+                                        headers={"x-api-key": "key-a"})
+            assert counted.json() == {"input_tokens": len(PROMPT)}
+            unknown = await client.post(f"{c.url}/v1/messages/count_tokens", json=body)
+            assert unknown.status_code == 401 and unknown.json()["type"] == "error"
+
+    asyncio.run(main())
+
+
 def test_errors_on_the_messages_route_are_anthropic_shaped() -> None:
     app = create_app(RouterConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
                                   mode="standard", retries=0))

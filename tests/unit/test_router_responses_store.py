@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.support.redis_server import redis_server
 from turnkv_server.router.responses_store import (
@@ -179,3 +182,65 @@ def test_an_unreachable_redis_is_said_so() -> None:
         finally:
             await store.close()
     asyncio.run(steps())
+
+
+# Any mix of stores, deletes and time passing, over two tenants: after each step, each
+# tenant's records stay within the count and the bytes, and none older than the age comes
+# back.
+OPS = st.lists(st.tuples(
+    st.sampled_from(["put", "put", "put", "delete", "wait"]), st.sampled_from(["acme", "globex"]),
+    st.integers(0, 7), st.integers(1, 60), st.floats(0, 40)), max_size=40)
+BOUNDS = ResponsesBounds(max_count=4, max_bytes=120, max_age_s=60)
+
+
+async def check_bounds(store: Store, clock: Clock, ops: list[tuple[str, str, int, int, float]]
+                       ) -> None:
+    stored: dict[tuple[str, str], float] = {}  # what was stored last, and when
+    for op, tenant, n, size, wait in ops:
+        key = (tenant, f"resp_{n}")
+        if op == "put":
+            clock.now += 0.001
+            assert await store.put(tenant, key[1], b"x" * size)
+            stored[key] = clock.now
+        elif op == "delete":
+            await store.delete(tenant, key[1])
+            stored.pop(key, None)
+        else:
+            clock.now += wait
+        for who in ("acme", "globex"):
+            found = {}
+            for key in [k for k in stored if k[0] == who]:
+                record = await store.get(*key)
+                if record is not None:
+                    found[key] = record
+            assert len(found) <= BOUNDS.max_count
+            assert sum(map(len, found.values())) <= BOUNDS.max_bytes
+            assert all(clock.now - stored[k] < BOUNDS.max_age_s for k in found)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS)
+def test_any_sequence_keeps_memory_within_its_bounds(ops: list[Any]) -> None:
+    clock = Clock()
+    asyncio.run(check_bounds(MemoryResponses(BOUNDS, clock), clock, ops))
+
+
+def test_any_sequence_keeps_redis_within_its_bounds(redis_url: str) -> None:
+    """(Its records' own expiry is Redis's clock, not the test's: the age bound is the index's
+    here, which the test's clock drives; a record past it is out of the index, and of the
+    count.)"""
+    @settings(max_examples=25, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(ops=OPS)
+    def run_ops(ops: list[Any]) -> None:
+        async def steps() -> None:
+            redis.Redis.from_url(redis_url).flushdb()
+            clock = Clock()
+            store = RedisResponses(redis_url, BOUNDS, clock)
+            try:
+                await check_bounds(store, clock, [op for op in ops if op[0] != "wait"])
+            finally:
+                await store.close()
+        asyncio.run(steps())
+
+    run_ops()

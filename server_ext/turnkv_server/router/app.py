@@ -107,7 +107,7 @@ class Router:
         state before the request's keys are read (the session its lineage names is one of
         them) and makes the request one turn of its API after. Errors come in the API's
         shape."""
-        tenant = self.tenants.tenant_for(request.headers.get("authorization"))
+        tenant = self.tenants.tenant_for(api.authorization(request.headers))
         if tenant is None:
             return api.error_response(401, "missing or unknown API key")
         try:
@@ -283,6 +283,24 @@ def create_app(config: RouterConfig) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await router.serve(request, MESSAGES)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        """Any decode engine counts (Claude Code asks before it sends a long conversation)."""
+        if router.tenants.tenant_for(MESSAGES.authorization(request.headers)) is None:
+            return MESSAGES.error_response(401, "missing or unknown API key")
+        try:
+            body = await router._read_body(request)
+        except BadRequest as exc:
+            return MESSAGES.error_response(exc.status, exc.message)
+        for engine in [e for e in router.pool.decode if e.healthy] or router.pool.decode:
+            try:
+                reply = await router.upstream.post(engine, request.url.path, body, timeout=30.0)
+            except EngineConnectionError:
+                continue
+            return Response(reply.content, reply.status, media_type="application/json")
+        return MESSAGES.error_response(503, "no decode engine answers",
+                                       headers={"Retry-After": RETRY_AFTER_S})
 
     async def _session_or_error(request: Request, session_id: str) -> Session | JSONResponse:
         tenant = router.tenants.tenant_for(request.headers.get("authorization"))

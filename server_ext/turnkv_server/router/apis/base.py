@@ -21,7 +21,7 @@ called with the client's whole answer once the turn is served.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +143,10 @@ class Api(ABC):
     @abstractmethod
     def relay(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> Relay:
         """A streamed answer's relay (`stats` hold the prefill's part already)."""
+
+    def authorization(self, headers: Mapping[str, str]) -> str | None:
+        """The request's `Authorization` (the API key as a bearer token)."""
+        return headers.get("authorization")
 
     def engine_request_id(self, request_id: str) -> str:
         """The ID the engines give the request the router sends with `X-Request-Id:

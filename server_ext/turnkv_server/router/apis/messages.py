@@ -16,6 +16,7 @@ too.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -61,6 +62,12 @@ class Messages(Api):
 
     def relay(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> Relay:
         return MessagesRelay(plan, stats)
+
+    def authorization(self, headers: Mapping[str, str]) -> str | None:
+        """Anthropic's clients send their key as `x-api-key` (or, given a token, as a bearer
+        token, as OpenAI's do)."""
+        key = headers.get("x-api-key")
+        return headers.get("authorization") or (f"Bearer {key}" if key else None)
 
 
 MESSAGES = Messages()

@@ -1,0 +1,411 @@
+"""The Responses and Messages APIs through the router, on real engines (turnkv mode, one prefill
+and one decode engine, tiny model, float32), through the client libraries a user runs:
+openai-python's `responses.create` (chained by `previous_response_id`, streamed and not,
+function tools in and out), the anthropic SDK's `messages.create` (streamed, tools), and the
+OpenAI Agents SDK's default Runner (the Responses API).
+
+Each conversation is played first, with the same client code, on a single plain engine (tool
+calling on, as on the pair); through the router every turn must equal it (greedy, float32) and,
+from the second on, report KV reused. The routers keep the Responses state in a real
+redis-server: it survives a router killed between turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import anthropic
+import httpx
+import openai
+import pytest
+from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
+from agents.models.openai_provider import OpenAIProvider
+
+from examples import agents_sdk, anthropic_messages
+from tests.support.clusters import (
+    IDLE_ROUTER,
+    RECEIVE_TIMEOUT_S,
+    TINY_CACHE_BYTES,
+    ClusterPool,
+    ClusterSpec,
+    EngineSet,
+    RouterProcess,
+    RouterView,
+    redis_store,
+)
+from tests.support.oracle import Completion, compare
+from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
+from turnkv_server.models import build_tiny
+
+
+def _tool_calling() -> tuple[str, ...]:
+    """vLLM's tool calling on the engines (`tools` with `tool_choice` "required" or a named
+    tool need it): what `turnkv up` turns on by itself where the launcher knows how."""
+    if "tool_call_parser" in ClusterConfig.__dataclass_fields__:
+        return ()
+    return ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+def _tiny(mode: Any, run_dir: Path, **settings: Any) -> ClusterConfig:
+    return ClusterConfig(mode=mode, model=str(build_tiny()), dtype="float32", run_dir=run_dir,
+                         engine_extra_args=_tool_calling(), **settings)
+
+
+SINGLE = ClusterSpec("single-tiny-tools", EngineSet(
+    "single-tiny-tools", lambda run_dir: _tiny("single", run_dir)))
+CLUSTER = ClusterSpec("api-routes", EngineSet("tiny-turnkv-1p1d-tools", lambda run_dir: _tiny(
+    "turnkv", run_dir, kv_cache_bytes=TINY_CACHE_BYTES, router_args=IDLE_ROUTER,
+    connector_settings={"receive_timeout_s": RECEIVE_TIMEOUT_S})),
+    RouterView(service=redis_store))
+pytestmark = pytest.mark.cluster(CLUSTER)
+
+# Over one KV block (128 tokens) of the tiny model's tokenizer: what a second turn reuses.
+INSTRUCTIONS = (
+    "You are the operations assistant of a small storage team. You answer questions about "
+    "the write-ahead log, the compaction schedule, the backup jobs and the on-call rota. "
+    "Keep every answer short and concrete, name the file or the job you mean, and say when "
+    "you do not know. The write-ahead log is synced every two hundred milliseconds; the "
+    "compaction runs at night; backups are taken every six hours and kept for two weeks; "
+    "the on-call engineer changes every Monday at nine in the morning.")
+QUESTIONS = ("What happens to writes when the process crashes?",
+             "And how long are backups kept?",
+             "Who should I call about a failed compaction?",
+             "Thanks. Anything else I should know?")
+MAX_TOKENS = 16
+# A strict tool whose one argument has one value: vLLM holds a required call's arguments to
+# the schema, so that the tiny model's random words still make a whole call.
+READ_FILE = {"type": "function", "name": "read_file", "description": "Read a file.",
+             "strict": True, "parameters": {
+                 "type": "object", "properties": {"path": {"enum": ["notes.md"]}},
+                 "required": ["path"], "additionalProperties": False}}
+NOTES = "The router keeps a lease per session."
+
+
+# -- the scripts: each plays one client's conversation against a base URL --------------------
+
+Turn = dict[str, Any]  # what a turn answered: its output, and the router's stats where given
+
+
+def responses_chain(base: str, model: str, routed: bool) -> list[Turn]:
+    """openai-python's `responses.create`, chained by `previous_response_id` through the router
+    (turns 2 and 4 streamed); on a single engine, which keeps no state, the same conversation
+    with its whole input each time."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0)
+    turns: list[Turn] = []
+    history: list[Any] = []
+    previous: str | None = None
+    for n, question in enumerate(QUESTIONS, start=1):
+        args: dict[str, Any] = dict(
+            model=model, instructions=INSTRUCTIONS, max_output_tokens=MAX_TOKENS, temperature=0,
+            include=["message.output_text.logprobs"], top_logprobs=2,
+            extra_body={"enable_response_messages": True})
+        if routed:
+            args.update(input=question, previous_response_id=previous)
+        else:
+            args.update(input=[*history, {"role": "user", "content": question}], store=False)
+        response = _create(client, args, stream=n % 2 == 0)
+        turns.append(_responses_turn(response))
+        history += [{"role": "user", "content": question}, *response["output"]]
+        previous = response["id"]
+    return turns
+
+
+def responses_tools(base: str, model: str, routed: bool) -> list[Turn]:
+    """A function call out (`tool_choice: required`) and its output back in, the second turn
+    by `previous_response_id` (streamed)."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0)
+    args: dict[str, Any] = dict(
+        model=model, instructions=INSTRUCTIONS, tools=[READ_FILE], max_output_tokens=24,
+        temperature=0, extra_body={"enable_response_messages": True})
+    ask = [{"role": "user", "content": "Read notes.md and tell me what it says."}]
+    first = _create(client, {**args, "input": ask, "tool_choice": "required",
+                             **({} if routed else {"store": False})}, stream=False)
+    call = next(item for item in first["output"] if item["type"] == "function_call")
+    result = [{"type": "function_call_output", "call_id": call["call_id"], "output": NOTES}]
+    if routed:
+        more: dict[str, Any] = {"input": result, "previous_response_id": first["id"]}
+    else:
+        more = {"input": [*ask, *first["output"], *result], "store": False}
+    second = _create(client, {**args, **more}, stream=True)
+    return [_responses_turn(first), _responses_turn(second)]
+
+
+def messages_turns(base: str, model: str, routed: bool) -> list[Turn]:
+    """The anthropic SDK's `messages.create`, streamed (but the tool call's turn), the
+    session named by turnkv's own header: a tool use out, its result in, a question after."""
+    client = anthropic.Anthropic(base_url=base, api_key="test", max_retries=0,
+                                 default_headers={"X-TurnKV-Session": "claude-1"})
+    tools = [{"name": "read_file", "description": "Read a file.", "strict": True,
+              "input_schema": READ_FILE["parameters"]}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTIONS[0]}]
+    turns = []
+    for n in range(1, 4):
+        args: dict[str, Any] = dict(model=model, system=INSTRUCTIONS, messages=messages,
+                                    max_tokens=MAX_TOKENS, temperature=0, tools=tools)
+        if n == 2:
+            args["tool_choice"] = {"type": "any"}
+            message = client.messages.create(**args).to_dict()
+            turn = {"content": message["content"], "usage": message["usage"],
+                    "stats": message.get("turnkv")}
+        else:
+            turn = _streamed_message(client.messages.create(**args, stream=True))
+        turns.append(turn)
+        messages.append({"role": "assistant", "content": turn["content"]})
+        if n == 1:
+            messages.append({"role": "user", "content": "Read notes.md, please."})
+        elif n == 2:
+            use = next(block for block in turn["content"] if block["type"] == "tool_use")
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": use["id"], "content": NOTES}]})
+    return turns
+
+
+def agents_runs(base: str, model: str, routed: bool) -> list[Turn]:
+    """The Agents SDK's default Runner (Responses API, nothing stored or chained by the SDK:
+    the whole history each call) on an agent with a function tool: a call out, its output in,
+    then a second run on the first's history."""
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0)
+
+    @function_tool
+    def read_file(path: Literal["notes.md"]) -> str:
+        """Read a file."""
+        return NOTES
+
+    agent = Agent(name="ops", instructions=INSTRUCTIONS, tools=[read_file], model=model,
+                  model_settings=ModelSettings(tool_choice="required", temperature=0,
+                                               max_tokens=24))
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client),
+                       tracing_disabled=True)
+
+    async def play() -> list[Turn]:
+        first = await Runner.run(agent, "Read notes.md.", run_config=config, max_turns=4)
+        second = await Runner.run(agent, [*first.to_input_list(), {
+            "role": "user", "content": QUESTIONS[1]}], run_config=config, max_turns=4)
+        return [{"output": [item.model_dump(mode="json") for item in call.output],
+                 "cached": call.usage.input_tokens_details.cached_tokens}
+                for call in [*first.raw_responses, *second.raw_responses]]
+
+    return asyncio.run(play())
+
+
+def _create(client: openai.OpenAI, args: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """A response object as the client library parsed it (JSON), streamed or not."""
+    if not stream:
+        return client.responses.create(**args).model_dump(mode="json")
+    completed = None
+    with client.responses.create(**args, stream=True) as events:
+        for event in events:
+            if event.type == "response.completed":
+                completed = event.response.model_dump(mode="json")
+    assert completed is not None, "the stream had no response.completed"
+    return completed
+
+
+def _responses_turn(response: dict[str, Any]) -> Turn:
+    tokens = [t for m in response.get("output_messages") or [] for t in m["tokens"]]
+    gaps = []
+    for item in response["output"]:
+        for part in item.get("content") or []:
+            for entry in part.get("logprobs") or []:
+                top = sorted((t["logprob"] for t in entry.get("top_logprobs") or []),
+                             reverse=True)
+                gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    return {"id": response["id"], "completion": Completion(tokens, "", gaps),
+            "output": [{k: v for k, v in item.items() if k in ("type", "name", "arguments")}
+                       for item in response["output"]],
+            "usage": response["usage"], "stats": response.get("turnkv"),
+            "previous": response.get("previous_response_id")}
+
+
+def _streamed_message(events: Any) -> Turn:
+    """A streamed message's content blocks, usage and the router's stats (on message_delta)."""
+    blocks: list[dict[str, Any]] = []
+    usage: dict[str, Any] = {}
+    stats = None
+    for event in events:
+        if event.type == "content_block_start":
+            blocks.append(event.content_block.to_dict())
+        elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+            blocks[-1]["text"] += event.delta.text
+        elif event.type == "message_delta":
+            usage = event.usage.to_dict()
+            stats = (event.model_extra or {}).get("turnkv")
+    return {"content": blocks, "usage": usage, "stats": stats}
+
+
+# -- the references --------------------------------------------------------------------------
+
+SCRIPTS: dict[str, Callable[[str, str, bool], list[Turn]]] = {
+    "responses_chain": responses_chain, "responses_tools": responses_tools,
+    "messages": messages_turns, "agents": agents_runs}
+
+
+@pytest.fixture(scope="module")
+def references(clusters: ClusterPool) -> dict[str, list[Turn]]:
+    """Every script on the single plain engine, played before the pair starts."""
+    _, state = clusters.get(SINGLE)
+    return {name: script(state.router, state.served_model_name, False)
+            for name, script in SCRIPTS.items()}
+
+
+@pytest.fixture
+def cluster(clusters: ClusterPool) -> tuple[Cluster, ClusterState]:
+    return clusters.get(CLUSTER)
+
+
+def check_equal(expected: Turn, got: Turn, n: int) -> None:
+    verdict = compare(expected["completion"], got["completion"])
+    assert verdict.acceptable, f"turn {n}: {verdict.describe()}"
+    if verdict.equal:
+        assert got["output"] == expected["output"], f"turn {n}"
+
+
+def check_reused(turn: Turn, n: int, cached: int | None) -> None:
+    """From the second turn on: KV reused, said in the stats and the API's own usage."""
+    stats = turn["stats"]
+    assert stats is not None and stats["prefill_node"] is not None, f"turn {n}: P/D"
+    reused = stats["prompt_tokens"]["prefill_reused"]
+    if n >= 2:
+        assert reused > 0, f"turn {n}: {stats['prompt_tokens']}"
+    assert cached == reused, f"turn {n}: usage says {cached}, stats {stats['prompt_tokens']}"
+
+
+# -- the tests -------------------------------------------------------------------------------
+
+def test_a_response_chain_through_openai_python_equals_a_single_engine(
+        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+    _, state = cluster
+    turns = responses_chain(state.router, state.served_model_name, True)
+    root = turns[0]["id"]
+    for n, (expected, got) in enumerate(zip(references["responses_chain"], turns, strict=True),
+                                              start=1):
+        check_equal(expected, got, n)
+        check_reused(got, n, got["usage"]["input_tokens_details"]["cached_tokens"])
+        # The chain is one session, named by its root; the answer echoes the client's request.
+        assert got["stats"]["session_id"] == (None if n == 1 else root)
+        assert got["previous"] == (None if n == 1 else turns[n - 2]["id"])
+    client = openai.OpenAI(base_url=f"{state.router}/v1", api_key="test", max_retries=0)
+    stored = client.responses.retrieve(turns[1]["id"])
+    assert stored.previous_response_id == root
+    assert (stored.model_extra or {})["turnkv"] == turns[1]["stats"]
+    client.responses.delete(turns[1]["id"])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(turns[1]["id"])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=state.served_model_name, input="Go on.",
+                                previous_response_id=turns[1]["id"], max_output_tokens=4)
+    # Each record stands alone: deleting one breaks no later response of the chain.
+    assert client.responses.retrieve(turns[2]["id"]).id == turns[2]["id"]
+
+
+def test_function_tools_out_and_in_on_the_responses_api(
+        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+    _, state = cluster
+    turns = responses_tools(state.router, state.served_model_name, True)
+    assert turns[0]["output"][0]["type"] == "function_call"
+    assert turns[0]["output"][0]["name"] == "read_file"
+    for n, (expected, got) in enumerate(zip(references["responses_tools"], turns, strict=True),
+                                              start=1):
+        check_equal(expected, got, n)
+        check_reused(got, n, got["usage"]["input_tokens_details"]["cached_tokens"])
+
+
+def test_messages_through_the_anthropic_sdk_equal_a_single_engine(
+        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+    _, state = cluster
+    turns = messages_turns(state.router, state.served_model_name, True)
+    assert any(block["type"] == "tool_use" for block in turns[1]["content"])
+    for n, (expected, got) in enumerate(zip(references["messages"], turns, strict=True),
+                                              start=1):
+        assert got["content"] == _without_ids(expected["content"], got["content"]), f"turn {n}"
+        check_reused(got, n, got["usage"].get("cache_read_input_tokens"))
+        assert got["stats"]["session_id"] == "claude-1"
+        assert got["stats"]["turn"] == n
+    # Errors on this route are Anthropic's shape.
+    client = anthropic.Anthropic(base_url=state.router, api_key="test", max_retries=0,
+                                 default_headers={"X-TurnKV-TTL": "-1"})
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model=state.served_model_name, max_tokens=4,
+                               messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": "invalid turnkv.hints.ttl: Input should be greater than 0"}}
+
+
+def test_the_agents_sdk_default_runner_equals_a_single_engine(
+        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+    _, state = cluster
+    calls = agents_runs(state.router, state.served_model_name, True)
+    expected = references["agents"]
+    assert len(calls) == len(expected) == 4  # per run: a tool call, then a reply
+    for n, (want, got) in enumerate(zip(expected, calls, strict=True), start=1):
+        assert _texts(got["output"]) == _texts(want["output"]), f"call {n}"
+        if n >= 2:
+            assert got["cached"] > 0, f"call {n}: nothing reused"
+
+
+def test_the_responses_state_survives_a_router_killed_between_turns(
+        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+    launched, state = cluster
+    expected = references["responses_chain"]
+    heir = RouterProcess(launched, Path(state.run_dir) / "logs" / "router-heir.log")
+    try:
+        model = state.served_model_name
+        first = openai.OpenAI(base_url=f"{state.router}/v1", api_key="test", max_retries=0)
+        args: dict[str, Any] = dict(
+            model=model, instructions=INSTRUCTIONS, max_output_tokens=MAX_TOKENS,
+            temperature=0, extra_body={"enable_response_messages": True})
+        one = first.responses.create(input=QUESTIONS[0], **args).model_dump(mode="json")
+        assert state.router_process is not None
+        os.kill(state.router_process.pid, signal.SIGKILL)
+        second = openai.OpenAI(base_url=f"{heir.url}/v1", api_key="test", max_retries=0)
+        two = second.responses.create(input=QUESTIONS[1], previous_response_id=one["id"],
+                                      **args).model_dump(mode="json")
+        for n, got in enumerate((one, two), start=1):
+            verdict = compare(expected[n - 1]["completion"], _responses_turn(got)["completion"])
+            assert verdict.acceptable, f"turn {n}: {verdict.describe()}"
+        assert two["turnkv"]["session_id"] == one["id"]
+        assert two["turnkv"]["prompt_tokens"]["prefill_reused"] > 0
+        assert second.responses.retrieve(one["id"]).id == one["id"]
+    finally:
+        heir.stop()
+
+
+def test_the_examples_run_against_the_router(cluster: tuple[Cluster, ClusterState]) -> None:
+    """examples/agents_sdk.py (the follow-up continues the first run by
+    `previous_response_id`: a session named by its root) and examples/anthropic_messages.py
+    (one session by its header, each turn's stats on the stream)."""
+    _, state = cluster
+    model = state.served_model_name
+    runs = asyncio.run(agents_sdk.converse(f"{state.router}/v1", model, max_tokens=16))
+    assert [len(calls) for calls in runs][1] >= 1
+    root = runs[0][0].response_id
+    assert root is not None
+    record = httpx.get(f"{state.router}/v1/turnkv/sessions/{root}", timeout=30).json()
+    assert record["turns"] == len(runs[1])
+
+    replies = anthropic_messages.converse(state.router, model, max_tokens=16,
+                                          session="example-messages")
+    for n, reply in enumerate(replies, start=1):
+        assert reply.stats is not None
+        assert (reply.stats["session_id"], reply.stats["turn"]) == ("example-messages", n)
+        assert reply.usage["cache_read_input_tokens"] == \
+            reply.stats["prompt_tokens"]["prefill_reused"]
+
+
+def _texts(items: list[dict[str, Any]]) -> list[Any]:
+    return [(item.get("type"), item.get("name"), item.get("arguments"),
+             [part.get("text") for part in item.get("content") or []]) for item in items]
+
+
+def _without_ids(expected: list[dict[str, Any]], got: list[dict[str, Any]]
+                 ) -> list[dict[str, Any]]:
+    """The reference's blocks with the candidate's tool-use IDs (random per request)."""
+    return [{**want, "id": have["id"]} if want.get("type") == "tool_use" and "id" in have
+            else want for want, have in zip(expected, got, strict=False)]
+
