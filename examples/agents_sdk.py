@@ -49,20 +49,25 @@ class Call:
     cached_tokens: int
 
 
-def agent(model: str, max_tokens: int | None = None) -> Agent:
+def agent(model: str, max_tokens: int | None = None, stop: list[str] | None = None) -> Agent:
+    # (vLLM's `stop` strings, for a model that never ends its replies by itself, such as the
+    # tests' random one: the SDK refuses a reply cut short by max_tokens.)
+    settings = ModelSettings(max_tokens=max_tokens,
+                             extra_body={"stop": stop} if stop else None)
     return Agent(name="ops", instructions=INSTRUCTIONS, tools=[read_notes], model=model,
-                 model_settings=ModelSettings(max_tokens=max_tokens))
+                 model_settings=settings)
 
 
 async def converse(base_url: str, model: str, api_key: str = "unused",
-                   max_tokens: int | None = None) -> list[list[Call]]:
+                   max_tokens: int | None = None, stop: list[str] | None = None
+                   ) -> list[list[Call]]:
     """The question, then the follow-up on the first run's last response: each run's model
     calls."""
     config = RunConfig(model_provider=OpenAIProvider(
         openai_client=AsyncOpenAI(base_url=base_url, api_key=api_key)),
         # The SDK's traces go to OpenAI's platform: nowhere to send them from here.
         tracing_disabled=True)
-    ops = agent(model, max_tokens)
+    ops = agent(model, max_tokens, stop)
     first = await Runner.run(ops, QUESTION, run_config=config)
     second = await Runner.run(ops, FOLLOW_UP, run_config=config,
                               previous_response_id=first.last_response_id)
