@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,22 @@ import anthropic
 import httpx
 import openai
 import pytest
-from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
-from agents.models.openai_provider import OpenAIProvider
 
 from examples import agents_sdk, anthropic_messages
+from tests.support.api_conversations import (
+    INSTRUCTIONS,
+    MAX_TOKENS,
+    QUESTIONS,
+    SCRIPTS,
+    STOPS,
+    Turn,
+    agents_runs,
+    create,
+    messages_turns,
+    responses_chain,
+    responses_tools,
+    responses_turn,
+)
 from tests.support.clusters import (
     IDLE_ROUTER,
     RECEIVE_TIMEOUT_S,
@@ -38,7 +49,7 @@ from tests.support.clusters import (
     RouterView,
     redis_store,
 )
-from tests.support.oracle import Completion, compare
+from tests.support.oracle import compare
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
 from turnkv_server.models import build_tiny
 
@@ -64,200 +75,33 @@ CLUSTER = ClusterSpec("api-routes", EngineSet("tiny-turnkv-1p1d-tools", lambda r
     RouterView(service=redis_store))
 pytestmark = pytest.mark.cluster(CLUSTER)
 
-# Over one KV block (128 tokens) of the tiny model's tokenizer: what a second turn reuses.
-INSTRUCTIONS = (
-    "You are the operations assistant of a small storage team. You answer questions about "
-    "the write-ahead log, the compaction schedule, the backup jobs and the on-call rota. "
-    "Keep every answer short and concrete, name the file or the job you mean, and say when "
-    "you do not know. The write-ahead log is synced every two hundred milliseconds; the "
-    "compaction runs at night; backups are taken every six hours and kept for two weeks; "
-    "the on-call engineer changes every Monday at nine in the morning.")
-QUESTIONS = ("What happens to writes when the process crashes?",
-             "And how long are backups kept?",
-             "Who should I call about a failed compaction?",
-             "Thanks. Anything else I should know?")
-MAX_TOKENS = 16
-# The tiny model's random weights never finish a tool call's arguments (vLLM's JSON grammar
-# for them lets it write whitespace for ever), but vLLM's streaming parser makes a call of
-# what it writes after a required call's envelope: a function call out, whole or not.
-READ_FILE = {"type": "function", "name": "read_file", "description": "Read a file.",
-             "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                            "required": ["path"]}}
-# Nor does it ever end a reply by itself: the Agents SDK refuses a response cut short
-# (`status: incomplete`), so its calls end at a stop string, on both sides alike.
-STOPS = ["y", "."]
-NOTES = "The router keeps a lease per session."
-
-
-# -- the scripts: each plays one client's conversation against a base URL --------------------
-
-Turn = dict[str, Any]  # what a turn answered: its output, and the router's stats where given
-
-
-def responses_chain(base: str, model: str, routed: bool) -> list[Turn]:
-    """openai-python's `responses.create`, chained by `previous_response_id` through the router
-    (turns 2 and 4 streamed); on a single engine, which keeps no state, the same conversation
-    with its whole input each time."""
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0)
-    turns: list[Turn] = []
-    history: list[Any] = []
-    previous: str | None = None
-    for n, question in enumerate(QUESTIONS, start=1):
-        args: dict[str, Any] = dict(
-            model=model, instructions=INSTRUCTIONS, max_output_tokens=MAX_TOKENS, temperature=0,
-            include=["message.output_text.logprobs"], top_logprobs=2,
-            extra_body={"enable_response_messages": True})
-        if routed:
-            args.update(input=question, previous_response_id=previous)
-        else:
-            args.update(input=[*history, {"role": "user", "content": question}], store=False)
-        response = _create(client, args, stream=n % 2 == 0)
-        turns.append(_responses_turn(response))
-        history += [{"role": "user", "content": question}, *response["output"]]
-        previous = response["id"]
-    return turns
-
-
-def responses_tools(base: str, model: str, routed: bool) -> list[Turn]:
-    """A function call out (`tool_choice: required`, streamed) and its output back in, the
-    second turn by `previous_response_id`."""
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0)
-    args: dict[str, Any] = dict(
-        model=model, instructions=INSTRUCTIONS, tools=[READ_FILE], max_output_tokens=24,
-        temperature=0, extra_body={"enable_response_messages": True})
-    ask = [{"role": "user", "content": "Read notes.md and tell me what it says."}]
-    first = _create(client, {**args, "input": ask, "tool_choice": "required",
-                             **({} if routed else {"store": False})}, stream=True)
-    call = next(item for item in first["output"] if item["type"] == "function_call")
-    result = [{"type": "function_call_output", "call_id": call["call_id"], "output": NOTES}]
-    if routed:
-        more: dict[str, Any] = {"input": result, "previous_response_id": first["id"]}
-    else:
-        more = {"input": [*ask, *first["output"], *result], "store": False}
-    second = _create(client, {**args, **more}, stream=False)
-    return [_responses_turn(first), _responses_turn(second)]
-
-
-def messages_turns(base: str, model: str, routed: bool) -> list[Turn]:
-    """The anthropic SDK's `messages.create` (streamed, but the last turn), the session named
-    by turnkv's own header, tools declared throughout: a question, then a tool's result in
-    (after a tool use as a client sends it back), then a question after."""
-    client = anthropic.Anthropic(base_url=base, api_key="test", max_retries=0,
-                                 default_headers={"X-TurnKV-Session": "claude-1"})
-    tools = [{"name": "read_file", "description": "Read a file.",
-              "input_schema": READ_FILE["parameters"]}]
-    messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTIONS[0]}]
-    turns = []
-    for n in range(1, 4):
-        args: dict[str, Any] = dict(model=model, system=INSTRUCTIONS, messages=messages,
-                                    max_tokens=MAX_TOKENS, temperature=0, tools=tools)
-        if n == 3:
-            message = client.messages.create(**args).to_dict()
-            turn = {"content": message["content"], "usage": message["usage"],
-                    "stats": message.get("turnkv")}
-        else:
-            turn = _streamed_message(client.messages.create(**args, stream=True))
-        turns.append(turn)
-        messages.append({"role": "assistant", "content": turn["content"]})
-        if n == 1:
-            messages += [
-                {"role": "user", "content": "Read notes.md, please."},
-                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
-                                                   "name": "read_file",
-                                                   "input": {"path": "notes.md"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                              "content": NOTES}]}]
-        else:
-            messages.append({"role": "user", "content": QUESTIONS[n]})
-    return turns
-
-
-def agents_runs(base: str, model: str, routed: bool) -> list[Turn]:
-    """The Agents SDK's default Runner (Responses API; nothing stored or chained by the SDK:
-    the whole history each call) on an agent with a function tool, run twice: the second run
-    on the first's history and a new question."""
-    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0)
-
-    @function_tool
-    def read_file(path: str) -> str:
-        """Read a file."""
-        return NOTES
-
-    agent = Agent(name="ops", instructions=INSTRUCTIONS, tools=[read_file], model=model,
-                  model_settings=ModelSettings(temperature=0, max_tokens=64,
-                                               extra_body={"stop": STOPS}))
-    config = RunConfig(model_provider=OpenAIProvider(openai_client=client),
-                       tracing_disabled=True)
-
-    async def play() -> list[Turn]:
-        first = await Runner.run(agent, QUESTIONS[0], run_config=config, max_turns=2)
-        second = await Runner.run(agent, [*first.to_input_list(), {
-            "role": "user", "content": QUESTIONS[1]}], run_config=config, max_turns=2)
-        return [{"output": [item.model_dump(mode="json") for item in call.output],
-                 "cached": call.usage.input_tokens_details.cached_tokens}
-                for call in [*first.raw_responses, *second.raw_responses]]
-
-    return asyncio.run(play())
-
-
-def _create(client: openai.OpenAI, args: dict[str, Any], stream: bool) -> dict[str, Any]:
-    """A response object as the client library parsed it (JSON), streamed or not."""
-    if not stream:
-        return client.responses.create(**args).model_dump(mode="json")
-    completed = None
-    with client.responses.create(**args, stream=True) as events:
-        for event in events:
-            if event.type == "response.completed":
-                completed = event.response.model_dump(mode="json")
-    assert completed is not None, "the stream had no response.completed"
-    return completed
-
-
-def _responses_turn(response: dict[str, Any]) -> Turn:
-    tokens = [t for m in response.get("output_messages") or [] for t in m["tokens"]]
-    gaps = []
-    for item in response["output"]:
-        for part in item.get("content") or []:
-            for entry in part.get("logprobs") or []:
-                top = sorted((t["logprob"] for t in entry.get("top_logprobs") or []),
-                             reverse=True)
-                gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
-    return {"id": response["id"], "completion": Completion(tokens, "", gaps),
-            "output": [{k: v for k, v in item.items() if k in ("type", "name", "arguments")}
-                       for item in response["output"]],
-            "usage": response["usage"], "stats": response.get("turnkv"),
-            "previous": response.get("previous_response_id")}
-
-
-def _streamed_message(events: Any) -> Turn:
-    """A streamed message's content blocks, usage and the router's stats (on message_delta)."""
-    blocks: list[dict[str, Any]] = []
-    usage: dict[str, Any] = {}
-    stats = None
-    for event in events:
-        if event.type == "content_block_start":
-            blocks.append(event.content_block.to_dict())
-        elif event.type == "content_block_delta" and event.delta.type == "text_delta":
-            blocks[-1]["text"] += event.delta.text
-        elif event.type == "message_delta":
-            usage = event.usage.to_dict()
-            stats = (event.model_extra or {}).get("turnkv")
-    return {"content": blocks, "usage": usage, "stats": stats}
-
 
 # -- the references --------------------------------------------------------------------------
 
-SCRIPTS: dict[str, Callable[[str, str, bool], list[Turn]]] = {
-    "responses_chain": responses_chain, "responses_tools": responses_tools,
-    "messages": messages_turns, "agents": agents_runs}
+
+
+class References:
+    """Every script on the single plain engine, played before the pair starts; a script that
+    failed there fails the tests that compare with it, not the others."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self._played: dict[str, list[Turn] | Exception] = {}
+        for name, script in SCRIPTS.items():
+            try:
+                self._played[name] = script(state.router, state.served_model_name, False)
+            except Exception as exc:  # noqa: BLE001  (raised again by the test that needs it)
+                self._played[name] = exc
+
+    def __getitem__(self, name: str) -> list[Turn]:
+        played = self._played[name]
+        if isinstance(played, Exception):
+            raise AssertionError(f"{name} failed on the single engine") from played
+        return played
 
 
 @pytest.fixture(scope="module")
-def references(clusters: ClusterPool) -> dict[str, list[Turn]]:
-    """Every script on the single plain engine, played before the pair starts."""
-    _, state = clusters.get(SINGLE)
-    return {name: script(state.router, state.served_model_name, False)
-            for name, script in SCRIPTS.items()}
+def references(clusters: ClusterPool) -> References:
+    return References(clusters.get(SINGLE)[1])
 
 
 @pytest.fixture
@@ -285,7 +129,7 @@ def check_reused(turn: Turn, n: int, cached: int | None) -> None:
 # -- the tests -------------------------------------------------------------------------------
 
 def test_a_response_chain_through_openai_python_equals_a_single_engine(
-        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
     _, state = cluster
     turns = responses_chain(state.router, state.served_model_name, True)
     root = turns[0]["id"]
@@ -311,18 +155,18 @@ def test_a_response_chain_through_openai_python_equals_a_single_engine(
 
 
 def test_store_false_with_the_whole_history_each_turn(
-        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
     """Codex's way: nothing stored, the whole input every turn, a prompt cache key."""
     _, state = cluster
     client = openai.OpenAI(base_url=f"{state.router}/v1", api_key="test", max_retries=0)
     history: list[Any] = []
     for n, question in enumerate(QUESTIONS[:2], start=1):
         history.append({"role": "user", "content": question})
-        response = _create(client, dict(
+        response = create(client, dict(
             model=state.served_model_name, instructions=INSTRUCTIONS, input=history,
             store=False, prompt_cache_key="codex-conversation-1", max_output_tokens=MAX_TOKENS,
             temperature=0, extra_body={"enable_response_messages": True}), stream=n == 2)
-        got = _responses_turn(response)
+        got = responses_turn(response)
         check_equal(references["responses_chain"][n - 1], got, n)
         check_reused(got, n, got["usage"]["input_tokens_details"]["cached_tokens"])
         with pytest.raises(openai.NotFoundError):
@@ -331,7 +175,7 @@ def test_store_false_with_the_whole_history_each_turn(
 
 
 def test_function_tools_out_and_in_on_the_responses_api(
-        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
     _, state = cluster
     turns = responses_tools(state.router, state.served_model_name, True)
     assert turns[0]["output"][0]["type"] == "function_call"
@@ -344,7 +188,7 @@ def test_function_tools_out_and_in_on_the_responses_api(
 
 
 def test_messages_through_the_anthropic_sdk_equal_a_single_engine(
-        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
     _, state = cluster
     turns = messages_turns(state.router, state.served_model_name, True)
     for n, (expected, got) in enumerate(zip(references["messages"], turns, strict=True),
@@ -355,7 +199,8 @@ def test_messages_through_the_anthropic_sdk_equal_a_single_engine(
         assert got["stats"]["turn"] == n
     # Errors on this route are Anthropic's shape.
     client = anthropic.Anthropic(base_url=state.router, api_key="test", max_retries=0,
-                                 default_headers={"X-TurnKV-TTL": "-1"})
+                                 default_headers={"X-TurnKV-Session": "claude-2",
+                                                  "X-TurnKV-TTL": "-1"})
     with pytest.raises(anthropic.BadRequestError) as refused:
         client.messages.create(model=state.served_model_name, max_tokens=4,
                                messages=[{"role": "user", "content": "hi"}])
@@ -365,7 +210,7 @@ def test_messages_through_the_anthropic_sdk_equal_a_single_engine(
 
 
 def test_the_agents_sdk_default_runner_equals_a_single_engine(
-        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
     _, state = cluster
     calls = agents_runs(state.router, state.served_model_name, True)
     expected = references["agents"]
@@ -401,7 +246,7 @@ def test_the_examples_run_against_the_router(cluster: tuple[Cluster, ClusterStat
 
 # Last: it kills the router the tests above use.
 def test_the_responses_state_survives_a_router_killed_between_turns(
-        references: dict[str, list[Turn]], cluster: tuple[Cluster, ClusterState]) -> None:
+        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
     launched, state = cluster
     expected = references["responses_chain"]
     heir = RouterProcess(launched, Path(state.run_dir) / "logs" / "router-heir.log")
@@ -418,7 +263,7 @@ def test_the_responses_state_survives_a_router_killed_between_turns(
         two = second.responses.create(input=QUESTIONS[1], previous_response_id=one["id"],
                                       **args).model_dump(mode="json")
         for n, got in enumerate((one, two), start=1):
-            verdict = compare(expected[n - 1]["completion"], _responses_turn(got)["completion"])
+            verdict = compare(expected[n - 1]["completion"], responses_turn(got)["completion"])
             assert verdict.acceptable, f"turn {n}: {verdict.describe()}"
         assert two["turnkv"]["session_id"] == one["id"]
         assert two["turnkv"]["prompt_tokens"]["prefill_reused"] > 0
