@@ -42,6 +42,7 @@ from tests.support.clusters import (
     IDLE_ROUTER,
     RECEIVE_TIMEOUT_S,
     TINY_CACHE_BYTES,
+    TINY_ENGINES,
     ClusterPool,
     ClusterSpec,
     EngineSet,
@@ -117,13 +118,17 @@ def check_equal(expected: Turn, got: Turn, n: int) -> None:
 
 
 def check_reused(turn: Turn, n: int, cached: int | None) -> None:
-    """From the second turn on: KV reused, said in the stats and the API's own usage."""
+    """From the second turn on: KV reused, said in the stats and the API's own usage (a P/D
+    turn's prefill engine's reuse, or in `affinity` the engine's own prefix hits)."""
     stats = turn["stats"]
-    assert stats is not None and stats["prefill_node"] is not None, f"turn {n}: P/D"
-    reused = stats["prompt_tokens"]["prefill_reused"]
+    assert stats is not None, f"turn {n}: no stats"
+    tokens = stats["prompt_tokens"]
+    alone = stats["mode"] == "affinity"
+    assert (stats["prefill_node"] is None) == alone, f"turn {n}: {stats}"
+    reused = tokens["decode_cached"] if alone else tokens["prefill_reused"]
     if n >= 2:
-        assert reused > 0, f"turn {n}: {stats['prompt_tokens']}"
-    assert cached == reused, f"turn {n}: usage says {cached}, stats {stats['prompt_tokens']}"
+        assert reused > 0, f"turn {n}: {tokens}"
+    assert cached == reused, f"turn {n}: usage says {cached}, stats {tokens}"
 
 
 # -- the tests -------------------------------------------------------------------------------
@@ -244,7 +249,7 @@ def test_the_examples_run_against_the_router(cluster: tuple[Cluster, ClusterStat
             reply.stats["prompt_tokens"]["prefill_reused"]
 
 
-# Last: it kills the router the tests above use.
+# After the tests on this module's router: it kills that router.
 def test_the_responses_state_survives_a_router_killed_between_turns(
         references: References, cluster: tuple[Cluster, ClusterState]) -> None:
     launched, state = cluster
@@ -270,6 +275,32 @@ def test_the_responses_state_survives_a_router_killed_between_turns(
         assert second.responses.retrieve(one["id"]).id == one["id"]
     finally:
         heir.stop()
+
+
+# The other serving modes, on the suite's tiny engines of each (no tool calling there before
+# `turnkv up` turns it on: Messages without tools), and `affinity` in front of this module's
+# decode engine, which serves whole turns under the session's lease.
+MODES = {"affinity": ClusterSpec("api-routes-affinity", CLUSTER.engines, RouterView(
+    prefill=0, decode=1, mode="affinity", args=("--engine-leases",)))}
+MODES.update({mode: ClusterSpec(f"api-routes-{mode}", TINY_ENGINES[mode], RouterView())
+              for mode in ("standard", "bidirectional", "push")})
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_serves_both_apis_as_a_single_engine(
+        references: References, clusters: ClusterPool, mode: str) -> None:
+    _, state = clusters.get(MODES[mode])
+    model = state.served_model_name
+    chain = responses_chain(state.router, model, True)
+    messages = messages_turns(state.router, model, True, tools=False)
+    for n, (expected, got) in enumerate(zip(references["responses_chain"], chain,
+                                            strict=True), start=1):
+        check_equal(expected, got, n)
+        check_reused(got, n, got["usage"]["input_tokens_details"]["cached_tokens"])
+    for n, (expected, got) in enumerate(zip(references["messages_without_tools"], messages,
+                                            strict=True), start=1):
+        assert got["content"] == expected["content"], f"turn {n}"
+        check_reused(got, n, got["usage"].get("cache_read_input_tokens"))
 
 
 def _texts(items: list[dict[str, Any]]) -> list[Any]:

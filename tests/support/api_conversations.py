@@ -91,21 +91,22 @@ def responses_tools(base: str, model: str, routed: bool) -> list[Turn]:
     return [responses_turn(first), responses_turn(second)]
 
 
-def messages_turns(base: str, model: str, routed: bool) -> list[Turn]:
+def messages_turns(base: str, model: str, routed: bool, tools: bool = True) -> list[Turn]:
     """The anthropic SDK's `messages.create` (streamed, but the last turn), the session named
-    by turnkv's own header, tools declared throughout: a question, then a tool's result in
-    (after a tool use as a client sends it back), then a question after."""
+    by turnkv's own header, tools declared throughout (unless not `tools`: engines without
+    tool calling refuse them): a question, then a tool's result in (after a tool use as a
+    client sends it back), then a question after."""
     client = anthropic.Anthropic(base_url=base, api_key="test", max_retries=0,
                                  default_headers={"X-TurnKV-Session": "claude-1"})
-    tools = [{"name": "read_file", "description": "Read a file.",
-              "input_schema": READ_FILE["parameters"]}]
+    declared = [{"name": "read_file", "description": "Read a file.",
+                 "input_schema": READ_FILE["parameters"]}] if tools else []
     messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTIONS[0]}]
     turns = []
     for n in range(1, 4):
         # (The SDK has no `temperature` any more; vLLM's route takes it.)
         args: dict[str, Any] = dict(model=model, system=INSTRUCTIONS, messages=messages,
-                                    max_tokens=MAX_TOKENS, tools=tools,
-                                    extra_body={"temperature": 0})
+                                    max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
+                                    **({"tools": declared} if tools else {}))
         if n == 3:
             message = client.messages.create(**args).to_dict()
             turn = {"content": message["content"], "usage": message["usage"],
@@ -200,6 +201,11 @@ def streamed_message(events: Any) -> Turn:
     return {"content": blocks, "usage": usage, "stats": stats}
 
 
+def messages_without_tools(base: str, model: str, routed: bool) -> list[Turn]:
+    return messages_turns(base, model, routed, tools=False)
+
+
 SCRIPTS: dict[str, Callable[[str, str, bool], list[Turn]]] = {
     "responses_chain": responses_chain, "responses_tools": responses_tools,
-    "messages": messages_turns, "agents": agents_runs}
+    "messages": messages_turns, "messages_without_tools": messages_without_tools,
+    "agents": agents_runs}
