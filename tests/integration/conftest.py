@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import suite_summary
+from tests.support.api_conversations import API_CONVERSATIONS
 from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import ROUTER_CLUSTER, SINGLE_SMOLLM2, SINGLE_TINY, ClusterSpec
 from tests.support.reference import SMOLLM2_SCRIPTS, TINY_SCRIPTS, References
@@ -25,21 +26,23 @@ from turnkv_server.models import build_tiny
 #   routers in front of it (`tier-affinity`, `tier-pool`, `tier-admission`);
 # - the tiny turnkv pair with 128-block caches and 3 s leases: `security`, then `load`;
 # - tiny turnkv engines: the shared-session routers, `cached_tokens`, the stock clients, the
-#   faults, then test_router.py, whose last test leaves a decode engine dead;
-# - tiny standard engines: an affinity router in front of the two decode engines, then
-#   test_router.py (a dead decode engine again);
-# - tiny bidirectional engines: the SDK, adapter and example tests (`router_cluster`), then
-#   test_router.py;
+#   Responses and Messages APIs (a turnkv router, then an affinity one), the faults, then
+#   test_router.py, whose last test leaves a decode engine dead;
+# - tiny standard engines: an affinity router in front of the two decode engines, the APIs
+#   through a standard router, then test_router.py (a dead decode engine again);
+# - tiny bidirectional engines: the SDK, adapter and example tests (`router_cluster`), the
+#   APIs, then test_router.py;
+# - tiny push engines: the APIs, then test_router.py;
 # - SmolLM2 turnkv engines (after the single SmolLM2 engine played its references): the demo
 #   agent's test and test_turnkv_connector.py's turns, then its tests of the launcher, the last
 #   of which stops the cluster through `turnkv down`.
 SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "tier-pool",
             "tier-admission", "security",
             "load", "shared-sessions",
-            "usage-turnkv", "stock-clients", "faults", "router-turnkv", "router-affinity",
-            "router-standard",
-            "router-cluster", "router-bidirectional", "router-push", "connector",
-            "connector-launcher")
+            "usage-turnkv", "stock-clients", "api-routes", "api-routes-affinity", "faults",
+            "router-turnkv", "router-affinity", "api-routes-standard", "router-standard",
+            "router-cluster", "api-routes-bidirectional", "router-bidirectional",
+            "api-routes-push", "router-push", "connector", "connector-launcher")
 # Clusters that tests reach through a fixture of this file rather than a `cluster` mark.
 FIXTURE_CLUSTERS = {"router_cluster": ROUTER_CLUSTER, "plain_engine": SINGLE_TINY}
 
@@ -141,10 +144,11 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_references(clusters: ClusterPool) -> References:
-    """The single tiny engine's answers to the suite's conversations (the stock clients' too),
-    all played on the first request, before the first cluster that needs them starts."""
+    """The single tiny engine's answers to the suite's conversations (the stock clients' and
+    the API clients' too), all played on the first request, before the first cluster that
+    needs them starts."""
     references = References(clusters, SINGLE_TINY)
-    references.prefetch((*TINY_SCRIPTS, *STOCK_CONVERSATIONS))
+    references.prefetch((*TINY_SCRIPTS, *STOCK_CONVERSATIONS, *API_CONVERSATIONS))
     return references
 
 

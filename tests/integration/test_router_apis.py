@@ -1,13 +1,16 @@
-"""The Responses and Messages APIs through the router, on real engines (turnkv mode, one prefill
-and one decode engine, tiny model, float32), through the client libraries a user runs:
-openai-python's `responses.create` (chained by `previous_response_id`, streamed and not,
-function tools in and out), the anthropic SDK's `messages.create` (streamed, tools), and the
-OpenAI Agents SDK's default Runner (the Responses API).
+"""The Responses and Messages APIs through the router, on real engines (the suite's tiny turnkv
+engines, float32, behind a turnkv router of this module's own in front of one prefill and one
+decode engine), through the client libraries a user runs: openai-python's `responses.create`
+(chained by `previous_response_id`, streamed and not, function tools in and out), the
+anthropic SDK's `messages.create` (streamed, tools), and the OpenAI Agents SDK's default
+Runner (the Responses API). Then both APIs through a router of every other mode, on the
+suite's engines of that mode.
 
-Each conversation is played first, with the same client code, on a single plain engine (tool
-calling on, as on the pair); through the router every turn must equal it (greedy, float32) and,
-from the second on, report KV reused. The routers keep the Responses state in a real
-redis-server: it survives a router killed between turns.
+Each conversation is played first, with the same client code, on the single tiny engine (tool
+calling on, as on every engine the launcher starts), with the suite's other conversations
+(`tiny_references`); through the router every turn must equal it (greedy, float32) and, from
+the second on, report KV reused. This module's turnkv router keeps the Responses state in a
+real redis-server: it survives a router killed between turns.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from tests.support.api_conversations import (
     INSTRUCTIONS,
     MAX_TOKENS,
     QUESTIONS,
-    SCRIPTS,
     STOPS,
+    ApiConversation,
     Turn,
     agents_runs,
     create,
@@ -38,75 +41,42 @@ from tests.support.api_conversations import (
     responses_tools,
     responses_turn,
 )
+from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import (
-    IDLE_ROUTER,
-    RECEIVE_TIMEOUT_S,
-    TINY_CACHE_BYTES,
     TINY_ENGINES,
-    ClusterPool,
     ClusterSpec,
-    EngineSet,
     RouterProcess,
     RouterView,
     redis_store,
 )
 from tests.support.oracle import compare
-from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState
-from turnkv_server.models import build_tiny
+from tests.support.reference import References
+from turnkv_server.launcher import Cluster, ClusterState
 
-
-def _tool_calling() -> tuple[str, ...]:
-    """vLLM's tool calling on the engines (`tools` with `tool_choice` "required" or a named
-    tool need it): what `turnkv up` turns on by itself where the launcher knows how."""
-    if "tool_call_parser" in ClusterConfig.__dataclass_fields__:
-        return ()
-    return ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-
-
-def _tiny(mode: Any, run_dir: Path, **settings: Any) -> ClusterConfig:
-    return ClusterConfig(mode=mode, model=str(build_tiny()), dtype="float32", run_dir=run_dir,
-                         engine_extra_args=_tool_calling(), **settings)
-
-
-SINGLE = ClusterSpec("single-tiny-tools", EngineSet(
-    "single-tiny-tools", lambda run_dir: _tiny("single", run_dir)))
-CLUSTER = ClusterSpec("api-routes", EngineSet("tiny-turnkv-1p1d-tools", lambda run_dir: _tiny(
-    "turnkv", run_dir, kv_cache_bytes=TINY_CACHE_BYTES, router_args=IDLE_ROUTER,
-    connector_settings={"receive_timeout_s": RECEIVE_TIMEOUT_S})),
-    RouterView(service=redis_store))
+CLUSTER = ClusterSpec("api-routes", TINY_ENGINES["turnkv"], RouterView(service=redis_store))
 pytestmark = pytest.mark.cluster(CLUSTER)
 
 
-# -- the references --------------------------------------------------------------------------
+class ApiReferences:
+    """The single tiny engine's turns of each conversation (`api_conversations.SCRIPTS`), by
+    its name; a conversation that failed there fails the tests that compare with it."""
 
-
-
-class References:
-    """Every script on the single plain engine, played before the pair starts; a script that
-    failed there fails the tests that compare with it, not the others."""
-
-    def __init__(self, state: ClusterState) -> None:
-        self._played: dict[str, list[Turn] | Exception] = {}
-        for name, script in SCRIPTS.items():
-            try:
-                self._played[name] = script(state.router, state.served_model_name, False)
-            except Exception as exc:  # noqa: BLE001  (raised again by the test that needs it)
-                self._played[name] = exc
+    def __init__(self, references: References) -> None:
+        self._references = references
 
     def __getitem__(self, name: str) -> list[Turn]:
-        played = self._played[name]
-        if isinstance(played, Exception):
-            raise AssertionError(f"{name} failed on the single engine") from played
-        return played
-
-
-@pytest.fixture(scope="module")
-def references(clusters: ClusterPool) -> References:
-    return References(clusters.get(SINGLE)[1])
+        return self._references[ApiConversation(name)]
 
 
 @pytest.fixture
-def cluster(clusters: ClusterPool) -> tuple[Cluster, ClusterState]:
+def references(tiny_references: References) -> ApiReferences:
+    return ApiReferences(tiny_references)
+
+
+@pytest.fixture
+def cluster(clusters: ClusterPool, references: ApiReferences) -> tuple[Cluster, ClusterState]:
+    """This module's turnkv router, once the references are played (the pool runs one engine
+    set at a time)."""
     return clusters.get(CLUSTER)
 
 
@@ -134,7 +104,7 @@ def check_reused(turn: Turn, n: int, cached: int | None) -> None:
 # -- the tests -------------------------------------------------------------------------------
 
 def test_a_response_chain_through_openai_python_equals_a_single_engine(
-        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
+        references: ApiReferences, cluster: tuple[Cluster, ClusterState]) -> None:
     _, state = cluster
     turns = responses_chain(state.router, state.served_model_name, True)
     root = turns[0]["id"]
@@ -160,7 +130,7 @@ def test_a_response_chain_through_openai_python_equals_a_single_engine(
 
 
 def test_store_false_with_the_whole_history_each_turn(
-        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
+        references: ApiReferences, cluster: tuple[Cluster, ClusterState]) -> None:
     """Codex's way: nothing stored, the whole input every turn, a prompt cache key."""
     _, state = cluster
     client = openai.OpenAI(base_url=f"{state.router}/v1", api_key="test", max_retries=0)
@@ -180,7 +150,7 @@ def test_store_false_with_the_whole_history_each_turn(
 
 
 def test_function_tools_out_and_in_on_the_responses_api(
-        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
+        references: ApiReferences, cluster: tuple[Cluster, ClusterState]) -> None:
     _, state = cluster
     turns = responses_tools(state.router, state.served_model_name, True)
     assert turns[0]["output"][0]["type"] == "function_call"
@@ -193,7 +163,7 @@ def test_function_tools_out_and_in_on_the_responses_api(
 
 
 def test_messages_through_the_anthropic_sdk_equal_a_single_engine(
-        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
+        references: ApiReferences, cluster: tuple[Cluster, ClusterState]) -> None:
     _, state = cluster
     turns = messages_turns(state.router, state.served_model_name, True)
     for n, (expected, got) in enumerate(zip(references["messages"], turns, strict=True),
@@ -215,7 +185,7 @@ def test_messages_through_the_anthropic_sdk_equal_a_single_engine(
 
 
 def test_the_agents_sdk_default_runner_equals_a_single_engine(
-        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
+        references: ApiReferences, cluster: tuple[Cluster, ClusterState]) -> None:
     _, state = cluster
     calls = agents_runs(state.router, state.served_model_name, True)
     expected = references["agents"]
@@ -251,7 +221,7 @@ def test_the_examples_run_against_the_router(cluster: tuple[Cluster, ClusterStat
 
 # After the tests on this module's router: it kills that router.
 def test_the_responses_state_survives_a_router_killed_between_turns(
-        references: References, cluster: tuple[Cluster, ClusterState]) -> None:
+        references: ApiReferences, cluster: tuple[Cluster, ClusterState]) -> None:
     launched, state = cluster
     expected = references["responses_chain"]
     heir = RouterProcess(launched, Path(state.run_dir) / "logs" / "router-heir.log")
@@ -277,27 +247,27 @@ def test_the_responses_state_survives_a_router_killed_between_turns(
         heir.stop()
 
 
-# The other serving modes, on the suite's tiny engines of each (no tool calling there before
-# `turnkv up` turns it on: Messages without tools), and `affinity` in front of this module's
-# decode engine, which serves whole turns under the session's lease.
+# The other serving modes, each on the suite's tiny engines of its mode, and `affinity` in
+# front of this module's decode engine, which serves whole turns under the session's lease.
 MODES = {"affinity": ClusterSpec("api-routes-affinity", CLUSTER.engines, RouterView(
     prefill=0, decode=1, mode="affinity", args=("--engine-leases",)))}
 MODES.update({mode: ClusterSpec(f"api-routes-{mode}", TINY_ENGINES[mode], RouterView())
               for mode in ("standard", "bidirectional", "push")})
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=pytest.mark.cluster(spec))
+                                  for mode, spec in MODES.items()])
 def test_every_mode_serves_both_apis_as_a_single_engine(
-        references: References, clusters: ClusterPool, mode: str) -> None:
+        references: ApiReferences, clusters: ClusterPool, mode: str) -> None:
     _, state = clusters.get(MODES[mode])
     model = state.served_model_name
     chain = responses_chain(state.router, model, True)
-    messages = messages_turns(state.router, model, True, tools=False)
+    messages = messages_turns(state.router, model, True)
     for n, (expected, got) in enumerate(zip(references["responses_chain"], chain,
                                             strict=True), start=1):
         check_equal(expected, got, n)
         check_reused(got, n, got["usage"]["input_tokens_details"]["cached_tokens"])
-    for n, (expected, got) in enumerate(zip(references["messages_without_tools"], messages,
+    for n, (expected, got) in enumerate(zip(references["messages"], messages,
                                             strict=True), start=1):
         assert got["content"] == expected["content"], f"turn {n}"
         check_reused(got, n, got["usage"].get("cache_read_input_tokens"))

@@ -1,19 +1,19 @@
 """The client conversations of tests/integration/test_router_apis.py, each played through the
 client library a user runs, against a base URL: a single plain engine (the reference) or a
 turnkv router. Each returns what its turns answered (`Turn`): the output, and the router's
-stats where they came back.
+stats where they came back. The single tiny engine plays each (`ApiConversation`) with the
+suite's other conversations, before any pair starts (`tests.support.reference`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import anthropic
+import httpx
 import openai
-from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
-from agents.models.openai_provider import OpenAIProvider
 
 from tests.support.oracle import Completion
 
@@ -91,22 +91,25 @@ def responses_tools(base: str, model: str, routed: bool) -> list[Turn]:
     return [responses_turn(first), responses_turn(second)]
 
 
-def messages_turns(base: str, model: str, routed: bool, tools: bool = True) -> list[Turn]:
+def messages_turns(base: str, model: str, routed: bool) -> list[Turn]:
     """The anthropic SDK's `messages.create` (streamed, but the last turn), the session named
-    by turnkv's own header, tools declared throughout (unless not `tools`: engines without
-    tool calling refuse them): a question, then a tool's result in (after a tool use as a
-    client sends it back), then a question after."""
+    by turnkv's own header, tools declared throughout: a question, then a tool's result in
+    (after a tool use as a client sends it back), then a question after."""
+    # Imported here, as the Agents SDK below: tests/integration/conftest.py imports this
+    # module, and either takes seconds of a core to import.
+    import anthropic
+
     client = anthropic.Anthropic(base_url=base, api_key="test", max_retries=0,
                                  default_headers={"X-TurnKV-Session": "claude-1"})
-    declared = [{"name": "read_file", "description": "Read a file.",
-                 "input_schema": READ_FILE["parameters"]}] if tools else []
+    tools = [{"name": "read_file", "description": "Read a file.",
+              "input_schema": READ_FILE["parameters"]}]
     messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTIONS[0]}]
     turns = []
     for n in range(1, 4):
         # (The SDK has no `temperature` any more; vLLM's route takes it.)
         args: dict[str, Any] = dict(model=model, system=INSTRUCTIONS, messages=messages,
-                                    max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
-                                    **({"tools": declared} if tools else {}))
+                                    max_tokens=MAX_TOKENS, tools=tools,
+                                    extra_body={"temperature": 0})
         if n == 3:
             message = client.messages.create(**args).to_dict()
             turn = {"content": message["content"], "usage": message["usage"],
@@ -132,6 +135,9 @@ def agents_runs(base: str, model: str, routed: bool) -> list[Turn]:
     """The Agents SDK's default Runner (Responses API; nothing stored or chained by the SDK:
     the whole history each call) on an agent with a function tool, run twice: the second run
     on the first's history and a new question."""
+    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
+    from agents.models.openai_provider import OpenAIProvider
+
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="test", max_retries=0)
 
     @function_tool
@@ -201,11 +207,19 @@ def streamed_message(events: Any) -> Turn:
     return {"content": blocks, "usage": usage, "stats": stats}
 
 
-def messages_without_tools(base: str, model: str, routed: bool) -> list[Turn]:
-    return messages_turns(base, model, routed, tools=False)
-
-
 SCRIPTS: dict[str, Callable[[str, str, bool], list[Turn]]] = {
     "responses_chain": responses_chain, "responses_tools": responses_tools,
-    "messages": messages_turns, "messages_without_tools": messages_without_tools,
-    "agents": agents_runs}
+    "messages": messages_turns, "agents": agents_runs}
+
+
+@dataclass(frozen=True)
+class ApiConversation:
+    """A script (`SCRIPTS`, by name) as the reference engine plays it."""
+
+    name: str
+
+    def play(self, base_url: str, model: str, client: httpx.Client) -> list[Turn]:
+        return SCRIPTS[self.name](base_url, model, False)
+
+
+API_CONVERSATIONS = tuple(ApiConversation(name) for name in SCRIPTS)
