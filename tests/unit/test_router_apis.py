@@ -225,6 +225,47 @@ def test_a_streamed_response_keeps_its_events_and_carries_the_stats_on_completed
     asyncio.run(main())
 
 
+def test_a_chains_lineage_takes_its_place_in_the_order_of_session_keys() -> None:
+    """A continuation's lineage names the session its previous response was served in (a
+    chain whose first turn was named by `X-Session-ID` stays that session), after the keys
+    before it in the order (vLLM's session ID) and before those after it (a coding agent's
+    header, Codex's `prompt_cache_key`)."""
+    async def main() -> None:
+        async with cluster(ENGINES, ENGINES) as c, httpx.AsyncClient(timeout=30) as client:
+            async def respond(previous: str | None, headers: dict[str, str] | None = None,
+                              **more: Any) -> dict[str, Any]:
+                reply = await client.post(f"{c.url}/v1/responses", headers=headers, json={
+                    "model": "m", "input": "hi", "previous_response_id": previous, **more})
+                assert reply.status_code == 200, reply.text
+                return dict(reply.json())
+
+            def named(response: dict[str, Any]) -> tuple[str, str]:
+                stats = response["turnkv"]
+                return stats["session_id"], stats["session_source"]
+
+            one = await respond(None, {"X-Session-ID": "conv-7"})
+            assert named(one) == ("conv-7", "vllm")
+            two = await respond(one["id"])
+            assert named(two) == ("conv-7", "lineage")
+            # Later keys in the order do not move a chain out of its session.
+            agent = await respond(two["id"], {"x-claude-code-session-id": "claude-9"})
+            assert named(agent) == ("conv-7", "lineage")
+            codex = await respond(agent["id"], {"originator": "codex_cli_rs"},
+                                  prompt_cache_key="codex-thread-3")
+            assert named(codex) == ("conv-7", "lineage")
+            # An earlier key does, and the chain goes on in that session.
+            moved = await respond(codex["id"], {"X-Session-ID": "conv-8"})
+            assert named(moved) == ("conv-8", "vllm")
+            assert named(await respond(moved["id"])) == ("conv-8", "lineage")
+            # A chain whose root no key named is named by its root.
+            root = await respond(None)
+            assert root["turnkv"]["session_id"] is None
+            assert named(await respond(root["id"])) == (root["id"], "lineage")
+            await settle(c, lambda: all(e.in_flight == 0 for e in c.router.pool.engines()))
+
+    asyncio.run(main())
+
+
 def test_nothing_is_stored_with_store_false_and_background_is_refused() -> None:
     async def main() -> None:
         async with cluster(ENGINES, ENGINES) as c, httpx.AsyncClient(timeout=30) as client:

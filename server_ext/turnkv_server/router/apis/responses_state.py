@@ -10,14 +10,17 @@ way; OpenAI's `instructions` do not carry over, each request's own apply). Each 
 alone: evicting or deleting one never breaks another chain, at the cost of storing a chain's
 history once per response (the bytes bound counts it).
 
-A chain of responses is one session, named by its root response's ID (`lineage_session`): the
-root itself has none (nothing says it will be continued). The lineage is one of the session
-keys, in their order (`tags.read_keys`, docs/protocol.md): a key before it in that order,
-sent with a continuation, names the session instead. The session a chain opens with its
-second response starts on the engines that served the first (`StoredResponse.served_on`),
-where its KV is. A `conversation` names its session itself,
-and the router keeps its items the same way. `store: false` with the whole history every
-turn (Codex's way) keeps nothing here: its session comes from the other keys.
+A chain of responses is one session (`lineage_session`): a continuation's lineage names the
+session the response it continues was served in, and where that response was served in none
+(a root no key named: nothing says it will be continued), its chain's root. So a chain is one
+session, named by its root, or by the key that named its first turns' session (an
+`X-Session-ID`, turnkv's tag) when later turns send only `previous_response_id`. The lineage
+is one of the session keys, in their order (`tags.read_keys`, docs/protocol.md): a key before
+it in that order, sent with a continuation, names the session instead, and the chain goes on
+in that one. The session a chain opens with its second response starts on the engines that
+served the first (`StoredResponse.served_on`), where its KV is. A `conversation` names its
+session itself, and the router keeps its items the same way. `store: false` with the whole
+history every turn (Codex's way) keeps nothing here: its session comes from the other keys.
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ class StoredResponse:
     root: str  # the chain's first response
     input: list[Any]  # the whole input the engines saw, instructions aside
     response: dict[str, Any]  # as the client got it
+
+    def session(self) -> str | None:
+        """The session it was served in (its stats say), if any."""
+        stats = self.response.get("turnkv")
+        session = stats.get("session_id") if isinstance(stats, dict) else None
+        return session if isinstance(session, str) and p.is_valid_id(session) else None
 
     def served_on(self) -> tuple[str | None, str] | None:
         """The (prefill, decode) engines that served it (prefill None: the decode engine
@@ -80,11 +89,11 @@ class StoredResponse:
 
 
 def lineage_session(body: Mapping[str, Any], previous: StoredResponse | None) -> str | None:
-    """The session a Responses request continues by its lineage: the root response of the
-    chain its `previous_response_id` names (`previous`, resolved), else its `conversation`;
-    None for neither."""
+    """The session a Responses request continues by its lineage: the session the response its
+    `previous_response_id` names (`previous`, resolved) was served in, or that response's
+    chain's root where it was served in none; else its `conversation`; None for neither."""
     if previous is not None:
-        return previous.root
+        return previous.session() or previous.root
     return conversation_id(body)
 
 
