@@ -236,7 +236,9 @@ def test_a_transfer_that_times_out(
     # still close that request.
     os.killpg(prefill.ref.pid, signal.SIGSTOP)
     try:
+        # (Usage asked for: the turn's stats then come with it, in the last chunk.)
         fresh = {"model": state.served_model_name, "max_tokens": 4, "stream": True,
+                 "stream_options": {"include_usage": True},
                  "messages": [{"role": "user", "content": "Is anyone there?"}]}
         response = client.post(f"{state.router}/v1/chat/completions", json=fresh)
         # The prefill fails at the read timeout, and the turn is replayed on the decode engine
