@@ -1,4 +1,4 @@
-"""The receiving end's transfers: one `Receive` per transfer ID, and the receiver's timing.
+"""The receiving end's transfers (one `IncomingTransfer` per transfer ID) and its timing.
 
 `receiving.Receiving` runs the protocol (commands, side-channel messages, notifications,
 deadlines); what it knows of each receive lives here (the connections to senders are in
@@ -21,7 +21,7 @@ SLOW_NOTIFICATIONS_S = 1.0
 
 
 @dataclass
-class Receive:
+class IncomingTransfer:
     request_id: str
     transfer_id: str
     peer: str

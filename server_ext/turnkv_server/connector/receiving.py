@@ -53,7 +53,12 @@ from turnkv_server.connector import side_channel as sc
 from turnkv_server.connector.blocktable import BlockTable
 from turnkv_server.connector.cluster_secret import ClusterKeys
 from turnkv_server.connector.identity import Fingerprint
-from turnkv_server.connector.incoming import NOTIF_PREFIX, SILENCE_S, SLOW_NOTIFICATIONS_S, Receive
+from turnkv_server.connector.incoming import (
+    NOTIF_PREFIX,
+    SILENCE_S,
+    SLOW_NOTIFICATIONS_S,
+    IncomingTransfer,
+)
 from turnkv_server.connector.outcomes import Outcomes
 from turnkv_server.connector.sender_links import Link, SenderLinks
 
@@ -74,7 +79,7 @@ class Receiving:
         self._codec = codec
         self._outcomes = outcomes
         self._clock = clock
-        self.receives: dict[str, Receive] = {}
+        self.receives: dict[str, IncomingTransfer] = {}
         self.senders = SenderLinks(agent_name=agent_name, engine_id=engine_id, nixl=nixl,
                                    table=table, fingerprint=fingerprint, codec=codec, keys=keys,
                                    context=context, clock=clock)
@@ -89,8 +94,8 @@ class Receiving:
     def receive(self, request_id: str, transfer_id: str, peer: str, blocks: list[int],
                 first_block: int, timeout_s: float, tokens: int, digest: bytes) -> None:
         now = self._clock()
-        rx = Receive(request_id, transfer_id, peer, blocks, first_block, tokens, digest,
-                     timeout_s, started=now, deadline=now + timeout_s)
+        rx = IncomingTransfer(request_id, transfer_id, peer, blocks, first_block, tokens,
+                              digest, timeout_s, started=now, deadline=now + timeout_s)
         if transfer_id in self.receives:
             # Another request took this transfer ID (one HTTP request that vLLM split into
             # several): a transfer fills one request's blocks; this one computes its own.
@@ -256,7 +261,7 @@ class Receiving:
 
     def tick(self, now: float) -> None:
         self.senders.retry_hellos(now)
-        wanted: dict[str, list[Receive]] = {}
+        wanted: dict[str, list[IncomingTransfer]] = {}
         for rx in list(self.receives.values()):
             try:
                 self._tick(rx, now, wanted)
@@ -275,7 +280,8 @@ class Receiving:
                 for rx in live:
                     rx.last_wanted = now
 
-    def _tick(self, rx: Receive, now: float, wanted: dict[str, list[Receive]]) -> None:
+    def _tick(self, rx: IncomingTransfer, now: float,
+              wanted: dict[str, list[IncomingTransfer]]) -> None:
         if rx.giving_up is None and now > rx.deadline:
             self._give_up(rx, f"no KV within {rx.timeout_s:g} s")
         elif rx.giving_up is not None and now >= rx.release_at:
@@ -303,7 +309,7 @@ class Receiving:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _register(self, rx: Receive) -> None:
+    def _register(self, rx: IncomingTransfer) -> None:
         link = self.senders.get(rx.peer)
         if link.hello != "ok":
             if rx.transfer_id not in link.waiting:
@@ -324,7 +330,7 @@ class Receiving:
                for rx in self.receives.values()):
             self.senders.hello(link, again=True)
 
-    def _give_up(self, rx: Receive, reason: str, cancel: bool = True) -> None:
+    def _give_up(self, rx: IncomingTransfer, reason: str, cancel: bool = True) -> None:
         """Quarantine `rx` (`cancel`: and tell its sender we want nothing more)."""
         if rx.giving_up is not None:
             return
@@ -341,7 +347,7 @@ class Receiving:
         if cancel:
             self._send_cancel(rx.peer, rx.transfer_id)
 
-    def _fault(self, rx: Receive, exc: Exception) -> None:
+    def _fault(self, rx: IncomingTransfer, exc: Exception) -> None:
         """A step of `rx` raised: its state cannot be trusted, so it leaves the table, and its
         blocks are held until its notification or the longest bound."""
         log.error("turnkv: receive %s ended by an internal error; its blocks stay out of use "
@@ -364,10 +370,10 @@ class Receiving:
                 if restarted:
                     self._drain(rx, sender_gone=True)
 
-    def _drain(self, rx: Receive, sender_gone: bool = False) -> None:
+    def _drain(self, rx: IncomingTransfer, sender_gone: bool = False) -> None:
         rx.drain(self._clock(), sc.WRITE_GRACE_S, sender_gone)
 
-    def _settle(self, rx: Receive, reason: str, expired: bool = False) -> None:
+    def _settle(self, rx: IncomingTransfer, reason: str, expired: bool = False) -> None:
         """The quarantine ends; `expired`: with no word from the sender at all."""
         if self.receives.get(rx.transfer_id) is rx:
             del self.receives[rx.transfer_id]
@@ -376,7 +382,7 @@ class Receiving:
             reason)
         self._outcomes.settled(rx.request_id, quarantines_expired=int(expired))
 
-    def _release(self, rx: Receive, reason: str) -> None:
+    def _release(self, rx: IncomingTransfer, reason: str) -> None:
         if self.receives.get(rx.transfer_id) is rx:
             del self.receives[rx.transfer_id]
         log.warning("turnkv: receive %s for %s failed (%s); its blocks will be recomputed",
