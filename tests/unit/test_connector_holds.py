@@ -5,7 +5,7 @@ from __future__ import annotations
 from vllm.v1.core.block_pool import BlockPool
 
 from turnkv_server.connector.holds import BlockHolder
-from turnkv_server.connector.leases import LeasePolicy, LeaseTable
+from turnkv_server.connector.leases import LeaseLimits, LeaseTable
 from turnkv_server.connector.session_epochs import ReleasedSessions
 
 BLOCKS = 32
@@ -22,7 +22,7 @@ class Clock:
 def setup(fraction: float = 1.0) -> tuple[BlockPool, BlockHolder, Clock]:
     pool = BlockPool(num_gpu_blocks=BLOCKS, enable_caching=True, hash_block_size=16)
     clock = Clock()
-    leases = LeaseTable(BLOCKS, LeasePolicy(max_pinned_fraction=fraction), clock)
+    leases = LeaseTable(BLOCKS, LeaseLimits(max_pinned_fraction=fraction), clock)
     return pool, BlockHolder(pool, leases), clock
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from turnkv_server.connector.leases import LeasePolicy, LeaseTable
+from turnkv_server.connector.leases import LeaseLimits, LeaseTable
 
 
 class Clock:
@@ -21,11 +21,11 @@ class Clock:
 
 def table(total: int = 100, fraction: float = 0.5, **policy: float) -> tuple[LeaseTable, Clock]:
     clock = Clock()
-    return LeaseTable(total, LeasePolicy(max_pinned_fraction=fraction, **policy), clock), clock
+    return LeaseTable(total, LeaseLimits(max_pinned_fraction=fraction, **policy), clock), clock
 
 
 def test_clients_may_only_shorten_the_operator_cap() -> None:
-    policy = LeasePolicy(default_ttl_s=60, max_ttl_s=120)
+    policy = LeaseLimits(default_ttl_s=60, max_ttl_s=120)
     assert policy.ttl(None) == 60
     assert policy.ttl(10) == 10
     assert policy.ttl(10_000) == 120
@@ -34,7 +34,7 @@ def test_clients_may_only_shorten_the_operator_cap() -> None:
     for bad in (dict(default_ttl_s=200, max_ttl_s=100), dict(max_pinned_fraction=0.0),
                 dict(max_pinned_fraction=1.5)):
         with pytest.raises(ValueError):
-            LeasePolicy(**bad)
+            LeaseLimits(**bad)
 
 
 def test_a_new_turn_replaces_the_lease_and_frees_the_old_references() -> None:

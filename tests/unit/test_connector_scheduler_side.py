@@ -14,7 +14,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request, RequestStatus
 
 from turnkv_server.connector.identity import token_digest
-from turnkv_server.connector.leases import LeasePolicy
+from turnkv_server.connector.leases import LeaseLimits
 from turnkv_server.connector.orders import ExpectOrder, ReceiveOrder, SendOrder, StreamOrder
 from turnkv_server.connector.scheduler_side import SchedulerSide
 from turnkv_server.engine.protocol import Receive, Send, TurnParams
@@ -42,7 +42,7 @@ def raw_request(rid: str, tokens: int, kv_transfer_params: dict[str, Any] | None
 
 def setup(fraction: float = 1.0) -> tuple[BlockPool, SchedulerSide]:
     pool = BlockPool(num_gpu_blocks=BLOCKS, enable_caching=True, hash_block_size=BLOCK)
-    side = SchedulerSide(BLOCK, LeasePolicy(max_pinned_fraction=fraction))
+    side = SchedulerSide(BLOCK, LeaseLimits(max_pinned_fraction=fraction))
     side.bind(pool, BLOCKS)
     return pool, side
 

@@ -12,7 +12,7 @@ from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.engine.core import EngineCoreProc
 from vllm.v1.request import Request, RequestStatus
 
-from turnkv_server.connector.leases import LeasePolicy
+from turnkv_server.connector.leases import LeaseLimits
 from turnkv_server.connector.scheduler_side import SchedulerSide
 from turnkv_server.connector.vllm_connector import TurnkvConnector, find_engine_core_wakeup
 
@@ -23,7 +23,7 @@ def scheduler_connector() -> tuple[TurnkvConnector, BlockPool]:
     """The scheduler's connector on a real block pool (vLLM's config is not needed here)."""
     pool = BlockPool(num_gpu_blocks=BLOCKS, enable_caching=True, hash_block_size=16)
     connector = TurnkvConnector.__new__(TurnkvConnector)
-    connector._scheduler = SchedulerSide(16, LeasePolicy())
+    connector._scheduler = SchedulerSide(16, LeaseLimits())
     connector._worker = None
     connector.bind_gpu_block_pool(pool)
     return connector, pool

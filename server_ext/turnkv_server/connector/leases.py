@@ -58,7 +58,7 @@ _Entry = TypeVar("_Entry", bound=tuple[Any, ...])
 
 
 @dataclass(frozen=True)
-class LeasePolicy:
+class LeaseLimits:
     """The operator's settings: TTLs in seconds, and the pin cap as a share of the cache."""
 
     default_ttl_s: float = 300.0
@@ -127,11 +127,11 @@ class Released:
 class LeaseTable:
     """The leases of one engine with `total_blocks` KV blocks; see the module docstring."""
 
-    def __init__(self, total_blocks: int, policy: LeasePolicy | None = None,
+    def __init__(self, total_blocks: int, policy: LeaseLimits | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if total_blocks < 1:
             raise ValueError("total_blocks must be at least 1")
-        self.policy = policy or LeasePolicy()
+        self.policy = policy or LeaseLimits()
         self.cap_blocks = int(total_blocks * self.policy.max_pinned_fraction)
         self._clock = clock
         self._leases: dict[str, Lease] = {}

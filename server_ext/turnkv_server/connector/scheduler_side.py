@@ -49,7 +49,7 @@ from typing import Any
 from turnkv_server.connector.holds import BlockHolder, BlockPool, release_leases_before_reset
 from turnkv_server.connector.identity import token_digest
 from turnkv_server.connector.idle_expiry import IdleExpiry
-from turnkv_server.connector.leases import LeasePolicy, LeaseTable
+from turnkv_server.connector.leases import LeaseLimits, LeaseTable
 from turnkv_server.connector.orders import (
     ExpectOrder,
     ReceiveOrder,
@@ -74,14 +74,14 @@ NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISH
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, policy: LeasePolicy | None = None,
+    def __init__(self, block_size: int, policy: LeaseLimits | None = None,
                  max_quarantined_fraction: float = 0.25) -> None:
         """`max_quarantined_fraction`: the share of the cache above which quarantined blocks
         stop new receives."""
         if not 0 <= max_quarantined_fraction <= 1:
             raise ValueError("max_quarantined_fraction must be in [0, 1]")
         self.block_size = block_size
-        self.policy = policy or LeasePolicy()
+        self.policy = policy or LeaseLimits()
         self.max_quarantined_fraction = max_quarantined_fraction
         self.holder: BlockHolder | None = None
         self.room: Room | None = None

@@ -59,7 +59,7 @@ from turnkv_server.connector import settings  # noqa: E402
 from turnkv_server.connector import stats as stats_  # noqa: E402
 from turnkv_server.connector.engine_identity import engine_fingerprint  # noqa: E402
 from turnkv_server.connector.layout import check_parallelism  # noqa: E402
-from turnkv_server.connector.leases import LeasePolicy  # noqa: E402
+from turnkv_server.connector.leases import LeaseLimits  # noqa: E402
 from turnkv_server.connector.orders import StepOrders  # noqa: E402
 from turnkv_server.connector.scheduler_side import SchedulerSide  # noqa: E402
 from turnkv_server.connector.worker_side import WorkerSide  # noqa: E402
@@ -181,7 +181,7 @@ class TurnkvConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            policy = LeasePolicy(
+            policy = LeaseLimits(
                 default_ttl_s=float(extra.get("lease_ttl_s", 300.0)),
                 max_ttl_s=float(extra.get("lease_max_ttl_s", 900.0)),
                 max_pinned_fraction=float(extra.get("max_pinned_fraction", 0.5)))
