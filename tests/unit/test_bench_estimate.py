@@ -12,9 +12,9 @@ from turnkv_server.bench.estimate import (
     MODES,
     PUBLISHED,
     QWEN3_32B,
-    Cluster,
     Knob,
     ModelShape,
+    NodePair,
     TurnShape,
     blog_workload,
     calibrate,
@@ -35,7 +35,7 @@ from turnkv_server.bench.report import estimate_summary_markdown, estimate_turns
 # prefill and 1 ms of transfer per token, which makes every figure below countable by hand.
 TOY = ModelShape(name="toy", active_params=0.5e12, layers=10, attn_heads=0, qk_head_dim=1,
                  v_head_dim=1, kv_bytes_per_token=1_000_000)
-TOY_CLUSTER = Cluster(name="toy", gpus_per_instance=1, peak_flops_per_gpu=1e15, mfu=1.0,
+TOY_CLUSTER = NodePair(name="toy", gpus_per_instance=1, peak_flops_per_gpu=1e15, mfu=1.0,
                       link_bytes_per_s=1e9, link_efficiency=1.0, fixed_ms=5.0)
 
 

@@ -89,7 +89,7 @@ GLM5 = ModelShape(
 
 
 @dataclass(frozen=True)
-class Cluster:
+class NodePair:
     """One prefill instance and one decode instance, each a whole node, and the link between."""
 
     name: str
@@ -102,13 +102,13 @@ class Cluster:
 
 
 def h200_efa(peak_flops_per_gpu: float, *, mfu: float = 0.4, link_efficiency: float = 0.6,
-             fixed_ms: float = 30.0) -> Cluster:
+             fixed_ms: float = 30.0) -> NodePair:
     """AWS p5en-like: 8 x H200 per node, EFA at 3,200 Gbps per node (16 x 200 Gbps EFAv3).
 
     H200 dense peak: 989 TFLOPS bf16, 1,979 TFLOPS fp8 (NVIDIA's figures halved from the
     with-sparsity ones). `mfu`, `link_efficiency` and `fixed_ms` are assumptions; change them.
     """
-    return Cluster(
+    return NodePair(
         name="8xH200 + EFA 3.2 Tbps",
         gpus_per_instance=8,
         peak_flops_per_gpu=peak_flops_per_gpu,
@@ -163,13 +163,13 @@ def prefill_flops(model: ModelShape, start: int, end: int) -> float:
     return linear + attn + indexer
 
 
-def prefill_ms(model: ModelShape, cluster: Cluster, start: int, end: int) -> float:
+def prefill_ms(model: ModelShape, cluster: NodePair, start: int, end: int) -> float:
     """Prefill time at the cluster's assumed MFU."""
     rate = cluster.peak_flops_per_gpu * cluster.gpus_per_instance * cluster.mfu
     return 1e3 * prefill_flops(model, start, end) / rate
 
 
-def transfer_ms(model: ModelShape, cluster: Cluster, tokens: int) -> float:
+def transfer_ms(model: ModelShape, cluster: NodePair, tokens: int) -> float:
     """Time to move `tokens` tokens' KV between the nodes at the assumed link efficiency."""
     rate = cluster.link_bytes_per_s * cluster.link_efficiency
     return 1e3 * tokens * model.kv_bytes_per_token / rate
@@ -180,7 +180,7 @@ def overlapped_ms(compute_ms: float, transfer: float, layers: int) -> float:
     return max(compute_ms, transfer) + min(compute_ms, transfer) / layers
 
 
-def turn_ttft_ms(model: ModelShape, cluster: Cluster, prompt: int, history: int,
+def turn_ttft_ms(model: ModelShape, cluster: NodePair, prompt: int, history: int,
                  cached_prompt: int) -> dict[str, float]:
     """Each mode's TTFT for a turn of `prompt` tokens whose first `history` tokens are the
     previous prompt and output, and whose first `cached_prompt` are the previous prompt."""
@@ -198,7 +198,7 @@ def turn_ttft_ms(model: ModelShape, cluster: Cluster, prompt: int, history: int,
     }
 
 
-def estimate(model: ModelShape, cluster: Cluster, turns: Sequence[TurnShape],
+def estimate(model: ModelShape, cluster: NodePair, turns: Sequence[TurnShape],
              baseline: str = "standard-nocache") -> list[TurnEstimate]:
     """Per-turn TTFT estimates for one session of `turns`, and speedups (baseline / mode)."""
     out: list[TurnEstimate] = []
@@ -248,7 +248,7 @@ PUBLISHED = (
 )
 
 
-def published_scenarios() -> list[tuple[Published, ModelShape, Cluster]]:
+def published_scenarios() -> list[tuple[Published, ModelShape, NodePair]]:
     """The two published set-ups, with the shapes and clusters this module assumes for them."""
     return [
         (PUBLISHED[0], QWEN3_32B, h200_efa(H200_BF16_FLOPS)),
@@ -256,7 +256,7 @@ def published_scenarios() -> list[tuple[Published, ModelShape, Cluster]]:
     ]
 
 
-def implied_mfu(model: ModelShape, cluster: Cluster, tokens: int, measured_ms: float) -> float:
+def implied_mfu(model: ModelShape, cluster: NodePair, tokens: int, measured_ms: float) -> float:
     """The MFU that a measured cold prefill of `tokens` tokens implies on `cluster`: plug a
     measurement taken on the real hardware back in with `dataclasses.replace(cluster, mfu=...)`."""
     peak = cluster.peak_flops_per_gpu * cluster.gpus_per_instance
@@ -272,9 +272,9 @@ def typical_speedup(rows: Sequence[TurnEstimate], mode: str) -> float:
 Knob = Literal["link_efficiency", "fixed_ms"]
 
 
-def calibrate(model: ModelShape, cluster: Cluster, turns: Sequence[TurnShape],
+def calibrate(model: ModelShape, cluster: NodePair, turns: Sequence[TurnShape],
               published_speedup: float, knob: Knob,
-              mode: str = "bidirectional") -> Cluster | None:
+              mode: str = "bidirectional") -> NodePair | None:
     """The cluster with one assumption (`knob`) refitted so that the model reproduces a
     published speedup of `mode` over the baseline; None if no value of the knob can.
 
@@ -302,7 +302,7 @@ def calibrate(model: ModelShape, cluster: Cluster, turns: Sequence[TurnShape],
     return _with(cluster, knob, (low + high) / 2)
 
 
-def _with(cluster: Cluster, knob: Knob, value: float) -> Cluster:
+def _with(cluster: NodePair, knob: Knob, value: float) -> NodePair:
     if knob == "link_efficiency":
         return replace(cluster, link_efficiency=value)
     return replace(cluster, fixed_ms=value)
@@ -315,7 +315,7 @@ class ScenarioEstimate:
     published: Published
     model: ModelShape
     reading: str  # "as assumed", or which assumption was refitted to the published figure
-    cluster: Cluster
+    cluster: NodePair
     rows: list[TurnEstimate]
 
     def speedup(self, mode: str) -> float:
@@ -328,7 +328,7 @@ def published_estimates() -> list[ScenarioEstimate]:
     out = []
     for pub, model, cluster in published_scenarios():
         turns = blog_workload(pub.context_tokens)
-        readings: list[tuple[str, Cluster | None]] = [("as assumed", cluster)]
+        readings: list[tuple[str, NodePair | None]] = [("as assumed", cluster)]
         readings += [
             (f"{knob} fitted", calibrate(model, cluster, turns, pub.ttft_speedup, knob))
             for knob in get_args(Knob)

@@ -52,7 +52,7 @@ def parse_measured_prefill(text: str) -> tuple[int, float]:
     return parsed
 
 
-def cluster_for(options: EstimateOptions) -> tuple[est.ModelShape, est.Cluster, list[str]]:
+def cluster_for(options: EstimateOptions) -> tuple[est.ModelShape, est.NodePair, list[str]]:
     """The model shape and the cluster with every override applied; and where each came from."""
     if options.model not in MODELS:
         raise PlanError(f"unknown model {options.model!r}; choose from {', '.join(MODELS)}")
