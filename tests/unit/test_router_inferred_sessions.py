@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.test_router_affinity import StandIn, affinity_router
-from turnkv_server.router.conversations import Reply, canonical, prompt_digests
+from turnkv_server.router.conversations import RelayedReply, canonical, prompt_digests
 from turnkv_server.router.inferred_sessions import INFERRED_PREFIX, InferredSessions
 from turnkv_server.router.sessions import SessionKey
 
@@ -185,7 +185,7 @@ def test_the_tables_are_bounded_by_count_and_by_age() -> None:
 def test_the_canonical_form_survives_how_clients_echo_a_reply() -> None:
     call = {"id": "chatcmpl-tool-1", "type": "function",
             "function": {"name": "search", "arguments": '{"q": "fsync", "k": 3}'}}
-    relayed = Reply.of_response({"choices": [{"message": {
+    relayed = RelayedReply.of_response({"choices": [{"message": {
         "role": "assistant", "content": None, "tool_calls": [call],
         "reasoning_content": "let me think"}}]}).message()
     assert relayed is not None
@@ -198,7 +198,7 @@ def test_the_canonical_form_survives_how_clients_echo_a_reply() -> None:
     ]
     for echo in echoes:
         assert canonical(echo) == canonical(relayed), echo
-    streamed = Reply()
+    streamed = RelayedReply()
     for delta in ({"role": "assistant", "content": ""},
                   {"tool_calls": [{"index": 0, "id": "x", "function": {"name": "search",
                                                                        "arguments": ""}}]},
@@ -211,7 +211,7 @@ def test_the_canonical_form_survives_how_clients_echo_a_reply() -> None:
     assert canonical(text) == canonical({"role": "assistant", "content": [
         {"type": "text", "text": "Step one."}]})
     assert canonical(text) != canonical({"role": "assistant", "content": "Step two."})
-    assert Reply().message() is None  # no choice came: no reply to remember
+    assert RelayedReply().message() is None  # no choice came: no reply to remember
 
 
 def test_what_renders_the_conversation_is_part_of_it() -> None:

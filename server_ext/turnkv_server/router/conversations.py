@@ -17,7 +17,7 @@ keys), and for a tool result its `tool_call_id`; reasoning and the rest are left
 messages that differ only in what is left out are taken for one: the router's check of the
 token history stays the last line of defence, and reuse stops where the tokens differ.
 
-The reply as the router relayed it (`Reply`: a whole response's message, or a stream's
+The reply as the router relayed it (`RelayedReply`: a whole response's message, or a stream's
 deltas) is canonicalised the same way.
 """
 
@@ -80,7 +80,7 @@ def canonical(message: dict[str, Any]) -> bytes:
 
 
 @dataclass
-class Reply:
+class RelayedReply:
     """The assistant message a turn answered, as relayed: a whole response's, or gathered
     from a stream's deltas (`feed`)."""
 
@@ -89,7 +89,7 @@ class Reply:
     seen: bool = False  # a choice came: a reply, even an empty one
 
     @classmethod
-    def of_response(cls, data: dict[str, Any]) -> Reply:
+    def of_response(cls, data: dict[str, Any]) -> RelayedReply:
         reply = cls()
         choices = data.get("choices") or []
         message = choices[0].get("message") if choices and isinstance(choices[0], dict) \

@@ -41,7 +41,7 @@ from turnkv_server.router import stats
 from turnkv_server.router.admission import Admission, ClientGone
 from turnkv_server.router.apis.base import Api
 from turnkv_server.router.chunks import ask_usage
-from turnkv_server.router.conversations import Reply
+from turnkv_server.router.conversations import RelayedReply
 from turnkv_server.router.decode import Decode, RelayResponse, drop_decode
 from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
@@ -258,7 +258,7 @@ class Turns:
                      answer.usage, answer.reply, answer.metrics)
         decode.complete(answer.reply, turn_stats)
         await self._remember(turn, decode.plan, turn_stats,
-                             Reply.of_response(data) if self._infers(turn) else None)
+                             RelayedReply.of_response(data) if self._infers(turn) else None)
         api_of(turn).write_whole(data, turn, decode.plan, turn_stats)
         await api_of(turn).answered(data)
         return Response(orjson.dumps(data), media_type="application/json",
@@ -309,7 +309,7 @@ class Turns:
             decode.turn.session.in_flight = False
 
     async def _remember(self, turn: Turn, plan: TurnPlan, turn_stats: p.TurnStats,
-                        reply: Reply | None = None) -> None:
+                        reply: RelayedReply | None = None) -> None:
         """The turn, served: its stats counted, its prefix warm, its session's history (and
         for an inferred session, `reply` as its conversation's latest boundary)."""
         self.metrics.record(turn_stats, tagged=turn.session is not None

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse
 
 from turnkv import protocol as p
-from turnkv_server.router.conversations import Reply
+from turnkv_server.router.conversations import RelayedReply
 from turnkv_server.router.errors import error_response
 from turnkv_server.router.upstream import SseEvent
 
@@ -77,7 +77,7 @@ class Relay(ABC):
         self.whole: dict[str, Any] | None = None
         # The assistant message relayed, gathered for a session inferred from its
         # conversation (`inferred_sessions`: chat only); None where nothing gathers it.
-        self.message: Reply | None = None
+        self.message: RelayedReply | None = None
 
     @abstractmethod
     def read(self, event: SseEvent) -> Seen:

@@ -15,7 +15,7 @@ from turnkv_server.engine.requests import decode_request, prefill_request, token
 from turnkv_server.router import stats as turn_stats
 from turnkv_server.router.apis.base import Answer, Api, Relay, Seen, SseEvent
 from turnkv_server.router.chunks import has_output, strip_token_ids
-from turnkv_server.router.conversations import Reply
+from turnkv_server.router.conversations import RelayedReply
 
 if TYPE_CHECKING:
     from turnkv_server.router.modes.base import Turn, TurnPlan
@@ -81,7 +81,7 @@ class ChatRelay(Relay):
         self._usage_chunk: dict[str, Any] | None = None  # the engine's, held for the stats
         self._done = False
         if turn.session_source == "inferred":
-            self.message = Reply()  # what the conversation goes on with
+            self.message = RelayedReply()  # what the conversation goes on with
 
     def read(self, event: SseEvent) -> Seen:
         self._event, self._chunk = event, None
