@@ -48,7 +48,7 @@ def lc_chunk(content: str = "", **metadata: Any) -> ChatGenerationChunk:
 
 def test_langchain_stream_tail_puts_the_stats_on_the_last_chunk() -> None:
     session = turnkv.session("unit-lc")
-    tail = lc._Tail(session)
+    tail = lc.ChunkTail(session)
     usage = {"input_tokens": 50, "output_tokens": 3, "total_tokens": 53,
              "input_token_details": {"cache_read": 7}}  # vLLM's own (wrong under P/D) count
     out = [*tail.take(lc_chunk()), *tail.take(lc_chunk("Hel")), *tail.take(lc_chunk("lo"))]
@@ -70,7 +70,7 @@ def test_langchain_stream_tail_puts_the_stats_on_the_last_chunk() -> None:
 
 
 def test_langchain_stream_tail_without_stats_changes_nothing() -> None:
-    tail = lc._Tail(turnkv.session("unit-lc-none"))
+    tail = lc.ChunkTail(turnkv.session("unit-lc-none"))
     assert tail.take(lc_chunk("a")) and tail.take(lc_chunk()) == []
     rest = tail.finish()
     assert len(rest) == 1 and "turnkv" not in rest[0].message.response_metadata
@@ -83,7 +83,7 @@ def li_response(delta: str, text: str, raw: Any = None) -> ChatResponse:
 
 def test_llamaindex_stream_tail_puts_the_stats_on_the_last_response() -> None:
     session = turnkv.session("unit-li")
-    tail = li._Tail(session, since=0)
+    tail = li.ResponseTail(session, since=0)
     out = [*tail.take(li_response("", "")), *tail.take(li_response("Hi", "Hi"))]
     assert [r.delta for r in out] == ["", "Hi"]
     assert tail.take(li_response("", "Hi", raw={"choices": [], "usage": {}})) == []

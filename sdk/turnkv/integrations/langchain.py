@@ -30,6 +30,7 @@ from pydantic import PrivateAttr
 from turnkv.core import SessionCore
 from turnkv.http import async_http_client, http_client
 from turnkv.integrations import extra_missing
+from turnkv.integrations.stream_tail import StreamTail
 from turnkv.integrations.turns import (
     STATS_KEY,
     SessionHold,
@@ -115,13 +116,13 @@ class ChatTurnKV(SessionOwner, ChatOpenAI):
         return generation
 
     def _stream(self, *args: Any, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        tail = _Tail(self.session)
+        tail = ChunkTail(self.session)
         for chunk in super()._stream(*args, **kwargs):
             yield from tail.take(chunk)
         yield from tail.finish()
 
     async def _astream(self, *args: Any, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        tail = _Tail(self.session)
+        tail = ChunkTail(self.session)
         async for chunk in super()._astream(*args, **kwargs):
             for out in tail.take(chunk):
                 yield out
@@ -129,41 +130,34 @@ class ChatTurnKV(SessionOwner, ChatOpenAI):
             yield out
 
 
-class _Tail:
-    """Holds back a stream's content-less chunks (role, usage, the router's stats chunk), so
-    that the last chunk can carry the turn's stats: the session records them only once the
-    response has been read to its end. Content chunks pass through at once."""
+class ChunkTail(StreamTail[ChatGenerationChunk]):
+    """A LangChain stream's tail: the turn's stats go on its last chunk, its usage on the chunk
+    that reported usage (vLLM's usage chunk), else on the last one."""
 
     def __init__(self, session: SessionCore) -> None:
-        self.session = session
-        self.since = len(session.turns)
-        self.held: list[ChatGenerationChunk] = []
+        super().__init__(session)
         self.cache_read_sent = 0  # cache_read already reported by chunks passed through
 
-    def take(self, chunk: ChatGenerationChunk) -> list[ChatGenerationChunk]:
-        message = chunk.message
-        if not message.content and not getattr(message, "tool_call_chunks", None):
-            self.held.append(chunk)
-            return []
-        out, self.held = [*self.held, chunk], []
-        for sent in out:
-            self.cache_read_sent += _cache_read_of(sent.message)
+    def take(self, item: ChatGenerationChunk) -> list[ChatGenerationChunk]:
+        out = super().take(item)
+        self.cache_read_sent += sum(_cache_read_of(sent.message) for sent in out)
         return out
 
-    def finish(self) -> list[ChatGenerationChunk]:
-        wire = next((w for c in self.held
-                     if isinstance(w := c.message.response_metadata.get(STATS_KEY), dict)),
-                    None)
-        stats = stats_for(self.session, wire, since=self.since)
-        if stats is None:
-            return self.held
-        for chunk in self.held:
+    def carries_content(self, item: ChatGenerationChunk) -> bool:
+        return bool(item.message.content or getattr(item.message, "tool_call_chunks", None))
+
+    def wire(self, item: ChatGenerationChunk) -> dict[str, Any] | None:
+        value = item.message.response_metadata.get(STATS_KEY)
+        return value if isinstance(value, dict) else None
+
+    def attach(self, held: list[ChatGenerationChunk], stats: TurnStats
+               ) -> list[ChatGenerationChunk]:
+        for chunk in held:
             chunk.message.response_metadata.pop(STATS_KEY, None)
-        if not self.held:
-            self.held.append(ChatGenerationChunk(message=AIMessageChunk(content="")))
-        last = self.held[-1].message
-        # Usage goes on the chunk that reported it (vLLM's usage chunk), else the last one.
-        usage_chunk = next((c.message for c in self.held
+        if not held:
+            held.append(ChatGenerationChunk(message=AIMessageChunk(content="")))
+        last = held[-1].message
+        usage_chunk = next((c.message for c in held
                             if isinstance(c.message, AIMessageChunk) and c.message.usage_metadata),
                            last)
         if isinstance(usage_chunk, AIMessageChunk):
@@ -172,7 +166,7 @@ class _Tail:
         if isinstance(last, AIMessageChunk):
             # LangChain appends an empty closing chunk unless the last one says it is last.
             last.chunk_position = "last"
-        return self.held
+        return held
 
 
 def _cache_read_of(message: BaseMessage) -> int:

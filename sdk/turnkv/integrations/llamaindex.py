@@ -28,6 +28,7 @@ from typing import Any
 from turnkv.core import SessionCore
 from turnkv.http import async_http_client, http_client
 from turnkv.integrations import extra_missing
+from turnkv.integrations.stream_tail import StreamTail
 from turnkv.integrations.turns import (
     STATS_KEY,
     SessionHold,
@@ -135,14 +136,14 @@ class TurnKVLLM(SessionOwner, OpenAILike):
 
     def _stream_tail(self, inner: ChatResponseGen, since: int
                      ) -> Generator[ChatResponse, None, None]:
-        tail = _Tail(self.session, since)
+        tail = ResponseTail(self.session, since)
         for response in inner:
             yield from tail.take(response)
         yield from tail.finish()
 
     async def _astream_tail(self, inner: ChatResponseAsyncGen, since: int
                             ) -> AsyncGenerator[ChatResponse, None]:
-        tail = _Tail(self.session, since)
+        tail = ResponseTail(self.session, since)
         async for response in inner:
             for out in tail.take(response):
                 yield out
@@ -150,34 +151,31 @@ class TurnKVLLM(SessionOwner, OpenAILike):
             yield out
 
 
-class _Tail:
-    """Holds back a stream's content-less responses (usage, the router's stats chunk) so that
-    the last response can carry the turn's stats: the session records a streamed turn only
-    once the stream has been read to its end. Content passes through at once."""
+class ResponseTail(StreamTail[ChatResponse]):
+    """A LlamaIndex stream's tail: the turn's stats go on its last response (a copy of the
+    stream's last message where no response was held)."""
 
     def __init__(self, session: SessionCore, since: int) -> None:
-        self.session = session
-        self.since = since  # turns recorded before the call
-        self.held: list[ChatResponse] = []
+        super().__init__(session, since)
         self.last: ChatResponse | None = None
 
-    def take(self, response: ChatResponse) -> list[ChatResponse]:
-        self.last = response
-        if not response.delta and not response.message.additional_kwargs.get("tool_calls"):
-            self.held.append(response)
-            return []
-        out, self.held = [*self.held, response], []
-        return out
+    def take(self, item: ChatResponse) -> list[ChatResponse]:
+        self.last = item
+        return super().take(item)
 
-    def finish(self) -> list[ChatResponse]:
-        wire = next((w for r in self.held if (w := wire_of(r.raw)) is not None), None)
-        stats = stats_for(self.session, wire, since=self.since)
-        if stats is None or self.last is None:
-            return self.held
-        if not self.held:
-            self.held.append(ChatResponse(message=self.last.message, delta=""))
-        _put(self.held[-1], stats)
-        return self.held
+    def carries_content(self, item: ChatResponse) -> bool:
+        return bool(item.delta or item.message.additional_kwargs.get("tool_calls"))
+
+    def wire(self, item: ChatResponse) -> dict[str, Any] | None:
+        return wire_of(item.raw)
+
+    def attach(self, held: list[ChatResponse], stats: TurnStats) -> list[ChatResponse]:
+        if self.last is None:
+            return held
+        if not held:
+            held.append(ChatResponse(message=self.last.message, delta=""))
+        _put(held[-1], stats)
+        return held
 
 
 def _put(response: ChatResponse, stats: TurnStats) -> None:
