@@ -18,6 +18,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (ROOT / "sdk" / "turnkv", ROOT / "server_ext" / "turnkv_server")
+# Duplicates whose rename waits on the router's modes, which are being rewritten: the wire's
+# `turnkv.protocol.TurnStats` (the router's record of a turn, imported by
+# `router/modes/base.py`) is to become `RouterTurnStats`, leaving `turnkv.TurnStats` (that
+# record plus the client's own measurements) the only one. Each entry must still be a
+# duplicate: remove it with the rename.
+WAITING: frozenset[str] = frozenset({"turnkv.TurnStats"})
 
 
 def class_definitions(package: Path, relative_to: Path) -> dict[str, list[str]]:
@@ -33,12 +39,24 @@ def class_definitions(package: Path, relative_to: Path) -> dict[str, list[str]]:
     return found
 
 
-def duplicate_reports(packages: Iterable[Path], relative_to: Path) -> list[str]:
-    """One report per class name defined more than once within one package."""
-    return [f"{package.name}.{name}: {', '.join(places)}"
+def duplicates(packages: Iterable[Path], relative_to: Path) -> dict[str, list[str]]:
+    """Every class name defined more than once within one package (`package.Name`), and
+    where."""
+    return {f"{package.name}.{name}": places
             for package in packages
             for name, places in sorted(class_definitions(package, relative_to).items())
-            if len(places) > 1]
+            if len(places) > 1}
+
+
+def duplicate_reports(packages: Iterable[Path], relative_to: Path,
+                      waiting: frozenset[str] = frozenset()) -> list[str]:
+    """One report per duplicate class name not `waiting`, and per `waiting` name that is no
+    longer a duplicate."""
+    found = duplicates(packages, relative_to)
+    return ([f"{name}: {', '.join(places)}" for name, places in found.items()
+             if name not in waiting]
+            + [f"{name}: no longer defined twice; take it off WAITING"
+               for name in sorted(waiting - found.keys())])
 
 
 def test_the_packages_are_found() -> None:
@@ -48,7 +66,7 @@ def test_the_packages_are_found() -> None:
 
 
 def test_no_two_classes_of_one_name_within_a_package() -> None:
-    reports = duplicate_reports(PACKAGES, ROOT)
+    reports = duplicate_reports(PACKAGES, ROOT, WAITING)
     if reports:
         pytest.fail(f"{len(reports)} class name(s) defined more than once in one package; "
                     "name each for what it is:\n" + "\n".join(f"  {r}" for r in reports),
@@ -68,5 +86,9 @@ def test_the_check_finds_what_it_is_for(tmp_path: Path) -> None:
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    assert duplicate_reports([tmp_path / "turnkv", tmp_path / "other"], tmp_path) == [
+    packages = [tmp_path / "turnkv", tmp_path / "other"]
+    assert duplicate_reports(packages, tmp_path) == [
         "turnkv.Tail: turnkv/a.py:1, turnkv/sub/b.py:2"]
+    assert duplicate_reports(packages, tmp_path, frozenset({"turnkv.Tail"})) == []
+    assert duplicate_reports(packages, tmp_path, frozenset({"turnkv.Tail", "other.Tail"})) == [
+        "other.Tail: no longer defined twice; take it off WAITING"]
