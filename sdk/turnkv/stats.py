@@ -121,7 +121,8 @@ def estimate_prefill_saved(measured: Sequence[tuple[int, float]], reused: int
 
     Every measured time includes a fixed cost per request and per engine step, which a turn
     that computed few tokens spreads over few of them: a session's average rate, weighed down
-    by such turns, once estimated 167.9 s saved for a 90 s run. The rate is the cost of one
+    by such turns, overestimates what reuse saved (once by more than the run's whole length;
+    docs/sdk.md). The rate is the cost of one
     more token: the slope of a least-squares line through the turns' (tokens, ms), where the
     turns computed different numbers of tokens and the slope is positive, else the lowest
     per-token cost any turn measured; never above that lowest cost. So no turn's estimate

@@ -16,8 +16,8 @@ is *quarantined*: its request is reported as a failed receive, which makes vLLM 
 request's blocks and compute the prompt in other ones, while the scheduler side keeps these
 blocks out of use (`BlockHolder.quarantine`). No time bound on a write makes it safe to hand
 them back earlier: UCX over TCP delivers writes held up by a broken link whenever the link
-comes back, and a 7 s cut once landed a write in blocks a request was recomputing into, 15 s
-after we had last asked for it. The quarantine ends (`settled`):
+comes back, long after the receiver last asked for them (docs/architecture.md, "What the
+connector guarantees"). The quarantine ends (`settled`):
 
 - when the notification arrives after all: every write is in;
 - `WRITE_GRACE_S` after the sender answers our `Cancel` (`Cancelled` or `Failed`, sent once

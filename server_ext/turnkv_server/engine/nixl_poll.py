@@ -3,8 +3,8 @@
 NIXL's Python API creates every agent with a progress-thread poll delay of 0 us: the thread
 busy-polls, and each idle engine burns most of a core. On a host where every engine owns one
 core that ruins both the engine and its neighbour. Disabling the thread deadlocks vLLM's
-connectors, but a poll delay of about a millisecond keeps transfers working at 2-3% idle CPU
-(see docs/install.md). `apply_poll_delay` must run before any agent exists.
+connectors, but a poll delay of about a millisecond keeps transfers working at a small idle
+cost (docs/install.md). `apply_poll_delay` must run before any agent exists.
 """
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ class EngineSpec:
     # line (which every user of the machine can read) nor in a repr or a log.
     side_channel_secret: str | None = field(default=None, repr=False)
     # vLLM's cache folder (`VLLM_CACHE_ROOT`); None: the engine's own. Engines may share one:
-    # what vLLM keeps there on eager engines is its inspection of the model's class (about
-    # 10 s of a core on a cold start), keyed by a hash of the model code, written atomically.
+    # what vLLM keeps there on eager engines is its inspection of the model's class (seconds
+    # of a core on a cold start), keyed by a hash of the model code, written atomically.
     vllm_cache_dir: Path | None = None
 
     @property
@@ -110,7 +110,7 @@ class EngineSpec:
             "--host", self.host,
             "--port", str(self.port),
             "--dtype", self.dtype,
-            # Eager mode: healthy in ~25 s instead of ~60 s, and no compile caches to share.
+            # Eager mode: healthy sooner (docs/deploy.md), and no compile caches to share.
             "--enforce-eager",
             # Without it `usage.prompt_tokens_details.cached_tokens` is null.
             "--enable-prompt-tokens-details",
@@ -350,7 +350,7 @@ def resolve_dtype(dtype: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """``auto`` becomes float32 on CPUs without native bf16 arithmetic.
 
     vLLM's ``auto`` picks the checkpoint's bf16; on a CPU with neither AVX512-BF16 nor AMX it
-    is emulated, and prefill ran about six times slower than float32 on such a host.
+    is emulated, and prefill runs several times slower than in float32 (docs/install.md).
     """
     if dtype != "auto":
         return dtype

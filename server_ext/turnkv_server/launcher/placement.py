@@ -46,9 +46,9 @@ def ucx_environment(host: Host | None, inherited: Mapping[str, str]) -> dict[str
     interface), and whatever `UCX_TLS` the environment holds. On a host: its interface, never
     `lo` (UCX would offer a loopback address to peers on other hosts), and TCP only.
     Simulated hosts share one machine, and UCX left to choose its transports moves KV between
-    them around the simulated network, through the memory they share: measured here, a
-    prompt's 3.4 MB of KV reached the decode engine with 10 kB crossing its host's link, so
-    neither `HostSet.shape` nor `link_down` would have touched it. Real hosts without RDMA
+    them around the simulated network, through the memory they share (almost none of a
+    prompt's KV crossed its host's link; docs/architecture.md), so neither `HostSet.shape`
+    nor `link_down` would have touched it. Real hosts without RDMA
     use TCP too (docs/deploy.md).
     """
     if host is None:

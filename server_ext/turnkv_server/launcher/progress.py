@@ -30,7 +30,7 @@ class Phase:
     words: str  # `{0}`: the marker's first group
 
 
-# Before its first line an engine imports torch and vLLM (5-10 s on an idle core).
+# Before its first line an engine imports torch and vLLM (seconds, even on an idle core).
 STARTING = "importing vLLM"
 # In the order an engine reaches them; a step's line may be missing (no KV connector in
 # single mode), so an engine is at the furthest step whose line has appeared.

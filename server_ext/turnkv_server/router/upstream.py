@@ -1,9 +1,9 @@
 """The engines behind the router: HTTP to them. Which engines serve a turn is `placement`.
 
-HTTP: aiohttp rather than httpx here, for cost: on this project's 2-core test machine an
-`httpx.AsyncClient` request to a local server took 2.6 ms of CPU, aiohttp 0.5 ms
-(scratch measurement, 1,000 requests each), and the router makes two or three of them per
-turn on cores the engines also need. JSON goes through orjson for the same reason.
+HTTP: aiohttp rather than httpx here, for cost: an aiohttp request takes a fraction of the
+CPU of an `httpx.AsyncClient` one (docs/architecture.md, "What the router costs"), and the
+router makes two or three of them per turn on cores the engines also need. JSON goes through
+orjson for the same reason.
 
 Everything that means "the engine could not be reached or broke the connection" (refused,
 reset, a timeout, a truncated body) is raised as one exception, `EngineConnectionError`, naming
