@@ -1,12 +1,22 @@
-"""The connector's settings: where the side channel listens, and where its secret comes from."""
+"""The connector's settings: each read once from the extra config, with one default; where the
+side channel listens, and where its secret comes from."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 
-from turnkv_server.connector.settings import side_channel_listen, side_channel_secret
+from turnkv_server.connector.leases import LeaseLimits
+from turnkv_server.connector.scheduler_side import SchedulerSide
+from turnkv_server.connector.settings import (
+    ConnectorSettings,
+    side_channel_listen,
+    side_channel_secret,
+)
+from turnkv_server.connector.transport import TransferAgent
+from turnkv_server.tier import session_order
 
 SECRET = "s3cr3t-" * 6
 ENV = "TURNKV_SIDE_CHANNEL_SECRET"
@@ -63,3 +73,30 @@ def test_port_0_binds_a_free_port_and_no_port_no_side_channel() -> None:
     assert side_channel_listen({}, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "h",
                                     "VLLM_NIXL_SIDE_CHANNEL_PORT": "7"}) == ("h", 7)
     assert side_channel_listen({}, {}) is None
+
+
+def test_each_setting_is_read_from_the_extra_config_with_its_type() -> None:
+    """vLLM hands the extra config over as JSON gave it: numbers, or strings from a shell."""
+    given = ConnectorSettings.from_extra({
+        "lease_ttl_s": 60, "lease_max_ttl_s": "120", "max_pinned_fraction": "0.25",
+        "receive_timeout_s": 30, "layer_writes": "false", "side_channel_port": 0})
+    assert given == ConnectorSettings(lease_ttl_s=60.0, lease_max_ttl_s=120.0,
+                                      max_pinned_fraction=0.25, receive_timeout_s=30.0,
+                                      layer_writes=False)
+    assert ConnectorSettings.from_extra({}) == ConnectorSettings()
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        ConnectorSettings.from_extra({"lease_ttl_s": "soon"})
+
+
+def test_the_parts_default_to_the_settings_defaults() -> None:
+    """A part built without a setting (a test, the tier's policy) behaves as an engine whose
+    extra config leaves it out: one default per setting."""
+    defaults = ConnectorSettings()
+    assert LeaseLimits() == LeaseLimits(defaults.lease_ttl_s, defaults.lease_max_ttl_s,
+                                        defaults.max_pinned_fraction)
+    init = inspect.signature(TransferAgent.__init__).parameters
+    assert init["receive_timeout_s"].default == defaults.receive_timeout_s
+    assert init["send_timeout_s"].default == defaults.send_timeout_s
+    init = inspect.signature(SchedulerSide.__init__).parameters
+    assert init["max_quarantined_fraction"].default == defaults.max_quarantined_fraction
+    assert defaults.lease_ttl_s == session_order.DEFAULT_TTL_S

@@ -17,6 +17,7 @@ Secrets are placeholders, and referenced.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 import shutil
@@ -35,6 +36,7 @@ import yaml
 
 from tests.support.prerequisites import cannot_run
 from turnkv_server.connector.cluster_secret import check_secret
+from turnkv_server.connector.settings import ConnectorSettings
 from turnkv_server.launcher.engine import SECRET_ENV
 from turnkv_server.launcher.kv_transfer import kv_transfer_config
 from turnkv_server.router.__main__ import parse_args
@@ -224,8 +226,9 @@ def test_engines_load_the_turnkv_connector_as_the_launcher_does(overlay: str) ->
     deployments = engines(overlay)
     assert {d["metadata"]["labels"]["turnkv/role"] for d in deployments.values()} == {
         "prefill", "decode"}
-    known = {name for source in CONNECTOR_SOURCES
-             for name in re.findall(r"extra\.get\(\"(\w+)\"", source.read_text())}
+    known = {f.name for f in dataclasses.fields(ConnectorSettings)} | {
+        name for source in CONNECTOR_SOURCES
+        for name in re.findall(r"extra\.get\(\"(\w+)\"", source.read_text())}
     engine_ids = set()
     for name, deployment in deployments.items():
         assert deployment["spec"]["replicas"] == 1, name

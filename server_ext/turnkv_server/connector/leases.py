@@ -53,6 +53,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from turnkv_server.connector.settings import ConnectorSettings
+
 # Victim heap entries end with (version, session), whatever comes before.
 _Entry = TypeVar("_Entry", bound=tuple[Any, ...])
 
@@ -61,9 +63,9 @@ _Entry = TypeVar("_Entry", bound=tuple[Any, ...])
 class LeaseLimits:
     """The operator's settings: TTLs in seconds, and the pin cap as a share of the cache."""
 
-    default_ttl_s: float = 300.0
-    max_ttl_s: float = 900.0
-    max_pinned_fraction: float = 0.5
+    default_ttl_s: float = ConnectorSettings.lease_ttl_s
+    max_ttl_s: float = ConnectorSettings.lease_max_ttl_s
+    max_pinned_fraction: float = ConnectorSettings.max_pinned_fraction
 
     def __post_init__(self) -> None:
         if not 0 < self.default_ttl_s <= self.max_ttl_s:

@@ -61,6 +61,7 @@ from turnkv_server.connector.pending_sends import PendingSends
 from turnkv_server.connector.request_view import Request
 from turnkv_server.connector.room import Room
 from turnkv_server.connector.session_leases import SessionLeases
+from turnkv_server.connector.settings import ConnectorSettings
 from turnkv_server.connector.stats import SchedulerCounters
 from turnkv_server.connector.tracked import TrackedRequest
 from turnkv_server.engine.protocol import KEY, BadParams, TurnParams, TurnReply, parse
@@ -75,7 +76,8 @@ NORMAL_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISH
 
 class SchedulerSide:
     def __init__(self, block_size: int, policy: LeaseLimits | None = None,
-                 max_quarantined_fraction: float = 0.25) -> None:
+                 max_quarantined_fraction: float = ConnectorSettings.max_quarantined_fraction
+                 ) -> None:
         """`max_quarantined_fraction`: the share of the cache above which quarantined blocks
         stop new receives."""
         if not 0 <= max_quarantined_fraction <= 1:

@@ -2,15 +2,8 @@
 
 In ``kv_connector_extra_config`` unless said otherwise:
 
-- ``lease_ttl_s`` (300), ``lease_max_ttl_s`` (900): the default lease and the operator's cap;
-- ``max_pinned_fraction`` (0.5): the share of the cache leases may hold;
-- ``max_quarantined_fraction`` (0.25): the share of the cache that blocks of given-up receives
-  may hold (a late write may still land in them) before this engine stops starting receives
-  and computes prompts itself;
-- ``receive_timeout_s`` (120), ``send_timeout_s`` (60): how long a transfer may take to start;
-- ``layer_writes`` (true): write a prefill's KV layer by layer while it computes, when the
-  receiver has registered (CPU caches; a GPU cache gets one write at the end, see
-  `worker_side`);
+- the leases, the quarantine's cap, the transfers' timeouts and layer-by-layer writes:
+  `ConnectorSettings`, each field under its own name, with its default and what it does;
 - ``side_channel_host``/``side_channel_port``: where peers reach this engine (default: vLLM's
   ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``; neither port set: no side channel). Port 0
   binds a free port when the worker starts; with the environment variable
@@ -34,8 +27,9 @@ adopted (`require_recompute`) and refuses to start otherwise.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from turnkv_server.connector.cluster_secret import check_secret
 
@@ -48,6 +42,45 @@ _LOGGED_SECRET_SETTINGS = ("side_channel_secret",)
 
 def flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).lower() not in ("0", "false", "no")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """The connector's settings in ``kv_connector_extra_config``, each under its field's name,
+    declared here once: the parts built from them (`leases.LeaseLimits`, `SchedulerSide`,
+    `TransferAgent`) default to these."""
+
+    # The lease a session gets without a TTL hint, and the operator's cap on any.
+    lease_ttl_s: float = 300.0
+    lease_max_ttl_s: float = 900.0
+    # The share of the cache leases may hold.
+    max_pinned_fraction: float = 0.5
+    # The share of the cache that blocks of given-up receives may hold (a late write may still
+    # land in them) before this engine stops starting receives and computes prompts itself.
+    max_quarantined_fraction: float = 0.25
+    # How long a transfer may take to start, receiving and sending.
+    receive_timeout_s: float = 120.0
+    send_timeout_s: float = 60.0
+    # Write a prefill's KV layer by layer while it computes, when the receiver has registered
+    # (CPU caches; a GPU cache gets one write at the end, see `worker_side`).
+    layer_writes: bool = True
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        """The settings `extra` gives (as numbers, or strings from a shell), the defaults for
+        the rest; other keys are other parts' (the side channel's, the tier's)."""
+        types = get_type_hints(cls)
+        given: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in extra:
+                continue
+            value = extra[f.name]
+            try:
+                given[f.name] = flag(value) if types[f.name] is bool else float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"turnkv: kv_connector_extra_config.{f.name} must be a "
+                                 f"number, not {value!r}") from None
+        return cls(**given)
 
 
 def refuse_secret_in_config(extra: Mapping[str, Any]) -> None:

@@ -54,6 +54,7 @@ from turnkv_server.connector.identity import Fingerprint
 from turnkv_server.connector.outcomes import Outcomes, TransferResults
 from turnkv_server.connector.receiving import Receiving
 from turnkv_server.connector.sending import Sending
+from turnkv_server.connector.settings import ConnectorSettings
 from turnkv_server.connector.writes import Writer
 
 __all__ = ["TransferAgent", "TransferResults"]
@@ -69,7 +70,8 @@ class TransferAgent:
     """One engine's end of the protocol; see the module docstring."""
 
     def __init__(self, engine_id: str, table: BlockTable, listen: tuple[str, int] | None,
-                 receive_timeout_s: float = 120.0, send_timeout_s: float = 60.0, *,
+                 receive_timeout_s: float = ConnectorSettings.receive_timeout_s,
+                 send_timeout_s: float = ConnectorSettings.send_timeout_s, *,
                  secret: bytes, fingerprint: Fingerprint,
                  clock: Callable[[], float] = time.monotonic) -> None:
         from nixl._api import nixl_agent, nixl_agent_config

@@ -180,21 +180,19 @@ class TurnkvConnector(KVConnectorBase_V1):
         settings.refuse_secret_in_config(extra)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        given = settings.ConnectorSettings.from_extra(extra)
         if role == KVConnectorRole.SCHEDULER:
-            policy = LeaseLimits(
-                default_ttl_s=float(extra.get("lease_ttl_s", 300.0)),
-                max_ttl_s=float(extra.get("lease_max_ttl_s", 900.0)),
-                max_pinned_fraction=float(extra.get("max_pinned_fraction", 0.5)))
+            policy = LeaseLimits(given.lease_ttl_s, given.lease_max_ttl_s,
+                                 given.max_pinned_fraction)
             self._scheduler = SchedulerSide(
                 vllm_config.cache_config.block_size, policy,
-                max_quarantined_fraction=float(extra.get("max_quarantined_fraction", 0.25)))
+                max_quarantined_fraction=given.max_quarantined_fraction)
         else:
             self._worker = WorkerSide(
                 str(self._kv_transfer_config.engine_id),
                 settings.side_channel_listen(extra, os.environ),
-                float(extra.get("receive_timeout_s", 120.0)),
-                float(extra.get("send_timeout_s", 60.0)),
-                layer_writes=settings.flag(extra.get("layer_writes", True)),
+                given.receive_timeout_s, given.send_timeout_s,
+                layer_writes=given.layer_writes,
                 secret=settings.side_channel_secret(extra, os.environ),
                 fingerprint=engine_fingerprint(vllm_config),
                 report_path=os.environ.get(settings.REPORT_ENV) or None)

@@ -36,11 +36,11 @@ from typing_extensions import override
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
+from turnkv_server.connector.settings import ConnectorSettings
 from turnkv_server.engine.protocol import BadParams, parse
 
-# The connector's default lease (`lease_ttl_s`): how long an un-hinted session is assumed to
-# stay interesting.
-DEFAULT_TTL_S = 300.0
+# The connector's default lease: how long an un-hinted session is assumed to stay interesting.
+DEFAULT_TTL_S = ConnectorSettings.lease_ttl_s
 
 _RELEASED, _UNHINTED, _HINTED = 0, 1, 2
 
