@@ -16,6 +16,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, get_type_hints
 
 from turnkv_server.mode_names import DEFAULT_MODE, ROUTER_MODES, RouterMode
+from turnkv_server.router.sessions import LeasePolicy
 from turnkv_server.router.tags import DEFAULT_TENANT
 from turnkv_server.router.tenants import TenantCaps, default_max_priority, load_tenant_caps
 
@@ -59,9 +60,9 @@ class RouterConfig:
         repeat=True))
     mode: RouterMode = field(default=DEFAULT_MODE, metadata=cli(
         "serving mode (see docs/protocol.md)"))
-    default_ttl: float = field(default=300.0, metadata=cli(
+    default_ttl: float = field(default=LeasePolicy.default_ttl, metadata=cli(
         "seconds a session's lease lasts after a turn that gives no ttl hint"))
-    max_ttl: float = field(default=900.0, metadata=cli(
+    max_ttl: float = field(default=LeasePolicy.max_ttl, metadata=cli(
         "the longest lease a client's hints may ask for, in seconds"))
     max_sessions: int = field(default=10_000, metadata=cli(
         "sessions the table holds; when it is full, the idle session with the lowest priority, "
@@ -151,8 +152,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.mode not in ROUTER_MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(ROUTER_MODES)}")
-        if not 0 < self.default_ttl <= self.max_ttl:
-            raise ValueError("lease policy needs 0 < default_ttl <= max_ttl")
+        LeasePolicy(self.default_ttl, self.max_ttl)  # out of range: ValueError
         if self.engine_read_timeout <= 0:
             raise ValueError("engine_read_timeout must be positive")
         if self.short_delta_tokens < 0:
