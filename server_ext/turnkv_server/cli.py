@@ -21,11 +21,11 @@ from turnkv_server.mode_names import (
     DEFAULT_MODE,
     describe_bench_modes,
 )
-from turnkv_server.router.config import SHORT_DELTA_TOKENS, help_for, itl_target_args
+from turnkv_server.router.config import RouterConfig, help_for, itl_target_args
 
 # `turnkv up` and `turnkv bench` pass it to the router only when given.
 SHORT_DELTA_HELP = (help_for("short_delta_tokens")
-                    + f" (default: the router's, {SHORT_DELTA_TOKENS})")
+                    + f" (default: the router's, {RouterConfig.short_delta_tokens})")
 ITL_TARGET_HELP = help_for("itl_target_ms")
 
 # Click's own help layout (rich_markup_mode=None): rich's option tables cut long option names
@@ -94,7 +94,7 @@ def up(
         metavar="N", help="cores pinned to each engine (one engine on two: --mode single "
                           "--cores-per-engine 2)")] = 1,
     decoder_kv_ttl: Annotated[float, typer.Option(
-        metavar="SECONDS", help=help_for("decoder_kv_ttl"))] = 120.0,
+        metavar="SECONDS", help=help_for("decoder_kv_ttl"))] = RouterConfig.decoder_kv_ttl,
     short_delta_tokens: Annotated[int | None, typer.Option(
         metavar="TOKENS", help=SHORT_DELTA_HELP)] = None,
     itl_target_ms: Annotated[float | None, typer.Option(

@@ -15,6 +15,7 @@ from turnkv_server.launcher.placement import ROUTER, unknown_names
 from turnkv_server.launcher.tool_calling import AUTO, launcher_options_in
 from turnkv_server.mode_names import CLUSTER_MODES as MODES
 from turnkv_server.mode_names import ClusterMode as Mode
+from turnkv_server.router.config import RouterConfig
 
 VLLM_CACHE_ENV = "TURNKV_VLLM_CACHE_DIR"  # see ClusterConfig.vllm_cache_dir
 
@@ -36,9 +37,10 @@ class ClusterConfig:
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
     cores_per_engine: int = 1
-    # bidirectional: how long decode engines hold a finished turn for the next prefill, and
-    # read back only when at least this many tokens are missing (vLLM: 64).
-    decoder_kv_ttl: float = 120.0
+    # bidirectional: how long decode engines hold a finished turn for the next prefill (the
+    # router's setting, which the engines are given too), and read back only when at least
+    # this many tokens are missing (vLLM: 64).
+    decoder_kv_ttl: float = RouterConfig.decoder_kv_ttl
     kv_recompute_threshold: int | None = None
     # turnkv: turns adding at most this many tokens run on the decode engine alone.
     short_delta_tokens: int | None = None

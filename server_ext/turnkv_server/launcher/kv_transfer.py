@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from turnkv_server.launcher.engine import Role
+from turnkv_server.router.config import RouterConfig
 
 NIXL_CONNECTOR_MODULE = "turnkv_server.engine.nixl_tuning"
 TURNKV_CONNECTOR_MODULE = "turnkv_server.connector.vllm_connector"
@@ -36,7 +37,7 @@ SESSION_ORDER_POLICY = "SessionOrderPolicy"
 
 
 def kv_transfer_config(
-    mode: str, role: Role, engine_id: str, decoder_kv_ttl: float = 120.0,
+    mode: str, role: Role, engine_id: str, decoder_kv_ttl: float = RouterConfig.decoder_kv_ttl,
     recompute_threshold: int | None = None, connector_settings: dict[str, Any] | None = None,
     tier_host_blocks: int | None = None, engine_leases: bool = False,
     tier_disk: dict[str, Any] | None = None,
