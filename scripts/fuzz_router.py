@@ -71,7 +71,8 @@ MAX_LEASE_S = 10.0
 SAMPLE_EVERY = 250
 # A fuzzed answer that takes longer than this is recorded as a hang: a valid case (two tokens
 # of the tiny model at most) is answered within a second here, and the connector's own
-# timeouts (60 s to send, 120 s to receive) would otherwise set the pace of the run.
+# timeouts (`send_timeout_s`, `receive_timeout_s`: minutes) would otherwise set the pace of
+# the run.
 TIMEOUT_S = 30.0
 # Answers slower than this are listed (with their requests).
 SLOW_S = 5.0

@@ -45,17 +45,19 @@ from soak_turns import MAX_TOKENS, Script, SoakTally, play_turn, reference_scrip
 from tests.support.clusters import TINY_BLOCK_BYTES  # noqa: E402
 from tests.support.redis_server import redis_server  # noqa: E402
 from tests.support.run_record import OUT_DIR, new_run_dir, scan_logs  # noqa: E402
+from turnkv_server.connector.settings import ConnectorSettings  # noqa: E402
 from turnkv_server.launcher import Cluster, ClusterConfig  # noqa: E402
 
 # Blocks in each engine's KV cache: the connector's pin cap is half of them (64), which 64
 # live sessions of a few blocks each press against (as in tests/integration/test_load.py).
 BLOCKS = 128
-PIN_FRACTION = 0.5  # the connector's default `max_pinned_fraction`
+PIN_FRACTION = ConnectorSettings.max_pinned_fraction  # the run leaves the default
 # Engine leases: a session's blocks stay pinned this long after its last turn, unless `final`
 # (or DELETE) releases them; short, so that the end of the run can wait them out.
 LEASE_S = 30.0
 MAX_LEASE_S = 60.0
-# A hung engine fails its turn after this long without a byte (the router's default is 600 s).
+# A hung engine fails its turn after this long without a byte (far sooner than the router's
+# default `engine_read_timeout`).
 READ_TIMEOUT_S = 60.0
 # The client's own timeout per attempt; longer than the router's read timeout.
 CLIENT_TIMEOUT_S = 180.0
