@@ -100,8 +100,9 @@ def up(
     itl_target_ms: Annotated[float | None, typer.Option(
         metavar="MS", help=ITL_TARGET_HELP, min=0.0)] = None,
     tier_host_blocks: Annotated[int | None, typer.Option(
-        metavar="BLOCKS", help="turnkv, or affinity with --engine-leases: a host-memory KV "
-        "tier of this many blocks below each engine's cache (docs/tier.md)", min=1)] = None,
+        metavar="BLOCKS", help="turnkv or affinity: a host-memory KV tier of this many blocks "
+        "below each engine's cache (docs/tier.md; affinity without --engine-leases: vLLM's "
+        "offloading alone, under its LRU)", min=1)] = None,
     tier_disk_bytes: Annotated[int | None, typer.Option(
         metavar="BYTES", help="with --tier-host-blocks: a disk tier of at most this many "
         "bytes below it, in the run folder (checked files; docs/tier.md)", min=1)] = None,

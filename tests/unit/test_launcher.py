@@ -86,10 +86,13 @@ def test_a_tier_puts_the_turnkv_connector_first_under_vllms_multiconnector() -> 
         "HostOffloadingSpec", "turnkv_server.tier.vllm_spec", 64)
     # Replies are an agent's next prompt: vLLM's default would store prompts only.
     assert extra["offload_prompt_only"] is False
-    # Aggregated and single engines load no connector, tier or not; aggregated ones with
-    # engine leases load turnkv's (no peer) and the tier.
-    assert kv_transfer_config("affinity", "engine", "e2", tier_host_blocks=64) is None
-    assert kv_transfer_config("single", "single", "e2") is None
+    # Aggregated and single engines load no connector; aggregated ones with engine leases
+    # load turnkv's (no peer) and the tier, and with a tier alone vLLM's offloading alone.
+    assert kv_transfer_config("affinity", "engine", "e2") is None
+    assert kv_transfer_config("single", "single", "e2", tier_host_blocks=64) is None
+    offload = kv_transfer_config("affinity", "engine", "e2", tier_host_blocks=64)
+    assert offload is not None and offload["kv_connector"] == "OffloadingConnector"
+    assert offload["kv_connector_extra_config"]["eviction_policy"] == "lru"
     aggregated = kv_transfer_config("affinity", "engine", "e2", tier_host_blocks=64,
                                     engine_leases=True)
     assert aggregated is not None and aggregated["kv_connector"] == "MultiConnector"

@@ -15,7 +15,6 @@ from rich.console import Console
 
 from turnkv_server.bench import report
 from turnkv_server.bench.plan import (
-    TIER_MODES,
     BenchSettings,
     PlanError,
     build_workload,
@@ -27,7 +26,7 @@ from turnkv_server.bench.presets import PRESSURE
 from turnkv_server.bench.runner import Runner, write_outputs
 from turnkv_server.bench.sizing import TokenCounter, tokenizer_counter
 from turnkv_server.bench.workloads import Workload, total_context_tokens
-from turnkv_server.mode_names import DEFAULT_BENCH_MODES
+from turnkv_server.mode_names import DEFAULT_BENCH_MODES, has_host_tier, tagged_mode
 
 # vLLM's CPU backend allocates KV in blocks of 128 tokens (GPU backends use smaller blocks,
 # for which this is a conservative estimate).
@@ -113,16 +112,32 @@ def _kv_cache_bytes(options: BenchOptions, model_dir: Path) -> tuple[int | None,
     return options.kv_cache_bytes, usable
 
 
+def _session_blocks(workload: Workload, count_tokens: TokenCounter) -> int:
+    """Blocks that hold every session's whole context, with a block to spare for each (and
+    vLLM's null block)."""
+    tokens = total_context_tokens(workload, count_tokens)
+    return -(-tokens // BLOCK_TOKENS) + len(workload.sessions) + 1
+
+
 def _bound_kv_cache_bytes(options: BenchOptions, model_dir: Path, kv_bytes: int | None,
                           workload: Workload, count_tokens: TokenCounter) -> int | None:
-    """`bound`'s cache per engine: every session's whole context with a block to spare for
-    each (and vLLM's null block), or the engines' default where no cache size was set."""
+    """`bound`'s cache per engine: every session's whole context (`_session_blocks`), or the
+    engines' default where no cache size was set."""
     if kv_bytes is None:
         return None
     per_token = kv_bytes_per_token(model_dir, options.dtype)
-    tokens = total_context_tokens(workload, count_tokens)
-    blocks = -(-tokens // BLOCK_TOKENS) + len(workload.sessions) + 1
-    return max(kv_bytes, blocks * BLOCK_TOKENS * per_token)
+    return max(kv_bytes, _session_blocks(workload, count_tokens) * BLOCK_TOKENS * per_token)
+
+
+def _tier_host_blocks(options: BenchOptions, model_dir: Path, kv_bytes: int | None,
+                      workload: Workload, count_tokens: TokenCounter) -> int:
+    """Each engine's host tier in blocks, for the modes with one: as many as `bound`'s cache
+    holds, so that the tier holds every session; where no cache size was set, every
+    session's context all the same (the engines' default cache then holds most of it)."""
+    block_bytes = BLOCK_TOKENS * kv_bytes_per_token(model_dir, options.dtype)
+    bound = _bound_kv_cache_bytes(options, model_dir, kv_bytes, workload, count_tokens)
+    return (bound // block_bytes if bound is not None
+            else _session_blocks(workload, count_tokens))
 
 
 def _max_model_len(options: BenchOptions, model_dir: Path, kv_tokens: int | None) -> int | None:
@@ -157,13 +172,9 @@ def run_bench(options: BenchOptions, command: list[str], console: Console,
                               concurrency=options.concurrency, trace=options.trace,
                               kv_cache_tokens=kv_tokens, count_tokens=count_tokens)
     bound_bytes = (_bound_kv_cache_bytes(options, model_dir, kv_bytes, workload, count_tokens)
-                   if {"bound", *TIER_MODES} & set(modes) else None)
-    tier_blocks = None
-    if set(TIER_MODES) & set(modes):
-        if bound_bytes is None:
-            raise PlanError("the tier modes size their tier to hold every session beside a "
-                            "sized cache: run a pressure preset or give --kv-cache-bytes")
-        tier_blocks = bound_bytes // (BLOCK_TOKENS * kv_bytes_per_token(model_dir, options.dtype))
+                   if "bound" in map(tagged_mode, modes) else None)
+    tier_blocks = (_tier_host_blocks(options, model_dir, kv_bytes, workload, count_tokens)
+                   if any(map(has_host_tier, modes)) else None)
     settings = BenchSettings(model=options.model, dtype=options.dtype, kv_cache_bytes=kv_bytes,
                              max_model_len=_max_model_len(options, model_dir, kv_tokens),
                              kv_recompute_threshold=options.kv_recompute_threshold,

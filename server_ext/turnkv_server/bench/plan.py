@@ -18,9 +18,10 @@ from turnkv_server.bench.workloads import Workload
 from turnkv_server.launcher import ClusterConfig
 from turnkv_server.launcher.engine import resolve_dtype
 from turnkv_server.mode_names import (
+    BENCH_MODES,
     bench_layout,
     cluster_mode,
-    describe_bench_modes,
+    has_host_tier,
     is_bench_mode,
     itl_variant_target,
     tagged_mode,
@@ -36,6 +37,9 @@ class PlanError(ValueError):
     """A benchmark option that cannot work; the message says which and why."""
 
 
+_CHOICES = f"{', '.join(BENCH_MODES)}, turnkv-itl<ms>, any of them as <mode>-untagged"
+
+
 def parse_modes(text: str) -> list[str]:
     """'single,standard,...' -> the modes in order, each once; unknown names are an error."""
     modes: list[str] = []
@@ -44,11 +48,11 @@ def parse_modes(text: str) -> list[str]:
         if not name:
             continue
         if not is_bench_mode(name):
-            raise PlanError(f"unknown mode {name!r}; choose from {describe_bench_modes()}")
+            raise PlanError(f"unknown mode {name!r}; choose from {_CHOICES}")
         if name not in modes:
             modes.append(name)
     if not modes:
-        raise PlanError(f"no mode given; choose from {describe_bench_modes()}")
+        raise PlanError(f"no mode given; choose from {_CHOICES}")
     return modes
 
 
@@ -60,10 +64,6 @@ def pick_baseline(modes: list[str], baseline: str | None) -> str:
     if baseline not in modes:
         raise PlanError(f"baseline {baseline!r} is not among the modes run ({', '.join(modes)})")
     return baseline
-
-
-# The modes with a host-memory tier under each engine's cache.
-TIER_MODES = ("turnkv-tier", "turnkv-pool", "affinity-tier")
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,8 @@ class BenchSettings:
     itl_target_ms: float | None = None
     # bound: each engine's KV cache, enough to hold every session (None: the engines' default).
     bound_kv_cache_bytes: int | None = None
-    # turnkv-tier, affinity-tier: each engine's host-memory tier in blocks (as many as
-    # `bound`'s cache holds).
+    # The modes with a host tier (`mode_names.has_host_tier`): each engine's tier in blocks
+    # (as many as `bound`'s cache holds).
     tier_host_blocks: int | None = None
     turn_timeout_s: float = 300.0
     stall_timeout_s: float = 90.0
@@ -148,7 +148,7 @@ def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> Cluster
         router_args=(*itl_target_args(settings.itl_target_ms),
                      *(["--pair-pool"] if mode == "turnkv-pool" else [])),
         connector_settings={"layer_writes": False} if mode == "turnkv-end-write" else {},
-        tier_host_blocks=settings.tier_host_blocks if mode in TIER_MODES else None,
+        tier_host_blocks=settings.tier_host_blocks if has_host_tier(mode) else None,
         engine_leases=mode == "affinity-tier",
         startup_timeout=settings.startup_timeout_s,
         run_dir=run_dir,

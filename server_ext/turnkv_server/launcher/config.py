@@ -60,9 +60,10 @@ class ClusterConfig:
     engine_extra_args: tuple[str, ...] = field(default_factory=tuple)
     # Extra command-line arguments for the router (see `python -m turnkv_server.router -h`).
     router_args: tuple[str, ...] = field(default_factory=tuple)
-    # turnkv: the connector's kv_connector_extra_config (lease TTLs, pin cap, timeouts), each
-    # engine's host-memory KV tier in blocks (None: none); affinity with `engine_leases`: the
-    # engines run the turnkv connector (and the tier) and hold sessions' leases.
+    # turnkv: the connector's kv_connector_extra_config (lease TTLs, pin cap, timeouts). turnkv
+    # and affinity: each engine's host-memory KV tier in blocks (None: none). affinity with
+    # `engine_leases`: the engines run the turnkv connector (and the tier) and hold sessions'
+    # leases; without, a tier is vLLM's offloading alone, under its LRU.
     connector_settings: dict[str, Any] = field(default_factory=dict)
     tier_host_blocks: int | None = None
     # Below each host tier, a disk tier of at most this many bytes in the run folder (None:
@@ -111,10 +112,9 @@ class ClusterConfig:
         if self.short_delta_tokens is not None and self.short_delta_tokens < 0:
             raise ValueError("short_delta_tokens must be non-negative")
         if (self.engine_leases and self.mode != "affinity") or (
-                self.tier_host_blocks is not None and self.mode != "turnkv"
-                and not self.engine_leases):
+                self.tier_host_blocks is not None and self.mode not in ("turnkv", "affinity")):
             raise ValueError("engine_leases is for affinity clusters; tier_host_blocks for "
-                             "turnkv ones, or affinity ones with engine_leases")
+                             "turnkv and affinity ones")
         if self.tier_disk_bytes is not None and (
                 self.tier_host_blocks is None or self.tier_disk_bytes < 1):
             raise ValueError("tier_disk_bytes goes below a host tier (tier_host_blocks) and "

@@ -3,7 +3,9 @@
 In `turnkv` mode every engine loads this project's connector (`TURNKV_CONNECTOR_MODULE`); the
 upstream modes load vLLM's own NIXL connectors through `NIXL_CONNECTOR_MODULE`, which
 re-exports them tuned for CPU hosts. A `single` engine loads none; an `affinity` cluster's
-aggregated engine loads none, or turnkv's with `engine_leases` (leases and the tier, no peer).
+aggregated engine loads none, or turnkv's with `engine_leases` (leases and the tier, no peer),
+or with a tier and no `engine_leases`, vLLM's `OffloadingConnector` alone under vLLM's own LRU
+(the benchmark's `affinity-offload`: what a platform gets from vLLM without turnkv).
 `Cluster` puts the result in each engine's spec, and names each engine's `engine_id` from it on
 the router's command line.
 
@@ -43,10 +45,16 @@ def kv_transfer_config(
     tier_disk: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``; an
-    aggregated engine's only with `engine_leases` (the turnkv connector, with no peer).
+    aggregated engine's only with `engine_leases` (the turnkv connector, with no peer) or a
+    tier (vLLM's offloading alone).
     `tier_disk` (a `disk_tier` entry) goes below the host tier."""
     if role == "single" or (role == "engine" and not engine_leases):
-        return None
+        if role == "single" or tier_host_blocks is None:
+            return None
+        # vLLM reads the load-failure policy from the top level: a failed host read is
+        # recomputed, as under the turnkv connector.
+        return {**host_tier(tier_host_blocks, tier_disk, session_order=False),
+                "kv_load_failure_policy": "recompute"}
     if mode == "turnkv" or role == "engine":
         refuse_secret_settings(connector_settings or {})
         # One class on both roles; a failed receive is recomputed, never served.
@@ -117,10 +125,12 @@ def disk_tier(root_dir: str, max_bytes: int) -> dict[str, Any]:
     }
 
 
-def host_tier(host_blocks: int, disk: dict[str, Any] | None = None) -> dict[str, Any]:
+def host_tier(host_blocks: int, disk: dict[str, Any] | None = None,
+              session_order: bool = True) -> dict[str, Any]:
     """vLLM's `OffloadingConnector` over this project's host-memory spec, `host_blocks` engine
     blocks big; replies are stored too (vLLM's default stores prompts only, and an agent's
-    next turn starts with its last reply). With `disk` (a `disk_tier` entry) the host tier is
+    next turn starts with its last reply). Its evictions follow the sessions' hints
+    (`session_order`), else vLLM's LRU. With `disk` (a `disk_tier` entry) the host tier is
     the primary of vLLM's tiering manager, with that disk tier below it."""
     if host_blocks < 1:
         raise ValueError("the host tier needs at least one block")
@@ -129,10 +139,13 @@ def host_tier(host_blocks: int, disk: dict[str, Any] | None = None) -> dict[str,
         "spec_module_path": TIER_SPEC_MODULE,
         "host_blocks": host_blocks,
         "offload_prompt_only": False,
-        # The sessions' hints order the tier's evictions (LRU for requests without hints).
-        "eviction_policy": SESSION_ORDER_POLICY,
-        "cache_policy_module_path": SESSION_ORDER_MODULE,
     }
+    if session_order:
+        # The sessions' hints order the tier's evictions (LRU for requests without hints).
+        extra["eviction_policy"] = SESSION_ORDER_POLICY
+        extra["cache_policy_module_path"] = SESSION_ORDER_MODULE
+    else:
+        extra["eviction_policy"] = "lru"
     if disk is not None:
         extra["spec_name"] = "HostTieringOffloadingSpec"
         extra["secondary_tiers"] = [dict(disk)]
