@@ -313,3 +313,26 @@ def test_tool_schemas_in_the_system_prompt_match_tools(corpus: Corpus) -> None:
     assert s.tools is not None and len(s.tools) == 8
     for tool in s.tools:
         assert json.dumps(tool["function"], separators=(",", ":")) in s.system
+
+
+def test_agent_longtool_is_long_tool_outputs_beside_sessions_that_decode(
+        corpus: Corpus) -> None:
+    """Agents whose tool outputs are thousands of tokens, each beside a session of short
+    questions and long answers, every session at once on the same engines."""
+    workload = build_workload("agent-longtool", corpus=corpus)
+    assert {"conversation", "agent", "agent-pressure", "agent-longtool"} <= set(PRESETS)
+    agents = [s for s in workload.sessions if s.tools is not None]
+    beside = [s for s in workload.sessions if s.tools is None]
+    assert len(agents) == len(beside) == 2 and workload.concurrency == 4
+    for s in agents:
+        tools = [approx_tokens(t.user) for t in s.turns if t.role == "tool"]
+        assert len(tools) >= 3 and all(1000 <= n <= 3000 for n in tools), tools
+        assert sum(tools) >= 4000 and session_context(s) <= 8192
+        assert all(t.max_tokens <= 48 for t in s.turns)
+    for s in beside:
+        assert all(t.role == "user" and approx_tokens(t.user) <= 60 for t in s.turns)
+        assert all(t.max_tokens >= 192 for t in s.turns) and len(s.turns) >= 6
+    # --sessions scales both kinds, all of them still at once; --concurrency is as given.
+    more = build_workload("agent-longtool", corpus=corpus, sessions=3)
+    assert (len(more.sessions), more.concurrency) == (6, 6)
+    assert build_workload("agent-longtool", corpus=corpus, concurrency=2).concurrency == 2

@@ -1,5 +1,5 @@
-"""Named workloads: `agent`, `chat`, `conversation`, `smoke`, `memory-pressure` and
-`agent-pressure`.
+"""Named workloads: `agent`, `chat`, `conversation`, `smoke`, `memory-pressure`,
+`agent-pressure` and `agent-longtool`.
 
 The shapes follow real agents and chats; the sizes are what a 2-core CPU machine runs in
 minutes. SmolLM2 in float32 prefills about 150 tokens a second there at short contexts and
@@ -23,7 +23,8 @@ from turnkv_server.bench.workloads import (
     total_context_tokens,
 )
 
-PRESETS = ("agent", "chat", "conversation", "smoke", "memory-pressure", "agent-pressure")
+PRESETS = ("agent", "chat", "conversation", "smoke", "memory-pressure", "agent-pressure",
+           "agent-longtool")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,26 @@ _BASE: dict[str, dict[str, Any]] = {
                            output_tokens=(24, 40), think_time_median_s=4.0,
                            think_time_sigma=1.3, think_time_max_s=60.0,
                            max_context_tokens=3000),
+    # Agents whose tools return thousands of tokens (whole files read, long searches), each
+    # beside a session that decodes long answers on the same engines (`_BESIDE`): an
+    # aggregated engine's decodes then wait behind those prefills, which is where computing a
+    # turn's new tokens on another engine should pay. Up to 8,192 tokens a session: SmolLM2's
+    # context.
+    "agent-longtool": dict(kind="agent", sessions=2, concurrency=4, turns=(4, 5),
+                           system_tokens=1000, tool_count=3, tool_result_tokens=(1000, 3000),
+                           tool_result_median=1800.0, tool_result_sigma=0.4,
+                           user_tokens=(40, 120), follow_up_prob=0.0, output_tokens=(24, 48),
+                           think_time_median_s=1.0, think_time_sigma=0.5, think_time_max_s=5.0,
+                           max_context_tokens=8192),
+}
+# Presets that are two kinds of sessions: the preset's own, then as many of these beside them
+# (session IDs `<preset>-beside-...`), all in one loop.
+_BESIDE: dict[str, dict[str, Any]] = {
+    # Short questions, long answers, little time between turns: sessions that are decoding
+    # whenever an agent's tool output arrives.
+    "agent-longtool": dict(kind="chat", turns=(6, 10), system_tokens=200, user_tokens=(20, 60),
+                           output_tokens=(192, 256), think_time_median_s=0.3,
+                           think_time_sigma=0.5, think_time_max_s=2.0, max_context_tokens=4096),
 }
 
 
@@ -127,7 +148,27 @@ def build_workload(name: str, seed: int = 0, count_tokens: TokenCounter = approx
         sizing = PRESSURE[name]
         return memory_pressure(params, kv_cache_tokens or sizing.cache_tokens,
                                pressure or sizing.factor, count_tokens, corpus)
+    if name in _BESIDE:
+        workload = with_beside(params, _BESIDE[name], count_tokens, corpus)
+        if "concurrency" in overrides or "arrival_rate" in overrides:
+            return workload
+        # Every session at once, the preset's own and those beside them.
+        return workload.model_copy(update={"concurrency": len(workload.sessions)})
     return generate(params, count_tokens, corpus)
+
+
+def with_beside(params: WorkloadParams, beside: dict[str, Any],
+                count_tokens: TokenCounter = approx_tokens,
+                corpus: Corpus | None = None) -> Workload:
+    """`params`' sessions, then as many of `beside`'s (each from a random stream of its own,
+    after theirs), in `params`' loop."""
+    gen = SessionGenerator(params, count_tokens, corpus)
+    own = [gen.session(i) for i in range(params.sessions)]
+    other = WorkloadParams(**{**beside, "name": f"{params.name}-beside", "seed": params.seed,
+                              "sessions": params.sessions, "concurrency": 1})
+    other_gen = SessionGenerator(other, count_tokens, gen.corpus)
+    others = [other_gen.session(params.sessions + i) for i in range(params.sessions)]
+    return gen.workload(own + others)
 
 
 def memory_pressure(params: WorkloadParams, kv_cache_tokens: int,
