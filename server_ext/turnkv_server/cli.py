@@ -3,25 +3,27 @@ estimate."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, get_type_hints
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from turnkv_server import extras
-from turnkv_server.mode_names import (
-    CLUSTER_MODES,
-    DEFAULT_BENCH_MODES,
-    DEFAULT_MODE,
-    describe_bench_modes,
+from turnkv_server.bench.options import OPTION_FIELDS, BenchOptions, cli_option
+from turnkv_server.bench.options import flag as bench_flag
+from turnkv_server.mode_names import CLUSTER_MODES, DEFAULT_MODE
+from turnkv_server.router.config import (
+    RouterConfig,
+    help_for,
+    itl_target_args,
 )
-from turnkv_server.router.config import RouterConfig, help_for, itl_target_args
 
 # `turnkv up` and `turnkv bench` pass it to the router only when given.
 SHORT_DELTA_HELP = (help_for("short_delta_tokens")
@@ -221,65 +223,12 @@ def down(
     console.print(f"stopped the cluster of {state.run_dir}")
 
 
-@app.command(short_help="Benchmark a multi-turn workload on each serving mode.")
-def bench(
-    workload: Annotated[str, typer.Option(
-        help="agent | chat | conversation | smoke | memory-pressure | agent-pressure | trace")] = (
-        "agent"),
-    trace: Annotated[Path | None, typer.Option(help="JSONL trace for --workload trace")] = None,
-    modes: Annotated[str, typer.Option(
-        help="comma-separated, run in this order; engines x cores each: "
-             f"{describe_bench_modes()} (affinity: aggregated engines behind the router, "
-             "sessions kept on one; bound: affinity with caches that hold every session; "
-             "single-2core: one engine on both cores; turnkv-end-write: turnkv without "
-             "layer-by-layer writes; turnkv-itl<ms>: turnkv with an ITL target of <ms>; "
-             "<mode>-untagged: its turns from a stock openai client, no tags or hints)")] = (
-        DEFAULT_BENCH_MODES),
-    model: Annotated[str, typer.Option(help="smollm2, tiny, or a local HF model folder")] = (
-        "smollm2"
-    ),
-    dtype: Annotated[str, typer.Option(help="engine dtype; auto: float32 without bf16")] = (
-        "auto"
-    ),
-    sessions: Annotated[int | None, typer.Option(help="sessions (default: the preset's)")] = None,
-    seed: Annotated[int, typer.Option(help="workload seed")] = 0,
-    concurrency: Annotated[int | None, typer.Option(
-        help="closed loop: sessions at once (default: the preset's)")] = None,
-    kv_cache_bytes: Annotated[int | None, typer.Option(
-        help="KV cache per engine (memory-pressure default: 4,096 tokens' worth; "
-             "agent-pressure: 3,072)")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="engines' max_model_len")] = None,
-    kv_recompute_threshold: Annotated[int | None, typer.Option(
-        help="bidirectional: read back only if this many tokens are missing (vLLM: 64)")] = None,
-    short_delta_tokens: Annotated[int | None, typer.Option(
-        help=SHORT_DELTA_HELP)] = None,
-    itl_target_ms: Annotated[float | None, typer.Option(help=ITL_TARGET_HELP, min=0.0)] = None,
-    out_dir: Annotated[Path | None, typer.Option(
-        "--out", help="output folder (default: turnkv-bench/<workload>-<time>)")] = None,
-    baseline: Annotated[str | None, typer.Option(
-        help="mode the ratios divide by (default: affinity if run, else standard if run, "
-             "else the first)")] = None,
-    turn_timeout: Annotated[float, typer.Option(help="seconds one turn may take")] = 300.0,
-    stall_timeout: Annotated[float, typer.Option(
-        help="seconds without any output token (turns in flight) before a mode is stalled")] = (
-        90.0
-    ),
-    repeat: Annotated[int, typer.Option(
-        help="run every mode this many times, interleaved (A B C A B C); tables show the "
-             "median of the runs and their range")] = 1,
-) -> None:
+def bench(**given: Any) -> None:
     """Run a multi-turn workload against each serving mode in turn; write JSON, plots, a table."""
-    from turnkv_server.bench.cli import BenchOptions, run_bench
+    from turnkv_server.bench.cli import run_bench
     from turnkv_server.bench.plan import PlanError
 
-    options = BenchOptions(
-        workload=workload, trace=trace, modes=modes, model=model, dtype=dtype,
-        sessions=sessions, seed=seed, concurrency=concurrency, kv_cache_bytes=kv_cache_bytes,
-        max_model_len=max_model_len, kv_recompute_threshold=kv_recompute_threshold,
-        short_delta_tokens=short_delta_tokens, itl_target_ms=itl_target_ms, out=out_dir,
-        baseline=baseline,
-        turn_timeout=turn_timeout, stall_timeout=stall_timeout, repeat=repeat,
-    )
+    options = BenchOptions(**given)
     # Run in the background, a job ignores SIGINT: SIGTERM must also stop the engines.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -292,6 +241,24 @@ def bench(
         raise typer.Exit(2) from exc
     if not any_ok:
         raise typer.Exit(1)
+
+
+def _bench_signature() -> inspect.Signature:
+    """`bench`'s options as typer reads them, one per field of `BenchOptions` (declared
+    there once, with their defaults, help and least values)."""
+    types = get_type_hints(BenchOptions)
+    parameters = []
+    for f in OPTION_FIELDS:
+        how = cli_option(f)
+        option = typer.Option(bench_flag(f), help=how.help, min=how.minimum)
+        parameters.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                            default=f.default,
+                                            annotation=Annotated[types[f.name], option]))
+    return inspect.Signature(parameters, return_annotation=None)
+
+
+bench.__signature__ = _bench_signature()  # type: ignore[attr-defined]
+app.command(short_help="Benchmark a multi-turn workload on each serving mode.")(bench)
 
 
 @app.command("bench-report", short_help="Rebuild a bench run's reports from its results.")

@@ -7,13 +7,13 @@ so that it can be called (and tested) without the command line.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
 
 from turnkv_server.bench import report
+from turnkv_server.bench.options import OPTION_FIELDS, BenchOptions, cli_option, flag
 from turnkv_server.bench.plan import (
     BenchSettings,
     PlanError,
@@ -26,50 +26,21 @@ from turnkv_server.bench.presets import PRESSURE
 from turnkv_server.bench.runner import Runner, write_outputs
 from turnkv_server.bench.sizing import TokenCounter, tokenizer_counter
 from turnkv_server.bench.workloads import Workload, total_context_tokens
-from turnkv_server.mode_names import DEFAULT_BENCH_MODES, has_host_tier, tagged_mode
+from turnkv_server.mode_names import has_host_tier, tagged_mode
 
 # vLLM's CPU backend allocates KV in blocks of 128 tokens (GPU backends use smaller blocks,
 # for which this is a conservative estimate).
 BLOCK_TOKENS = 128
 
 
-@dataclass(frozen=True)
-class BenchOptions:
-    """The command's options, as given (None: the default)."""
-
-    workload: str = "agent"
-    trace: Path | None = None
-    modes: str = DEFAULT_BENCH_MODES
-    model: str = "smollm2"
-    dtype: str = "auto"
-    sessions: int | None = None
-    seed: int = 0
-    concurrency: int | None = None
-    kv_cache_bytes: int | None = None
-    max_model_len: int | None = None
-    kv_recompute_threshold: int | None = None
-    short_delta_tokens: int | None = None
-    itl_target_ms: float | None = None
-    out: Path | None = None
-    baseline: str | None = None
-    turn_timeout: float = 300.0
-    stall_timeout: float = 90.0
-    repeat: int = 1
-
-
 def _check(options: BenchOptions) -> None:
-    for name in ("sessions", "concurrency", "kv_cache_bytes", "max_model_len", "repeat"):
-        value = getattr(options, name)
-        if value is not None and value < 1:
-            raise PlanError(f"--{name.replace('_', '-')} must be at least 1")
-    if options.seed < 0:
-        raise PlanError("--seed must be non-negative")
-    if options.kv_recompute_threshold is not None and options.kv_recompute_threshold < 0:
-        raise PlanError("--kv-recompute-threshold must be non-negative")
-    if options.short_delta_tokens is not None and options.short_delta_tokens < 0:
-        raise PlanError("--short-delta-tokens must be non-negative")
-    if options.itl_target_ms is not None and not options.itl_target_ms >= 0:
-        raise PlanError("--itl-target-ms must be non-negative")
+    """The least value of each option (`options.CliOption.minimum`), for options made in
+    Python as on the command line."""
+    for f in OPTION_FIELDS:
+        minimum, value = cli_option(f).minimum, getattr(options, f.name)
+        # `not >=`: NaN is refused too.
+        if minimum is not None and value is not None and not value >= minimum:
+            raise PlanError(f"{flag(f)} must be at least {minimum:g}")
 
 
 def _model_dir(options: BenchOptions) -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from turnkv_server.bench import presets
+from turnkv_server.bench.options import DEFAULTS, WORKLOADS
 from turnkv_server.bench.sizing import TokenCounter, approx_tokens
 from turnkv_server.bench.trace import load_trace
 from turnkv_server.bench.workloads import Workload
@@ -27,8 +28,6 @@ from turnkv_server.mode_names import (
     tagged_mode,
 )
 from turnkv_server.router.config import itl_target_args
-
-WORKLOADS: tuple[str, ...] = (*presets.PRESETS, "trace")
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 
@@ -68,10 +67,11 @@ def pick_baseline(modes: list[str], baseline: str | None) -> str:
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """The cluster settings every mode starts from, and the runner's limits."""
+    """The cluster settings every mode starts from, and the runner's limits: the options'
+    (`options.BenchOptions`, whose defaults these are) and what `bench.cli` sizes from them."""
 
-    model: str = "smollm2"
-    dtype: str = "auto"
+    model: str = DEFAULTS.model
+    dtype: str = DEFAULTS.dtype
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
     decoder_kv_ttl: float = 120.0
@@ -88,8 +88,8 @@ class BenchSettings:
     # The modes with a host tier (`mode_names.has_host_tier`): each engine's tier in blocks
     # (as many as `bound`'s cache holds).
     tier_host_blocks: int | None = None
-    turn_timeout_s: float = 300.0
-    stall_timeout_s: float = 90.0
+    turn_timeout_s: float = DEFAULTS.turn_timeout
+    stall_timeout_s: float = DEFAULTS.stall_timeout
     startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:

@@ -10,10 +10,15 @@ served model's tokenizer (see `sizing`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from turnkv_server.bench.corpus import Corpus
+from turnkv_server.bench.preset_names import (
+    DEFAULT_PRESSURE,
+    MAX_PRESSURE_SESSIONS,
+    PRESETS,
+    PRESSURE,
+)
 from turnkv_server.bench.sizing import TokenCounter, approx_tokens
 from turnkv_server.bench.workloads import (
     SessionGenerator,
@@ -22,34 +27,6 @@ from turnkv_server.bench.workloads import (
     generate,
     total_context_tokens,
 )
-
-PRESETS = ("agent", "chat", "conversation", "smoke", "memory-pressure", "agent-pressure",
-           "agent-longtool")
-
-
-@dataclass(frozen=True)
-class Pressure:
-    """How a pressure preset is sized: against one engine's KV cache of `cache_tokens` (unless
-    `--kv-cache-bytes` gives another), sessions are added until their total context is more
-    than `factor` times it."""
-
-    cache_tokens: int
-    factor: float
-
-
-# memory-pressure: 4,096 tokens per engine (32 blocks of 128), small enough that a handful of
-# sessions outgrows it. An earlier measurement (10 sessions, SmolLM2 in bf16, one core per
-# engine) used a cache of 20,864 tokens and 47k tokens of context on a machine that prefilled
-# about 10x faster; `--kv-cache-bytes` reproduces that cache.
-# agent-pressure: 3,072 tokens, just above its sessions' longest context (vLLM refuses a cache
-# that cannot hold one request), and three times what two engines' caches hold together (a P/D
-# pair, or two aggregated engines) in live sessions.
-PRESSURE: dict[str, Pressure] = {"memory-pressure": Pressure(4_096, 2.0),
-                                 "agent-pressure": Pressure(3_072, 6.0)}
-DEFAULT_KV_CACHE_TOKENS = PRESSURE["memory-pressure"].cache_tokens
-DEFAULT_PRESSURE = PRESSURE["memory-pressure"].factor
-# A cap so that a huge cache cannot make the memory-pressure workload endless.
-MAX_PRESSURE_SESSIONS = 500
 
 _BASE: dict[str, dict[str, Any]] = {
     # Real agents (issue 5): a shared system prompt with tool schemas (1,500 tokens),
