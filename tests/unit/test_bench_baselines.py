@@ -13,12 +13,19 @@ from turnkv_server.bench.cli import (
     _kv_cache_bytes,
     _tier_host_blocks,
 )
-from turnkv_server.bench.plan import BenchSettings, build_workload, cluster_config
+from turnkv_server.bench.plan import BenchSettings, build_workload, cluster_config, parse_modes
 from turnkv_server.bench.sizing import approx_tokens
 from turnkv_server.bench.workloads import total_context_tokens
 from turnkv_server.launcher import Cluster
 from turnkv_server.launcher.engine import EngineProcess, EngineSpec
-from turnkv_server.mode_names import BENCH_MODES, has_host_tier
+from turnkv_server.mode_names import (
+    BENCH_BASELINES,
+    BENCH_MODES,
+    DEFAULT_BENCH_MODES,
+    TURNKV_BENCH_MODES,
+    describe_bench_modes,
+    has_host_tier,
+)
 
 
 def _specs(mode: str, settings: BenchSettings, run_dir: Path) -> tuple[Cluster, list[EngineSpec]]:
@@ -94,3 +101,18 @@ def test_every_tier_holds_what_bounds_cache_holds(tmp_path: Path) -> None:
     assert {m for m in BENCH_MODES if has_host_tier(m)} == {
         "affinity-offload", "affinity-tier", "turnkv-tier", "turnkv-pool"}
     assert has_host_tier("affinity-offload-untagged") and not has_host_tier("affinity")
+
+
+def test_the_default_is_every_baseline_beside_turnkv() -> None:
+    """The baselines as a platform runs them without turnkv, then turnkv; turnkv's forms and
+    options are listed as its own, not as baselines."""
+    assert parse_modes(DEFAULT_BENCH_MODES) == [
+        "single", "single-2core", "affinity", "affinity-offload", "bound", "standard",
+        "standard-nocache", "bidirectional", "push", "turnkv"]
+    assert list(BENCH_BASELINES) == parse_modes(DEFAULT_BENCH_MODES)[:-1]
+    assert set(TURNKV_BENCH_MODES) == {
+        "turnkv", "turnkv-end-write", "turnkv-tier", "turnkv-pool", "affinity-tier"}
+    described = describe_bench_modes()
+    assert described.index("affinity-offload (2x1)") < described.index("turnkv (2x1)")
+    assert described.index("turnkv (2x1)") < described.index("affinity-tier (2x1)")
+    assert (*BENCH_BASELINES, *TURNKV_BENCH_MODES) == BENCH_MODES
