@@ -5,8 +5,10 @@ defences in `test_connector_side_channel`; the agents and helpers in `transfer_p
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -347,3 +349,35 @@ def test_settling_a_transfers_writes_is_linear_in_its_layers() -> None:
     # Each handle is looked at once when it is done, plus one look per poll at the oldest
     # still running: not every handle at every poll (64 * 65 / 2 = 2,080 looks).
     assert writer.checks <= 2 * layers + 1
+
+
+# -- an idle agent costs nothing ----------------------------------------------------------------
+
+def _wakeups_by_thread() -> dict[int, int]:
+    """Each of this process's threads' voluntary context switches: its wake-ups from sleep."""
+    found = {}
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    found[int(task.name)] = int(line.split()[1])
+    return found
+
+
+def test_an_idle_agents_threads_sleep() -> None:
+    """An engine holding leases and moving nothing: none of the threads its agent started
+    (the transfer thread, NIXL's progress thread, UCX's and ZeroMQ's) polls."""
+    apply_poll_delay()
+    before_start = _wakeups_by_thread()
+    engine = Engine("idle", fill=0.0, listen=True)
+    try:
+        time.sleep(0.5)  # its start-up's own work done
+        before = _wakeups_by_thread()
+        time.sleep(1.0)
+        after = _wakeups_by_thread()
+        started = set(after) - set(before_start)
+        assert started, "the agent started no threads"
+        wakeups = sum(after[t] - before.get(t, 0) for t in started)
+        assert wakeups <= 100, f"the idle agent's threads woke {wakeups} times in a second"
+    finally:
+        engine.agent.close()

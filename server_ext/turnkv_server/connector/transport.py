@@ -56,6 +56,7 @@ from turnkv_server.connector.receiving import Receiving
 from turnkv_server.connector.sending import Sending
 from turnkv_server.connector.settings import ConnectorSettings
 from turnkv_server.connector.writes import Writer
+from turnkv_server.engine.nixl_poll import poll_delay
 
 __all__ = ["TransferAgent", "TransferResults"]
 
@@ -64,6 +65,12 @@ log = logging.getLogger(__name__)
 # While a write or a live receive is in flight the thread polls NIXL this often; otherwise it
 # sleeps until the next deadline.
 TICK_MS = 2
+# The longest NIXL's progress thread sleeps without a UCX event (`nixl_poll`): what an idle
+# engine's agent wakes for. Transfers do not wait on it: the thread wakes on the UCX workers'
+# events, and while a write is in flight this thread's ticks check its state, which progresses
+# the sender's worker each time (NIXL's UCX backend does in every status check). It is only
+# the backstop for a UCX event missed. (vLLM's own connectors keep `nixl_poll`'s default.)
+NIXL_POLL_DELAY_US = 50_000
 
 
 class TransferAgent:
@@ -85,7 +92,8 @@ class TransferAgent:
             {"layout": ",".join(str(length) for _, length, _ in table.ranges)})
         self._codec = sc.Codec(secret)
         keys = ClusterKeys(secret)
-        self._nixl = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        with poll_delay(NIXL_POLL_DELAY_US):
+            self._nixl = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
         self._zmq = zmq.Context()
         self._outcomes = Outcomes()
         self._router: zmq.Socket[Any] | None = None
