@@ -186,9 +186,10 @@ class Turns:
             turn.prompt_token_ids = prefill.prompt_token_ids
             turn_stats = stats.begin(turn, plan, prefill, self.mode_name, fallback, detail)
             if decode is None:
-                # vLLM's pull P/D: the decode request carries what the prefill returned.
-                decode = asyncio.create_task(
-                    self._open_decode(turn, plan, prefill.transfer_params))
+                # vLLM's pull P/D: the decode request carries what the prefill returned. (No
+                # task: a request cancelled before its headers are in is over when `open`
+                # raises, and none is left open after.)
+                return await self._open_decode(turn, plan, prefill.transfer_params), turn_stats
             return await decode, turn_stats
         except BaseException:
             if decode is not None:
