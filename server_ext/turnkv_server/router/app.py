@@ -44,7 +44,7 @@ from turnkv_server.router.session_service import SessionService
 from turnkv_server.router.session_store import RedisStore, StoreUnavailable
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey, SessionTable
 from turnkv_server.router.stats import RouterMetrics
-from turnkv_server.router.tags import BadRequest, check_supported, read_keys
+from turnkv_server.router.tags import BadRequest, Headers, check_supported, read_keys
 from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.turn import TurnFailed, Turns
 from turnkv_server.router.upstream import EngineConnectionError, EngineRejected, Upstream
@@ -107,13 +107,14 @@ class Router:
         state before the request's keys are read (the session its lineage names is one of
         them) and makes the request one turn of its API after. Errors come in the API's
         shape."""
-        tenant = self.tenants.tenant_for(api.authorization(request.headers))
+        headers = Headers(request.headers.raw)
+        tenant = self.tenants.tenant_for(api.authorization(headers))
         if tenant is None:
             return api.error_response(401, "missing or unknown API key")
         try:
             body = await self._read_body(request)
             resolved = await resolve(body, tenant) if resolve is not None else None
-            keys = read_keys(body, request.headers, tenant,
+            keys = read_keys(body, headers, tenant,
                              lineage=resolved.lineage if resolved is not None else None)
             check_supported(body)
         except (BadRequest, DialectError) as exc:

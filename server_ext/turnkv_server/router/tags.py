@@ -11,7 +11,7 @@ the SDK uses, and every key is removed before the request reaches an engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,29 @@ _HEADER_FIELDS: dict[str, tuple[str, ...]] = {
     p.HEADER_FINAL: ("hints", "final"),
     p.HEADER_PRIORITY: ("hints", "priority"),
 }
+
+
+class Headers(Mapping[str, str]):
+    """A request's headers, read once: a name's first value, by name in any case. (A turn
+    looks up a dozen names among its keys; Starlette's own mapping scans every header for
+    each.)"""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        # Reversed: a name sent twice keeps its first value, as Starlette's `get` does.
+        self._values = {name.decode("latin-1").lower(): value.decode("latin-1")
+                        for name, value in reversed(raw)}
+
+    def __getitem__(self, name: str) -> str:
+        return self._values[name.lower()]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._values.get(name.lower(), default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 @dataclass(frozen=True)
