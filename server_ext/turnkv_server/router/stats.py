@@ -25,6 +25,8 @@ from turnkv_server.router.modes.base import Turn, TurnPlan
 from turnkv_server.router.token_history import common_prefix_len, prefix_break
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TOKEN_SOURCES = ("prefill_cached", "prefill_received", "prefill_restored", "prefill_computed",
+                  "decode_cached", "decode_received", "decode_restored", "decode_computed")
 
 
 @dataclass(frozen=True)
@@ -260,6 +262,7 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.turns = Counter("turnkv_turns", "Turns served", ["mode", "tagged"], registry=r)
         self.errors = Counter("turnkv_errors", "Turns that failed", ["status"], registry=r)
@@ -294,17 +297,23 @@ class RouterMetrics:
         self.hint_renewals.labels(outcome).inc()
 
     def record(self, stats: p.TurnStats, tagged: bool) -> None:
-        self.turns.labels(stats.mode, str(tagged).lower()).inc()
+        self._child(self.turns, stats.mode, "true" if tagged else "false").inc()
         if stats.fallback:
-            self.fallbacks.labels(stats.fallback).inc()
+            self._child(self.fallbacks, stats.fallback).inc()
         if stats.prefix_break_at is not None:
             self.prefix_breaks.inc()
         tokens = stats.prompt_tokens
-        for source in ("prefill_cached", "prefill_received", "prefill_restored",
-                       "prefill_computed", "decode_cached", "decode_received",
-                       "decode_restored", "decode_computed"):
+        for source in _TOKEN_SOURCES:
             value = getattr(tokens, source)
             if value:
-                self.prompt_tokens.labels(source).inc(value)
+                self._child(self.prompt_tokens, source).inc(value)
         if stats.times.first_token_ms is not None:
-            self.ttft.labels(stats.mode).observe(stats.times.first_token_ms / 1000)
+            self._child(self.ttft, stats.mode).observe(stats.times.first_token_ms / 1000)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once (each lookup takes the metric's lock)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
