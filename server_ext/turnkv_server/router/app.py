@@ -371,4 +371,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             "time": time.time(),
         })
 
+    # Starlette tries the routes in order, and turns are nearly every request: theirs first
+    # (no other route's path matches theirs).
+    turns = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
+    app.router.routes.sort(key=lambda route: getattr(route, "path", None) not in turns)
     return app
