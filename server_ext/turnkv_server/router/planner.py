@@ -1,0 +1,243 @@
+"""Where a turn runs and what moves: the `turnkv` mode's decision per turn, from measured costs
+(`router.costs`).
+
+Each session has a home, the engine of its pair that holds its history and decodes its turns;
+neither engine is fixed as prefill or decode. Per turn the planner weighs:
+
+- `whole`: the home computes what it lacks of the prompt and decodes, as an aggregated engine
+  would. Nothing moves; but the home's other requests get no token while it computes. (A home
+  that lost the history to memory pressure restores what its tier holds and computes the rest:
+  still `whole`.)
+- `split`: the other engine (the helper) computes the prompt and writes the KV the home lacks
+  (the delta) into it, layer by layer, while the home goes on decoding its other sessions. The
+  helper computes what its own cache lacks: only the delta where it holds a copy of the history.
+- `move`: the session's home changes to the other engine: its KV is pulled from the old home
+  (which computes the delta and writes the whole prompt's KV), or recomputed when the old home
+  is down.
+
+A placement's cost is its own time to the first token, plus the time it stalls each other
+request decoding on the engine that computes, plus the turn's decode at that engine's batch:
+the waiting it adds across all requests. The cheapest goes, with the ITL target as a
+constraint: a placement that would stall others longer than the target is refused while one
+within it is possible. A `move` must beat staying by a margin, so that sessions do not bounce.
+
+After the turn, the home's copy of the history is pushed to the helper (`push_back`) only when
+splits are expected for the session (this turn split, or one of its last turns did) and no
+engine of the pair is under memory pressure: a copy on both engines halves the sessions the
+pair holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from turnkv_server.router.costs import CostModel
+
+Where = Literal["whole", "split", "move"]
+WHERES: tuple[Where, ...] = ("whole", "split", "move")
+# A move must cost this fraction less than the best placement on the home: its benefit is
+# estimated from one turn, its cost (the history's KV over the link) is sure.
+MOVE_MARGIN = 0.2
+# Turns after a split during which the session still counts as one that splits.
+SPLIT_MEMORY_TURNS = 3
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """An engine as the planner sees it when the turn is planned."""
+
+    name: str
+    healthy: bool = True
+    in_flight: int = 0  # requests in flight on it, this turn's not counted
+    overloaded: bool = False  # at the pool's limit of requests in flight
+    pressure: bool = False  # lost a held history, or failed a push back, lately
+
+
+@dataclass(frozen=True)
+class TurnFacts:
+    """What the planner knows of the turn and its session."""
+
+    # The prompt's length (None: not tokenized; the planner asked for none, `needs_prompt`).
+    prompt_tokens: int | None = None
+    # Leading tokens of the prompt held by the home and by the helper.
+    home_holds: int = 0
+    helper_holds: int = 0
+    block_size: int | None = None
+    expected_output: int = 0  # tokens the turn is expected to decode
+    turns_since_split: int | None = None  # None: the session never split
+    # A push back is possible: the turn's history will be known, and it is not the last.
+    can_push_back: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the planner decided for one turn, and why."""
+
+    where: Where
+    home: str  # the engine that decodes the turn and holds the session after it
+    prefill: str  # the engine that computes the prompt
+    push_back: bool = False
+    pull: bool = False  # a move that pulls the history from the old home
+    pinned: bool = False
+    why: str = ""
+    estimates: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Option:
+    where: Where
+    prefill: EngineLoad
+    home: EngineLoad
+    ttft_ms: float  # to the first token
+    stall_ms: float  # of each other request decoding on `prefill`
+    cost_ms: float  # waiting added across all requests
+
+
+def tokens_to_compute(prompt_len: int, held: int, block: int | None) -> int:
+    """Tokens an engine holding the first `held` tokens of a `prompt_len`-token prompt
+    computes: prefix caching reuses whole blocks only, and vLLM computes the last prompt token
+    even when it holds it (`block` None: unknown, no tail counted)."""
+    held = min(held, prompt_len - 1)
+    if block:
+        held = held // block * block
+    return max(1, prompt_len - max(0, held))
+
+
+class Planner:
+    def __init__(self, costs: CostModel, itl_target_ms: float | None = None) -> None:
+        self.costs = costs
+        self.itl_target_ms = itl_target_ms
+
+    @staticmethod
+    def needs_prompt(home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
+                     pin: Where | None = None) -> bool:
+        """Whether the decision needs the prompt's length (a /tokenize round trip): only where
+        a split could pay (the home has other requests to stall, and a helper is up), a push
+        back may follow (the session splits), or a placement is pinned. An idle home serves
+        the turn whole: nobody waits while it computes."""
+        if helper is None or not helper.healthy or not home.healthy:
+            return False
+        return (pin is not None or home.in_flight > 0 or home.overloaded
+                or _splits_expected(facts))
+
+    def decide(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
+               pin: Where | None = None) -> Decision:
+        """The turn's placement (`home`: the session's home, or a new session's; `helper`:
+        the pair's other engine, None where there is none)."""
+        other = helper if helper is not None and helper.healthy else None
+        if not home.healthy:
+            if other is None:
+                return Decision("whole", home.name, home.name,
+                                why=f"{home.name} is down and no other engine is up")
+            return Decision("move", other.name, other.name, why=(
+                f"{home.name} is down: moved to {other.name}, which recomputes the history"))
+        if other is None:
+            return Decision("whole", home.name, home.name, why="no other engine is up")
+        if facts.prompt_tokens is None:
+            if home.overloaded and not other.overloaded:
+                return self._pull(home, other, f"{home.name} is overloaded")
+            return Decision("whole", home.name, home.name, push_back=self._push_back(
+                "whole", home, other, facts), why=f"{home.name} has nothing in flight to stall")
+        options = self._options(home, other, facts)
+        if pin is not None:
+            return self._decision(options[pin], options, home, other, facts, "pinned",
+                                  pinned=True)
+        if home.overloaded and not other.overloaded:
+            return self._decision(options["move"], options, home, other, facts,
+                                  f"{home.name} is overloaded")
+        chosen, reason = self._choose(options)
+        return self._decision(chosen, options, home, other, facts, reason)
+
+    # -- the options ---------------------------------------------------------------------
+
+    def _options(self, home: EngineLoad, other: EngineLoad, facts: TurnFacts
+                 ) -> dict[Where, _Option]:
+        prompt = facts.prompt_tokens or 0
+        block, out = facts.block_size, facts.expected_output
+        costs = self.costs
+        # Whole: the home computes what it lacks, stalling its other requests meanwhile.
+        whole_n = tokens_to_compute(prompt, facts.home_holds, block)
+        whole_ms = costs.prefill_ms(home.name, prompt, whole_n)
+        home_decode = out * costs.decode_step_ms(home.name, home.in_flight + 1)
+        whole = _Option("whole", home, home, whole_ms, _stall(whole_ms, home),
+                        whole_ms * (1 + home.in_flight) + home_decode)
+        # Split: the helper computes what it lacks and writes what the home lacks.
+        split_n = tokens_to_compute(prompt, facts.helper_holds, block)
+        split_compute = costs.prefill_ms(other.name, prompt, split_n)
+        split_ms = (split_compute + costs.transfer_ms(whole_n)
+                    + costs.priors.split_overhead_ms)
+        split = _Option("split", other, home, split_ms, _stall(split_compute, other),
+                        split_ms + split_compute * other.in_flight + home_decode)
+        # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
+        # the other engine, which decodes there from now on, at its own batch.
+        move_ms = whole_ms + costs.transfer_ms(prompt) + costs.priors.split_overhead_ms
+        moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
+        move = _Option("move", home, other, move_ms, _stall(whole_ms, home),
+                       move_ms + whole_ms * home.in_flight + moved_decode)
+        return {"whole": whole, "split": split, "move": move}
+
+    def _choose(self, options: dict[Where, _Option]) -> tuple[_Option, str]:
+        stay = [options["whole"], options["split"]]
+        best = min(stay, key=lambda o: o.cost_ms)
+        move = options["move"]
+        if move.cost_ms < best.cost_ms * (1 - MOVE_MARGIN):
+            best = move
+        target = self.itl_target_ms
+        if target is None or best.stall_ms <= target:
+            return best, "the least waiting"
+        within = [o for o in (*stay, move) if o.stall_ms <= target]
+        if within:
+            pick = min(within, key=lambda o: o.cost_ms)
+            return pick, (f"{best.where} would stall {best.prefill.name}'s other requests "
+                          f"~{best.stall_ms:.0f} ms, over the ITL target {target:g} ms")
+        pick = min(stay, key=lambda o: o.stall_ms)
+        return pick, f"every placement stalls over the ITL target {target:g} ms: the least"
+
+    # -- the decision --------------------------------------------------------------------
+
+    def _decision(self, option: _Option, options: dict[Where, _Option], home: EngineLoad,
+                  other: EngineLoad, facts: TurnFacts, reason: str,
+                  pinned: bool = False) -> Decision:
+        return Decision(
+            option.where, option.home.name, option.prefill.name,
+            push_back=self._push_back(option.where, home, other, facts),
+            pull=option.where == "move", pinned=pinned,
+            why=f"{option.where} ({reason}): {_estimates_text(option, facts)}; waiting added: "
+                + ", ".join(f"{o.where} ~{o.cost_ms:.0f} ms" for o in options.values()),
+            estimates={"ttft_ms": round(option.ttft_ms, 2),
+                       "stall_ms": round(option.stall_ms, 2),
+                       "cost_ms": round(option.cost_ms, 2)})
+
+    def _pull(self, home: EngineLoad, other: EngineLoad, reason: str) -> Decision:
+        return Decision("move", other.name, home.name, pull=True,
+                        why=f"move ({reason}): {home.name} computes the delta and writes the "
+                            f"history to {other.name}")
+
+    @staticmethod
+    def _push_back(where: Where, home: EngineLoad, other: EngineLoad, facts: TurnFacts) -> bool:
+        """Keep a copy on the helper after the turn: only for a session that splits (a split
+        then computes only its delta there), and never under memory pressure (the copy would
+        cost another session its history). A moved session leaves its copy on the old home."""
+        if where == "move" or not facts.can_push_back or home.pressure or other.pressure:
+            return False
+        return where == "split" or _splits_expected(facts)
+
+
+def _splits_expected(facts: TurnFacts) -> bool:
+    return facts.turns_since_split is not None and \
+        facts.turns_since_split < SPLIT_MEMORY_TURNS
+
+
+def _stall(compute_ms: float, engine: EngineLoad) -> float:
+    """How long the engine's other requests wait for a computation: not at all without any."""
+    return compute_ms if engine.in_flight > 0 else 0.0
+
+
+def _estimates_text(option: _Option, facts: TurnFacts) -> str:
+    held = f"home holds {facts.home_holds}, helper {facts.helper_holds}"
+    stall = (f", stalls {option.prefill.in_flight} other request"
+             f"{'s' if option.prefill.in_flight != 1 else ''} ~{option.stall_ms:.0f} ms"
+             if option.stall_ms else "")
+    return (f"{facts.prompt_tokens} prompt tokens ({held}); prefill on {option.prefill.name}, "
+            f"decode on {option.home.name}; ~{option.ttft_ms:.0f} ms to first token{stall}")

@@ -1,0 +1,242 @@
+"""The planner (`router.planner`) and its cost model (`router.costs`): where a turn runs and
+what moves, from what the turns measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnkv_server.router.costs import (
+    CostModel,
+    Ewma,
+    Priors,
+    batch_bucket,
+    context_bucket,
+)
+from turnkv_server.router.planner import (
+    SPLIT_MEMORY_TURNS,
+    EngineLoad,
+    Planner,
+    TurnFacts,
+    tokens_to_compute,
+)
+
+HOME, HELPER = "decode-0", "prefill-0"
+
+
+def measured(home_ms: float = 1.0, helper_ms: float = 1.0, context: int = 4096) -> CostModel:
+    """Both engines measured at the given prefill cost per token."""
+    costs = CostModel()
+    costs.observe_prefill(HOME, context, 1000, home_ms * 1000)
+    costs.observe_prefill(HELPER, context, 1000, helper_ms * 1000)
+    return costs
+
+
+def history_turn(prompt: int = 4096, delta: int = 2000, helper_holds: int | None = None,
+                 **more: object) -> TurnFacts:
+    """A turn adding `delta` tokens to a history the home holds (and the helper too, unless
+    `helper_holds` says otherwise)."""
+    held = prompt - delta
+    return TurnFacts(prompt_tokens=prompt, home_holds=held,
+                     helper_holds=held if helper_holds is None else helper_holds,
+                     block_size=16, expected_output=100, **more)  # type: ignore[arg-type]
+
+
+# -- the cost model ------------------------------------------------------------------------
+
+def test_buckets_are_powers_of_two() -> None:
+    assert [context_bucket(n) for n in (1, 256, 257, 5000)] == [256, 256, 512, 8192]
+    assert [batch_bucket(n) for n in (0, 1, 2, 3, 9)] == [1, 1, 2, 4, 16]
+
+
+def test_ewma_follows_new_measurements_and_answers_for_the_nearest_bucket() -> None:
+    mean = Ewma(weight=0.5)
+    assert mean.nearest(512) is None
+    mean.add(512, 1.0)
+    mean.add(512, 3.0)
+    assert mean.nearest(512) == 2.0
+    mean.add(8192, 10.0)
+    # 1024 is nearer 512 than 8192 on a log scale; 4096 nearer 8192.
+    assert mean.nearest(1024) == 2.0 and mean.nearest(4096) == 10.0
+
+
+def test_cost_model_uses_its_priors_until_an_engine_measures() -> None:
+    costs = CostModel(Priors(prefill_ms_per_token=0.5, decode_step_ms=20.0,
+                             transfer_tokens_per_ms=10.0))
+    assert costs.prefill_ms_per_token(HOME, 1000) == (0.5, False)
+    assert costs.decode_step_ms(HOME, 4) == 20.0 and costs.transfer_ms(100) == 10.0
+    costs.observe_prefill(HOME, 1000, computed=200, engine_ms=100.0)
+    assert costs.prefill_ms_per_token(HOME, 1000) == (0.5, True)
+    costs.observe_prefill(HOME, 1000, computed=200, engine_ms=400.0)
+    assert costs.prefill_ms_per_token(HOME, 1000)[0] == pytest.approx(0.5 + 0.2 * 1.5)
+    assert costs.measured(HOME) and not costs.measured(HELPER)
+    costs.observe_decode(HOME, batch=3, first_token_ms=100.0, total_ms=190.0,
+                         completion_tokens=10)
+    assert costs.decode_step_ms(HOME, 4) == 10.0
+
+
+def test_cost_model_ignores_what_teaches_nothing() -> None:
+    costs = CostModel()
+    costs.observe_prefill(HOME, 1000, computed=None, engine_ms=10.0)
+    costs.observe_prefill(HOME, 1000, computed=200, engine_ms=None)
+    # A few tokens are mostly a step's fixed cost.
+    costs.observe_prefill(HOME, 1000, computed=3, engine_ms=30.0)
+    costs.observe_decode(HOME, 1, first_token_ms=None, total_ms=10.0, completion_tokens=5)
+    costs.observe_decode(HOME, 1, first_token_ms=5.0, total_ms=10.0, completion_tokens=1)
+    assert not costs.measured(HOME)
+    assert costs.decode_step_ms(HOME, 1) == costs.priors.decode_step_ms
+
+
+def test_tokens_to_compute_counts_whole_blocks_and_the_last_token() -> None:
+    assert tokens_to_compute(100, held=100, block=16) == 4  # 96 held in whole blocks
+    assert tokens_to_compute(100, held=0, block=16) == 100
+    assert tokens_to_compute(100, held=100, block=None) == 1
+
+
+# -- decisions -----------------------------------------------------------------------------
+
+def test_idle_home_serves_whole_without_the_prompt() -> None:
+    planner = Planner(measured())
+    home, helper = EngineLoad(HOME), EngineLoad(HELPER)
+    facts = TurnFacts(expected_output=100)
+    assert not planner.needs_prompt(home, helper, facts)
+    decision = planner.decide(home, helper, facts)
+    assert (decision.where, decision.home, decision.prefill) == ("whole", HOME, HOME)
+    assert not decision.push_back and "nothing in flight" in decision.why
+
+
+def test_busy_home_asks_for_the_prompt_only_where_a_split_is_possible() -> None:
+    planner = Planner(measured())
+    busy = EngineLoad(HOME, in_flight=3)
+    assert planner.needs_prompt(busy, EngineLoad(HELPER), TurnFacts())
+    assert not planner.needs_prompt(busy, EngineLoad(HELPER, healthy=False), TurnFacts())
+    assert not planner.needs_prompt(busy, None, TurnFacts())
+    # A session that split lately may push back: its history must be known.
+    assert planner.needs_prompt(EngineLoad(HOME), EngineLoad(HELPER),
+                                TurnFacts(turns_since_split=0))
+
+
+def test_short_delta_on_a_busy_home_stays_whole() -> None:
+    # The helper lacks the history: a split would compute all of it there.
+    decision = Planner(measured()).decide(EngineLoad(HOME, in_flight=3), EngineLoad(HELPER),
+                                          history_turn(delta=20, helper_holds=0))
+    assert decision.where == "whole" and decision.home == HOME
+    assert "whole ~" in decision.why and "split ~" in decision.why
+
+
+def test_long_delta_on_a_busy_home_splits_to_an_idle_helper() -> None:
+    decision = Planner(measured()).decide(EngineLoad(HOME, in_flight=3), EngineLoad(HELPER),
+                                          history_turn(delta=2000, can_push_back=True))
+    assert (decision.where, decision.home, decision.prefill) == ("split", HOME, HELPER)
+    # A session that splits keeps a copy on the helper, so its next split computes only its
+    # delta there.
+    assert decision.push_back
+    assert decision.estimates["stall_ms"] == 0.0
+
+
+def test_split_pays_only_where_the_helper_holds_the_history_or_is_idle() -> None:
+    planner = Planner(measured())
+    # The helper is as busy as the home, and lacks the history: it would compute all of it
+    # beside its own requests.
+    decision = planner.decide(EngineLoad(HOME, in_flight=3), EngineLoad(HELPER, in_flight=3),
+                              history_turn(delta=500, helper_holds=0))
+    assert decision.where == "whole"
+
+
+def test_itl_target_refuses_a_whole_turn_that_stalls_the_home_over_it() -> None:
+    costs = measured(home_ms=0.05, helper_ms=0.05)
+    facts = history_turn(delta=400, helper_holds=0)
+    home, helper = EngineLoad(HOME, in_flight=1), EngineLoad(HELPER)
+    # Cheapest overall: whole (the helper would recompute the history).
+    assert Planner(costs).decide(home, helper, facts).where == "whole"
+    # But it stalls the home's other request ~20 ms: over a 10 ms target.
+    decision = Planner(costs, itl_target_ms=10.0).decide(home, helper, facts)
+    assert decision.where == "split" and "ITL target 10 ms" in decision.why
+
+
+def test_itl_target_without_a_placement_within_it_takes_the_least_stall() -> None:
+    costs = measured()
+    decision = Planner(costs, itl_target_ms=1.0).decide(
+        EngineLoad(HOME, in_flight=2), EngineLoad(HELPER, in_flight=4),
+        history_turn(delta=2000, helper_holds=0))
+    assert "every placement stalls over" in decision.why
+    assert decision.estimates["stall_ms"] <= 2000 * 1.0
+
+
+def test_a_home_that_is_down_moves_the_session_and_recomputes() -> None:
+    decision = Planner(measured()).decide(EngineLoad(HOME, healthy=False), EngineLoad(HELPER),
+                                          history_turn())
+    assert (decision.where, decision.home, decision.pull) == ("move", HELPER, False)
+    assert "is down" in decision.why
+
+
+def test_an_overloaded_home_moves_the_session_and_pulls_its_history() -> None:
+    decision = Planner(measured()).decide(EngineLoad(HOME, in_flight=64, overloaded=True),
+                                          EngineLoad(HELPER), history_turn(delta=20))
+    assert (decision.where, decision.home, decision.prefill) == ("move", HELPER, HOME)
+    assert decision.pull and not decision.push_back
+
+
+def test_a_home_far_slower_at_decoding_moves_the_session() -> None:
+    costs = measured()
+    for _ in range(5):
+        costs.observe_decode(HOME, 16, first_token_ms=0.0, total_ms=990.0,
+                             completion_tokens=100)
+        costs.observe_decode(HELPER, 1, first_token_ms=0.0, total_ms=99.0,
+                             completion_tokens=100)
+    facts = TurnFacts(prompt_tokens=1000, home_holds=990, helper_holds=0, block_size=16,
+                      expected_output=500)
+    decision = Planner(costs).decide(EngineLoad(HOME, in_flight=15), EngineLoad(HELPER),
+                                     facts)
+    assert (decision.where, decision.home, decision.pull) == ("move", HELPER, True)
+
+
+def test_without_another_engine_the_turn_stays_whole() -> None:
+    planner = Planner(measured())
+    facts = history_turn()
+    assert planner.decide(EngineLoad(HOME, in_flight=5), None, facts).where == "whole"
+    decision = planner.decide(EngineLoad(HOME, in_flight=5),
+                              EngineLoad(HELPER, healthy=False), facts)
+    assert decision.where == "whole" and "no other engine" in decision.why
+
+
+@pytest.mark.parametrize("pin", ["whole", "split", "move"])
+def test_a_pinned_placement_is_followed_and_said(pin: str) -> None:
+    planner = Planner(measured())
+    home, helper = EngineLoad(HOME), EngineLoad(HELPER)
+    assert planner.needs_prompt(home, helper, TurnFacts(), pin=pin)  # type: ignore[arg-type]
+    decision = planner.decide(home, helper, history_turn(), pin=pin)  # type: ignore[arg-type]
+    assert decision.where == pin and decision.pinned and "pinned" in decision.why
+    assert decision.home == (HELPER if pin == "move" else HOME)
+
+
+def test_push_back_only_for_sessions_that_split_and_never_under_pressure() -> None:
+    planner = Planner(measured())
+    busy, idle = EngineLoad(HOME, in_flight=3), EngineLoad(HELPER)
+    long = dict(delta=2000, can_push_back=True)
+    assert planner.decide(busy, idle, history_turn(**long)).push_back  # type: ignore[arg-type]
+    # Under pressure on either engine: no copy.
+    assert not planner.decide(busy, EngineLoad(HELPER, pressure=True),
+                              history_turn(**long)).push_back  # type: ignore[arg-type]
+    assert not planner.decide(EngineLoad(HOME, in_flight=3, pressure=True), idle,
+                              history_turn(**long)).push_back  # type: ignore[arg-type]
+    # A whole turn of a session that split lately keeps the copy up to date; of one that
+    # has not split for a while, it does not.
+    recent = history_turn(delta=20, helper_holds=0, can_push_back=True, turns_since_split=1)
+    long_ago = history_turn(delta=20, helper_holds=0, can_push_back=True,
+                            turns_since_split=SPLIT_MEMORY_TURNS)
+    assert planner.decide(busy, idle, recent).where == "whole"
+    assert planner.decide(busy, idle, recent).push_back
+    assert not planner.decide(busy, idle, long_ago).push_back
+    # Nothing to push back with (the last turn, or no token IDs).
+    assert not planner.decide(busy, idle, history_turn(delta=2000)).push_back
+
+
+def test_cold_start_priors_still_split_a_long_delta_beside_busy_decodes() -> None:
+    """No measurement at all: the priors rank the placements by tokens and stalls."""
+    planner = Planner(CostModel())
+    decision = planner.decide(EngineLoad(HOME, in_flight=4), EngineLoad(HELPER),
+                              history_turn(delta=3000))
+    assert decision.where == "split"
+    decision = planner.decide(EngineLoad(HOME, in_flight=4), EngineLoad(HELPER),
+                              history_turn(delta=10, helper_holds=0))
+    assert decision.where == "whole"
