@@ -162,6 +162,25 @@ SessionSource = Literal["tag", "dynamo", "vllm", "lineage", "agent", "prompt_cac
                         "inferred"]
 
 
+class TurnPlacement(BaseModel):
+    """Where the `turnkv` mode's planner ran the turn and what it moved, and why (routers in
+    fixed pools, and other modes, decide nothing per turn: the field is null).
+
+    `where`: "whole" (the session's home computed and decoded), "split" (`prefill` computed
+    the prompt and wrote the KV the home lacked) or "move" (the session's home changed to
+    `home`: its history pulled from the old home, `prefill`, or recomputed when `pulled` is
+    false). `push_back`: a copy of the history went to the other engine after the turn. A plain
+    string, so that a later router's placements still parse."""
+
+    where: str
+    home: str
+    prefill: str
+    push_back: bool = False
+    pulled: bool = False
+    pinned: bool = False  # a diagnostic router option chose it, not the costs
+    why: str = ""
+
+
 class TurnStats(BaseModel):
     """The `turnkv` field of a response (the final SSE chunk when streaming)."""
 
@@ -190,6 +209,8 @@ class TurnStats(BaseModel):
     # "in_time" (done before the turn arrived), "awaited" (the turn waited for it), "early"
     # (the turn came before it started; it was called off); None: none was scheduled.
     prefetch: PrefetchOutcome | None = None
+    # The planner's decision (the `turnkv` mode; None elsewhere).
+    placement: TurnPlacement | None = None
 
 
 __all__ = [
@@ -198,6 +219,7 @@ __all__ = [
     "PromptTokens",
     "SessionSource",
     "TurnStats",
+    "TurnPlacement",
     "TurnTag",
     "TurnTimes",
     "is_valid_id",

@@ -101,6 +101,7 @@ def up(
         metavar="TOKENS", help=SHORT_DELTA_HELP)] = None,
     itl_target_ms: Annotated[float | None, typer.Option(
         metavar="MS", help=ITL_TARGET_HELP, min=0.0)] = None,
+    fixed_pools: Annotated[bool, typer.Option(help=help_for("fixed_pools"))] = False,
     tier_host_blocks: Annotated[int | None, typer.Option(
         metavar="BLOCKS", help="turnkv or affinity: a host-memory KV tier of this many blocks "
         "below each engine's cache (docs/tier.md; affinity without --engine-leases: vLLM's "
@@ -151,7 +152,8 @@ def up(
             tier_host_blocks=tier_host_blocks, tier_disk_bytes=tier_disk_bytes,
             engine_leases=engine_leases, tool_call_parser=tool_call_parser,
             engine_extra_args=tuple(engine_arg or ()),
-            router_args=(*(("--redis", redis) if redis else ()), *itl_target_args(itl_target_ms)),
+            router_args=(*(("--redis", redis) if redis else ()), *itl_target_args(itl_target_ms),
+                         *(("--fixed-pools",) if fixed_pools else ())),
             register_as_current=True,
         )
     except ValueError as exc:

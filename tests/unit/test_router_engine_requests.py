@@ -181,7 +181,9 @@ async def cluster(prefill: dict[str, Handler] | None, decode: dict[str, Handler]
                   short_delta_tokens: int = 0, itl_target_ms: float | None = None,
                   **settings: Any) -> AsyncIterator[Cluster]:
     """Stand-in engines (`prefill` None: nothing listens there) behind a `turnkv` router (with
-    more of its `settings`)."""
+    more of its `settings`), in fixed pools unless they say otherwise: the P/D form's requests
+    are what most tests here read (the planner's: tests/unit/test_router_turnkv_planned.py)."""
+    settings.setdefault("fixed_pools", True)
     # (A prompt of three tokens, as `prefill_ok` renders it.)
     p, d = StandIn(prefill or {}), StandIn({"/tokenize": tokenize_ok, **decode})
     p.partner, d.partner = d, p

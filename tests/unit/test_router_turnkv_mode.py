@@ -1,4 +1,5 @@
-"""The router's `turnkv` mode: what each engine is told, per turn and per session."""
+"""The router's `turnkv` mode in fixed pools (the P/D form, whose machinery the planner's form
+reuses): what each engine is told, per turn and per session."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def context(short_delta_tokens: int = 0) -> ModeContext:
     pool = EnginePool.from_urls([PREFILL], [DECODE])
     channels = {pool.prefill[0].name: "127.0.0.1:5601", pool.decode[0].name: "127.0.0.1:5602"}
     return ModeContext(upstream=Upstream(), prefill_peers={}, decoder_kv_ttl=120.0,
-                       side_channels=channels, pool=pool, short_delta_tokens=short_delta_tokens)
+                       side_channels=channels, pool=pool, short_delta_tokens=short_delta_tokens,
+                       fixed_pools=True)
 
 
 def turn(hints: CacheHints | None = None, session: bool = True) -> Turn:

@@ -13,9 +13,10 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
-from typing import Any, get_type_hints
+from typing import Any, cast, get_type_hints
 
 from turnkv_server.mode_names import DEFAULT_MODE, ROUTER_MODES, RouterMode
+from turnkv_server.router.planner import WHERES, Where
 from turnkv_server.router.sessions import LeasePolicy
 from turnkv_server.router.tags import DEFAULT_TENANT
 from turnkv_server.router.tenants import TenantCaps, default_max_priority, load_tenant_caps
@@ -120,6 +121,21 @@ class RouterConfig:
     engine_leases: bool = field(default=False, metadata=cli(
         "affinity mode: the engines run the turnkv connector; tell each the session's lease "
         "with every turn (its TTL, priority and expected return; `final` releases it)"))
+    # The P/D form: prefill engines compute prompts, decode engines decode (router/modes/turnkv.py);
+    # without it the planner places each turn (router/planner.py).
+    fixed_pools: bool = field(default=False, metadata=cli(
+        "turnkv mode: keep the engines in fixed pools, the prefill engines computing every "
+        "prompt and the decode engines decoding (for different hardware per pool); without "
+        "it each session has a home on either engine and the router decides per turn where "
+        "it runs and what moves"))
+    transfer_tokens_per_ms: float = field(default=50.0, metadata=cli(
+        "turnkv mode: tokens of KV per ms the engines move between them, for the planner's "
+        "estimates (the engines report what a transfer moved, not how long it took)"))
+    # A diagnostic: turns placed as told, not as the costs say (router/planner.py).
+    pin_placement: str | None = field(default=None, metadata=cli(
+        "turnkv mode, diagnostics only: place each session's turns as this comma-separated "
+        "list says (whole, split, move), its first turn as the first entry and so on, "
+        "cycling, whatever the costs say"))
     pair_pool: bool = field(default=False, metadata=cli(
         "turnkv mode: the pair as one pool: each session lives on one engine of its pair, "
         "which serves its turns whole (no KV moves; the pair holds twice the histories, and a "
@@ -183,12 +199,31 @@ class RouterConfig:
             raise ValueError("admission_max_wait_s must be positive")
         if self.pair_pool and self.mode != "turnkv":
             raise ValueError("--pair-pool is for turnkv mode")
+        if self.fixed_pools and self.mode != "turnkv":
+            raise ValueError("--fixed-pools is for turnkv mode")
+        if not self.transfer_tokens_per_ms > 0:
+            raise ValueError("transfer_tokens_per_ms must be positive")
+        pins = self.pins()
+        if pins and (self.mode != "turnkv" or self.fixed_pools or self.pair_pool):
+            raise ValueError("--pin-placement is for turnkv mode's planner (not with "
+                             "--fixed-pools or --pair-pool)")
         tenants = set(self.api_keys.values()) if self.api_keys else {DEFAULT_TENANT}
         for tenant in self.tenant_caps:
             if tenant not in tenants:
                 raise ValueError(f"--tenant-caps: there is no tenant {tenant!r} (tenants are "
                                  "named in --api-keys)")
             self.caps_for(tenant)  # out of range: ValueError
+
+    def pins(self) -> tuple[Where, ...]:
+        """The placements `pin_placement` names, in order (empty: none pinned)."""
+        if not self.pin_placement:
+            return ()
+        names = tuple(n.strip() for n in self.pin_placement.split(","))
+        wrong = [n for n in names if n not in WHERES]
+        if wrong:
+            raise ValueError(f"--pin-placement: {', '.join(wrong)}: choose among "
+                             f"{', '.join(WHERES)}")
+        return cast(tuple[Where, ...], names)
 
     def caps_for(self, tenant: str) -> TenantCaps:
         """What `tenant`'s clients may ask (router/tenants.py): its own caps, the defaults

@@ -11,7 +11,8 @@ mean per engine and per bucket (context length for prefill, batch for decode): o
   prompt's length, since attention makes a token of a long context dearer. It includes the
   other requests' decode steps sharing those steps, so it is what their tokens waited too;
 - decode: the turn's time after its first token over its tokens after the first, by the
-  engine's requests in flight when the turn was planned (its batch);
+  engine's requests in flight as the turn ends (its batch; streamed turns only, which time
+  their first token);
 - transfer: tokens of KV per ms between engines. No turn's stats time a transfer (the engines
   report what moved, not how long it took), so this is a setting (`--transfer-tokens-per-ms`),
   not a measurement.

@@ -76,6 +76,9 @@ def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
     moved = bool(session and session.decode and
                  (session.prefill, session.decode) != (placement.prefill.name,
                                                        placement.decode.name))
+    decision = plan.decision
+    if decision is not None:  # the planner says whether the session's home changed
+        moved = decision.where == "move"
     if fallback is None and plan.reuse_note is not None:
         fallback, detail = plan.reuse_note
     if turn.tag is not None and turn.tag.turn is not None:
@@ -101,6 +104,10 @@ def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
         fallback=fallback,
         fallback_detail=detail,
         prefetch=turn.prefetch,
+        placement=None if decision is None else p.TurnPlacement(
+            where=decision.where, home=decision.home, prefill=decision.prefill,
+            push_back=decision.push_back, pulled=decision.pull, pinned=decision.pinned,
+            why=decision.why),
     )
 
 

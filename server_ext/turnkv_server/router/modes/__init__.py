@@ -1,5 +1,6 @@
 """The serving modes, by name (`turnkv_server.mode_names`): vLLM's own (`standard`,
-`bidirectional`, `push`), turnkv's (`turnkv`) and session-affinity routing over aggregated
+`bidirectional`, `push`), turnkv's (`turnkv`: the planner's, `planned`, or with fixed pools
+the P/D form, `turnkv`) and session-affinity routing over aggregated
 engines (`affinity`, the baseline); `base` says what a mode is."""
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from turnkv_server.mode_names import ROUTER_MODES, RouterMode
 from turnkv_server.router.modes.affinity import Affinity
 from turnkv_server.router.modes.base import Mode, ModeContext
 from turnkv_server.router.modes.bidirectional import Bidirectional
+from turnkv_server.router.modes.planned import Turnkv
 from turnkv_server.router.modes.push import Push
 from turnkv_server.router.modes.standard import Standard
-from turnkv_server.router.modes.turnkv import Turnkv
 
 MODES: dict[RouterMode, type[Mode]] = {
     "turnkv": Turnkv,

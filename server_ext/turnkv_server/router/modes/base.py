@@ -38,6 +38,7 @@ from turnkv.protocol import CacheHints, FallbackReason, PrefetchOutcome, TurnSta
 from turnkv_server.engine.requests import tokenize_request
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.placement import Engine, EnginePool, Placement
+from turnkv_server.router.planner import Decision, Where
 from turnkv_server.router.sessions import LeasePolicy, Session
 from turnkv_server.router.upstream import Upstream
 
@@ -162,6 +163,8 @@ class TurnPlan:
     # Why the turn went where it did when that is no fallback (the stats' `note`): a short
     # delta the ITL target sent to the prefill engine.
     note: str | None = None
+    # turnkv's planner: what it decided for the turn, and why (the stats' `placement`).
+    decision: Decision | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,12 @@ class ModeContext:
     engine_leases: bool = False
     # turnkv: each session lives on one engine of its pair, which serves its turns whole.
     pair_pool: bool = False
+    # turnkv: the P/D form (prefill engines compute, decode engines decode); else the planner
+    # places each turn, with KV moving at `transfer_tokens_per_ms` and, for diagnostics, the
+    # placements of each session's turns pinned (cycling).
+    fixed_pools: bool = False
+    transfer_tokens_per_ms: float = 50.0
+    pins: tuple[Where, ...] = ()
     # The router's session TTLs (turnkv passes the engines the TTL a session's hints give it).
     session_policy: LeasePolicy = field(default_factory=LeasePolicy)
     # Counts each renew-only request sent for a hint between turns, by outcome ("sent",
@@ -232,7 +241,8 @@ class ModeContext:
                    clock=clock, side_channels=side_channels, pool=pool,
                    short_delta_tokens=config.short_delta_tokens,
                    itl_target_ms=config.itl_target_ms, engine_leases=config.engine_leases,
-                   pair_pool=config.pair_pool,
+                   pair_pool=config.pair_pool, fixed_pools=config.fixed_pools,
+                   transfer_tokens_per_ms=config.transfer_tokens_per_ms, pins=config.pins(),
                    session_policy=LeasePolicy(config.default_ttl, config.max_ttl),
                    count_renewal=count_renewal)
 

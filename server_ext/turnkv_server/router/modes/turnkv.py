@@ -114,7 +114,9 @@ def lost_history(computed: int | None, delta: int) -> bool:
     return computed is not None and computed > delta + HELD_TAIL_TOKENS
 
 
-class Turnkv(Mode):
+class PdTurnkv(Mode):
+    """The P/D form (`--fixed-pools`), and the machinery the planner's form reuses."""
+
     affinity = True
     serves_without_prefill = True
 
@@ -154,7 +156,7 @@ class Turnkv(Mode):
         keep = (session is not None and not turn_hints(turn).final and placement.prefill.healthy
                 and not self._no_push_back.active(placement.prefill.name)
                 and gives_token_ids(turn))
-        decode_send = _transfer_id(turn, "d2p") if keep else None
+        decode_send = transfer_id(turn, "d2p") if keep else None
         alone, diverted = await self._short_delta(turn, placement)
         note: tuple[FallbackReason, str] | None = None
         if alone is None and not placement.prefill.healthy:
@@ -163,14 +165,14 @@ class Turnkv(Mode):
                     f"{placement.decode.name} computed the prompt alone")
         if alone is not None:
             return TurnPlan(placement, prefill_params=None, alone=alone,
-                            decode_params=self._params(turn, send=_send(decode_send)),
+                            decode_params=self._params(turn, send=send_or_none(decode_send)),
                             decode_send=decode_send, reuse_note=note)
         await self._settle_push_back(session)
-        p2d = _transfer_id(turn, "p2d")
+        p2d = transfer_id(turn, "p2d")
         # Streamed: the decode engine registers within milliseconds, so the prefill's KV can be
         # written layer by layer while it computes.
         prefill = self._params(turn, send=Send(p2d, stream=True))
-        decode = self._params(turn, send=_send(decode_send), receive=Receive(
+        decode = self._params(turn, send=send_or_none(decode_send), receive=Receive(
             p2d, self.ctx.side_channels[placement.prefill.name]))
         return TurnPlan(placement, prefill_params=prefill, concurrent=True,
                         decode_params=decode, prefill_send=p2d, decode_send=decode_send,
@@ -362,11 +364,11 @@ class Turnkv(Mode):
 
 
 
-def _send(transfer_id: str | None) -> Send | None:
+def send_or_none(transfer_id: str | None) -> Send | None:
     return Send(transfer_id) if transfer_id is not None else None
 
 
-def _transfer_id(turn: Turn, direction: str) -> str:
+def transfer_id(turn: Turn, direction: str) -> str:
     return f"{turn.request_id}-{direction}"
 
 

@@ -1,0 +1,249 @@
+"""The `turnkv` mode: each turn placed by the planner (`router.planner`), from measured costs.
+
+Each session has a home, either engine of its pair (the launcher starts both with the turnkv
+connector as `kv_both`, so a "prefill" engine serves whole turns as well as a "decode" one): a
+new session's is the engine of its pair home to fewer sessions, as in `--pair-pool`. Per turn:
+
+1. `plan` reads the engines' load (requests in flight, and whether each lost a held history or
+   failed a push back lately: memory pressure), asks the planner whether it needs the prompt
+   (only where a split could pay, `Planner.needs_prompt`: an idle home gets no /tokenize
+   round trip) and for its decision, and carries it out with the P/D form's machinery
+   (`modes.turnkv`): `whole` is a turn the home serves alone, as the pool serves it; `split`
+   is the P/D plan with the other engine as prefill engine and the home as decode engine; a
+   `move` that pulls is the P/D plan from the old home to the new one, one that recomputes is
+   a whole turn on the new home. The turn's stats carry the decision (`placement`).
+2. `finish` feeds the cost model what the turn measured (prefill cost per token on the engine
+   that computed, decode step time at the home's batch), keeps the session's record (what each
+   engine holds of its history, when it last split) and pushes the history back to the other
+   engine only where the planner said so.
+
+`--fixed-pools` keeps the P/D form, `--pair-pool` the pool: both skip the planner.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from turnkv_server.engine.protocol import Receive, Send
+from turnkv_server.router.costs import CostModel, Priors
+from turnkv_server.router.modes.base import (
+    DecodeAlone,
+    ModeContext,
+    Turn,
+    TurnEnd,
+    TurnPlan,
+    gives_token_ids,
+    tokenize,
+)
+from turnkv_server.router.modes.leases import turn_hints
+from turnkv_server.router.modes.pair_pool import MAX_HOMES, PairPool
+from turnkv_server.router.modes.turnkv import (
+    HELD_TAIL_TOKENS,
+    MODEL,
+    PdTurnkv,
+    send_or_none,
+    transfer_id,
+)
+from turnkv_server.router.placement import Engine, Placement
+from turnkv_server.router.planner import Decision, EngineLoad, Planner, TurnFacts, Where
+from turnkv_server.router.sessions import Session, SessionKey
+from turnkv_server.router.token_history import common_prefix_len
+
+# Weight of a turn's output length in the session's expected output.
+OUTPUT_WEIGHT = 0.5
+
+
+@dataclass
+class SessionPlace:
+    """What the planner keeps of a session between its turns."""
+
+    # The engine other than the home holding a copy of the history, and how many of its
+    # leading tokens (a copy of an older history is still its prefix, edits aside).
+    copy_on: str | None = None
+    copy_tokens: int = 0
+    history_len: int = 0  # prompt and output tokens of the last turn
+    # Whether `Session.tokens` is that history (a turn served untokenized leaves it older).
+    tokens_current: bool = False
+    turns_since_split: int | None = None
+    expected_output: float = 0.0
+
+
+class Turnkv(PdTurnkv):
+    def __init__(self, ctx: ModeContext) -> None:
+        super().__init__(ctx)
+        priors = Priors(transfer_tokens_per_ms=ctx.transfer_tokens_per_ms)
+        self.planner = Planner(CostModel(priors), ctx.itl_target_ms)
+        self._homes = PairPool()
+        self._places: OrderedDict[SessionKey, SessionPlace] = OrderedDict()
+
+    @property
+    def planned(self) -> bool:
+        return not (self.ctx.fixed_pools or self.ctx.pair_pool)
+
+    # -- before the turn ---------------------------------------------------------------------
+
+    async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
+        if not self.planned:
+            return await super().plan(turn, placement)
+        session = turn.session
+        if session is not None:
+            session.mode_state[MODEL] = turn.body.get("model")
+        home = self._home(session, placement)
+        other = self._other(home)
+        home_load = self._load(home)
+        other_load = self._load(other) if other is not None else None
+        place = self._places.get(session.key) if session is not None else None
+        facts = TurnFacts(turns_since_split=place.turns_since_split if place else None)
+        pin = self._pin(session)
+        prompt_ids: list[int] | None = None
+        if self.planner.needs_prompt(home_load, other_load, facts, pin):
+            # Rendered where it waits least: the engine that is not the home.
+            prompt_ids = await tokenize(self.ctx.upstream, other or home, turn)
+        if prompt_ids is not None:
+            facts = self._facts(turn, prompt_ids, home, other, place)
+        decision = self.planner.decide(home_load, other_load, facts, pin)
+        if session is not None:
+            decided = self._engine(decision.home)
+            self._homes.home(session, Placement(decided, decided, "affinity"))
+        return await self._carry_out(turn, decision, prompt_ids, facts, placement)
+
+    def _home(self, session: Session | None, placement: Placement) -> Engine:
+        """The session's home (even down: the planner moves it), else the engine of the
+        placement's pair home to fewer sessions (then with fewer requests in flight)."""
+        if session is not None and session.decode is not None:
+            home = self.ctx.pool.by_name(session.decode) if self.ctx.pool else None
+            if home is not None:
+                return home
+        pair = [e for e in (placement.prefill, placement.decode) if e.healthy]
+        return min(pair or [placement.decode],
+                   key=lambda e: (self._homes.homed(e.name), e.in_flight))
+
+    def _other(self, home: Engine) -> Engine | None:
+        """The pair's other engine: the least busy healthy engine that is not the home."""
+        others = [e for e in (self.ctx.pool.engines() if self.ctx.pool else [])
+                  if e is not home and e.healthy]
+        return min(others, key=lambda e: e.in_flight) if others else None
+
+    def _engine(self, name: str) -> Engine:
+        engine = self.ctx.pool.by_name(name) if self.ctx.pool else None
+        assert engine is not None, name
+        return engine
+
+    def _load(self, engine: Engine) -> EngineLoad:
+        overloaded = self.ctx.pool is not None and engine.in_flight >= self.ctx.pool.max_in_flight
+        pressure = (self._pressure.active(engine.name)
+                    or self._no_push_back.active(engine.name))
+        return EngineLoad(engine.name, engine.healthy, engine.in_flight, overloaded, pressure)
+
+    def _pin(self, session: Session | None) -> Where | None:
+        pins = self.ctx.pins
+        if not pins:
+            return None
+        return pins[(session.turns if session is not None else 0) % len(pins)]
+
+    def _facts(self, turn: Turn, prompt_ids: list[int], home: Engine, other: Engine | None,
+               place: SessionPlace | None) -> TurnFacts:
+        """What each engine holds of the prompt: the history's prefix the prompt keeps, on
+        the home where it served the last turn, on the other engine as far as its copy goes."""
+        session, prompt = turn.session, len(prompt_ids)
+        shared = 0
+        if session is not None and place is not None:
+            shared = (common_prefix_len(prompt_ids, session.tokens) if place.tokens_current
+                      else min(prompt, place.history_len))
+        home_holds = shared if session is not None and session.decode == home.name else 0
+        copy = place is not None and other is not None and place.copy_on == other.name
+        return TurnFacts(
+            prompt_tokens=prompt, home_holds=home_holds,
+            helper_holds=min(shared, place.copy_tokens) if copy and place else 0,
+            block_size=home.block_size,
+            expected_output=round(place.expected_output) if place else 0,
+            turns_since_split=place.turns_since_split if place else None,
+            can_push_back=(session is not None and not turn_hints(turn).final
+                           and gives_token_ids(turn)))
+
+    async def _carry_out(self, turn: Turn, decision: Decision, prompt_ids: list[int] | None,
+                         facts: TurnFacts, placement: Placement) -> TurnPlan:
+        home, prefill = self._engine(decision.home), self._engine(decision.prefill)
+        keep = transfer_id(turn, "d2p") if decision.push_back else None
+        decode_params = self._params(turn, send=send_or_none(keep))
+        if prefill is not home:  # a split, or a move that pulls
+            if decision.where == "split":
+                await self._settle_push_back(turn.session)
+            p2d = transfer_id(turn, "p2d")
+            decode_params = self._params(turn, send=send_or_none(keep), receive=Receive(
+                p2d, self.ctx.side_channels[prefill.name]))
+            return TurnPlan(Placement(prefill, home, placement.reason),
+                            prefill_params=self._params(turn, send=Send(p2d, stream=True)),
+                            concurrent=True, decode_params=decode_params, prefill_send=p2d,
+                            decode_send=keep, decision=decision)
+        # Whole (or a move that recomputes): the home alone. A push back names its receiver as
+        # the placement's prefill engine (`PdTurnkv.finish` sends it there).
+        receiver = self._other(home) if keep is not None else None
+        held = prompt_ids is not None and facts.home_holds > 0 and decision.where == "whole"
+        alone = DecodeAlone(prompt_ids, len(prompt_ids) - facts.home_holds if prompt_ids
+                            else 0, held=held)
+        return TurnPlan(Placement(receiver or home, home, placement.reason),
+                        prefill_params=None, alone=alone, decode_params=decode_params,
+                        decode_send=keep if receiver is not None else None, decision=decision)
+
+    # -- after it ----------------------------------------------------------------------------
+
+    def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
+        decision = plan.decision
+        if decision is not None and end.how == "complete" and end.stats is not None:
+            self._observe(turn, plan, decision, end)
+        super().finish(turn, plan, end)
+
+    def _observe(self, turn: Turn, plan: TurnPlan, decision: Decision, end: TurnEnd) -> None:
+        stats = end.stats
+        assert stats is not None
+        tokens, times = stats.prompt_tokens, stats.times
+        decode = plan.placement.decode
+        alone = plan.alone is not None
+        computed = tokens.decode_computed if alone else tokens.prefill_computed
+        computing = decode if alone else plan.placement.prefill
+        self.planner.costs.observe_prefill(computing.name, tokens.total, computed,
+                                           times.engine_prefill_ms)
+        self.planner.costs.observe_decode(decode.name, decode.in_flight, times.first_token_ms,
+                                          times.total_ms, stats.completion_tokens)
+        session = turn.session
+        if session is None:
+            return
+        place = self._places.pop(session.key, None) or SessionPlace()
+        self._places[session.key] = place  # the most recent last
+        while len(self._places) > MAX_HOMES:
+            self._places.popitem(last=False)
+        if (plan.alone is not None and not plan.alone.held and decision.where == "whole"
+                and place.history_len and session.decode == decode.name and computed is not None
+                and computed > tokens.total - place.history_len + HELD_TAIL_TOKENS):
+            # An untokenized turn that computed more than its delta: the home lost the
+            # history (memory pressure), as a held short delta tells (`_judge_short_delta`).
+            self._pressure.record(decode.name, True)
+        history_len = tokens.total + stats.completion_tokens
+        place.tokens_current = turn.prompt_token_ids is not None
+        place.turns_since_split = 0 if decision.where == "split" else (
+            None if place.turns_since_split is None else place.turns_since_split + 1)
+        place.expected_output += OUTPUT_WEIGHT * (stats.completion_tokens
+                                                  - place.expected_output)
+        if plan.decode_send is not None and plan.placement.prefill is not decode:
+            place.copy_on, place.copy_tokens = plan.placement.prefill.name, history_len
+        elif plan.alone is None:  # the prefill engine computed the prompt
+            place.copy_on, place.copy_tokens = plan.placement.prefill.name, tokens.total
+        elif decision.where == "move":
+            place.copy_on, place.copy_tokens = None, 0
+        place.history_len = history_len
+
+    def forget_session(self, session: Session) -> None:
+        super().forget_session(session)
+        self._homes.forget(session.key)
+        self._places.pop(session.key, None)
+
+    def drop_session(self, session: Session) -> None:
+        place = self._places.get(session.key)
+        copy_on = place.copy_on if place is not None else None
+        if copy_on is not None and copy_on not in (session.prefill, session.decode):
+            # The copy an earlier turn left on an engine the last turn did not name: the
+            # session is ending, so naming it lets `PdTurnkv` release its lease with the rest.
+            session.prefill = copy_on
+        super().drop_session(session)

@@ -1,0 +1,232 @@
+"""The `turnkv` mode as the planner places each turn (no `--fixed-pools`): each session homed
+on either engine of its pair, each turn whole, split or moved, the decision in its stats."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from turnkv.protocol import CacheHints, PromptTokens, TurnStats, TurnTimes
+from turnkv_server.engine.protocol import parse
+from turnkv_server.router import stats
+from turnkv_server.router.config import RouterConfig, from_args
+from turnkv_server.router.modes import make_mode
+from turnkv_server.router.modes.base import ModeContext, Turn, TurnEnd, TurnPlan
+from turnkv_server.router.modes.planned import SessionPlace, Turnkv
+from turnkv_server.router.modes.turnkv import PUSH_BACK
+from turnkv_server.router.placement import Engine, EnginePool, Placement
+from turnkv_server.router.planner import Where
+from turnkv_server.router.sessions import SessionKey
+from turnkv_server.router.upstream import Upstream
+
+from .test_router_turnkv_mode import DECODE, PREFILL, Tokenizer, turn
+
+CHANNELS = {"prefill-0": "127.0.0.1:5601", "decode-0": "127.0.0.1:5602"}
+
+
+class NoTokenizer(Upstream):
+    """An upstream that fails a test asking it to tokenize."""
+
+    async def tokenize(self, engine: Engine, body: dict[str, object]) -> list[int]:
+        raise AssertionError("the planner tokenized a turn it did not need to")
+
+
+def planned(upstream: Upstream | None = None, pins: tuple[Where, ...] = ()) -> Turnkv:
+    pool = EnginePool.from_urls([PREFILL], [DECODE])
+    ctx = ModeContext(upstream=upstream or NoTokenizer(), prefill_peers={},
+                      decoder_kv_ttl=120.0, side_channels=CHANNELS, pool=pool, pins=pins)
+    mode = make_mode("turnkv", ctx)
+    assert isinstance(mode, Turnkv)
+    return mode
+
+
+def engine(mode: Turnkv, name: str) -> Engine:
+    found = mode.ctx.pool.by_name(name)  # type: ignore[union-attr]
+    assert found is not None
+    return found
+
+
+def place(mode: Turnkv, t: Turn) -> Placement:
+    session = t.session
+    return mode.ctx.pool.place(  # type: ignore[union-attr]
+        prefill=session.prefill if session else None,
+        decode=session.decode if session else None, prefix_id=None)
+
+
+def served(mode: Turnkv, t: Turn, plan: TurnPlan, *, total: int, computed: int,
+           engine_ms: float | None = None, completion: int = 10) -> None:
+    """The turn ended whole: the mode hears of it and the session remembers its placement."""
+    tokens = (PromptTokens(total=total, decode_computed=computed) if plan.alone is not None
+              else PromptTokens(total=total, prefill_computed=computed))
+    end = TurnEnd("complete", stats=TurnStats(
+        mode="turnkv", prompt_tokens=tokens, completion_tokens=completion,
+        times=TurnTimes(engine_prefill_ms=engine_ms, first_token_ms=10.0, total_ms=100.0)))
+    mode.finish(t, plan, end)
+    assert t.session is not None
+    t.session.prefill, t.session.decode = plan.placement.prefill.name, plan.placement.decode.name
+    t.session.turns += 1
+
+
+def test_an_idle_homes_turn_is_served_whole_there_without_tokenizing() -> None:
+    mode = planned()
+    t = turn()
+    plan = asyncio.run(mode.plan(t, place(mode, t)))
+    assert plan.prefill_params is None and plan.alone is not None
+    assert plan.placement.prefill is plan.placement.decode
+    assert plan.decision is not None and plan.decision.where == "whole"
+    decode = parse(plan.decode_params)
+    assert decode is not None and decode.send is None and decode.receive is None
+
+
+def test_sessions_are_homed_on_either_engine_and_stay_there() -> None:
+    mode = planned()
+    homes = []
+    for name in ("a", "b"):
+        t = turn()
+        assert t.session is not None
+        t.session.key = SessionKey("tenant-a", name)
+        plan = asyncio.run(mode.plan(t, place(mode, t)))
+        served(mode, t, plan, total=3, computed=3)
+        homes.append(plan.placement.decode.name)
+        # Its next turn stays home, whichever role the launcher gave that engine.
+        again = asyncio.run(mode.plan(t, place(mode, t)))
+        assert again.placement.decode.name == homes[-1]
+        assert again.decision is not None and again.decision.where == "whole"
+    assert sorted(homes) == ["decode-0", "prefill-0"]
+
+
+def test_a_long_delta_on_a_busy_home_is_split_to_the_other_engine() -> None:
+    history, delta = [1] * 3000, [2] * 3000
+    mode = planned(Tokenizer(history + delta))
+    t = turn()
+    assert t.session is not None
+    t.session.prefill = t.session.decode = "decode-0"
+    t.session.tokens = history
+    mode._places[t.session.key] = SessionPlace(history_len=len(history), tokens_current=True)
+    engine(mode, "decode-0").in_flight = 3  # other sessions decoding there
+    plan = asyncio.run(mode.plan(t, place(mode, t)))
+    assert plan.decision is not None and plan.decision.where == "split", plan.decision
+    assert (plan.placement.prefill.name, plan.placement.decode.name) == ("prefill-0",
+                                                                         "decode-0")
+    prefill, decode = parse(plan.prefill_params), parse(plan.decode_params)
+    assert prefill is not None and prefill.send is not None
+    assert decode is not None and decode.receive is not None
+    assert decode.receive.transfer_id == prefill.send.transfer_id
+    assert decode.receive.peer == CHANNELS["prefill-0"]
+    # A session that splits keeps a copy on the other engine for its next split.
+    assert plan.decision.push_back and decode.send is not None
+
+
+@pytest.mark.parametrize("pins", [("whole", "split", "move"), ("split", "move", "whole")])
+def test_pinned_placements_are_carried_out_turn_by_turn(pins: tuple[Where, ...]) -> None:
+    async def main() -> None:
+        mode = planned(Tokenizer([5] * 40), pins=pins)
+        t = turn()
+        for where in pins:
+            home = t.session.decode if t.session else None
+            plan = await mode.plan(t, place(mode, t))
+            decision = plan.decision
+            assert decision is not None and decision.where == where and decision.pinned
+            if where == "whole":
+                assert plan.alone is not None and plan.prefill_params is None
+            else:
+                assert plan.alone is None and plan.prefill_params is not None
+                assert plan.placement.prefill is not plan.placement.decode
+            if where == "move" and home is not None:
+                # Pulled from the old home, which computes, to the new one.
+                assert plan.placement.prefill.name == home != plan.placement.decode.name
+            served(mode, t, plan, total=40, computed=40)
+        # The push backs and give-ups it spawned (nobody listens: they fail).
+        await asyncio.gather(*mode._orders._background, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_push_back_only_where_the_planner_decided_it() -> None:
+    async def main() -> None:
+        mode = planned(Tokenizer([5] * 40), pins=("whole", "split"))
+        t = turn()
+        plan = await mode.plan(t, place(mode, t))
+        assert plan.decision is not None and not plan.decision.push_back
+        assert plan.decode_send is None
+        t.prompt_token_ids, t.output_token_ids = [5] * 40, [6] * 10
+        served(mode, t, plan, total=40, computed=40)
+        assert t.session is not None and PUSH_BACK not in t.session.mode_state
+        plan = await mode.plan(t, place(mode, t))
+        assert plan.decision is not None and plan.decision.push_back
+        served(mode, t, plan, total=40, computed=40)
+        task = t.session.mode_state.get(PUSH_BACK)
+        assert isinstance(task, asyncio.Task)  # sent to the other engine (nobody listens)
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_what_a_turn_measured_feeds_the_cost_model() -> None:
+    mode = planned()
+    t = turn()
+    plan = asyncio.run(mode.plan(t, place(mode, t)))
+    home = plan.placement.decode.name
+    assert not mode.planner.costs.measured(home)
+    served(mode, t, plan, total=1000, computed=1000, engine_ms=500.0)
+    assert mode.planner.costs.prefill_ms_per_token(home, 1000) == (0.5, True)
+
+
+def test_a_home_that_lost_the_history_is_under_pressure_and_gets_no_copy() -> None:
+    mode = planned(Tokenizer([5] * 2000), pins=("whole", "split", "whole"))
+    t = turn()
+    plan = asyncio.run(mode.plan(t, place(mode, t)))
+    served(mode, t, plan, total=1000, computed=1000)
+    assert t.session is not None
+    home = t.session.decode
+    assert home is not None
+    assert not mode._load(engine(mode, home)).pressure
+    # Untokenized (an idle home): it computed the whole history again, not its delta.
+    mode.ctx.pins = ()
+    t.prompt_token_ids = None
+    plan = asyncio.run(mode.plan(t, place(mode, t)))
+    assert plan.alone is not None and plan.alone.prompt_token_ids is None
+    served(mode, t, plan, total=1100, computed=1100)
+    assert mode._load(engine(mode, home)).pressure
+    # Now even a split keeps no copy on the other engine.
+    mode.ctx.pins = ("split",)
+    plan = asyncio.run(mode.plan(t, place(mode, t)))
+    assert plan.decision is not None and plan.decision.where == "split"
+    assert not plan.decision.push_back and plan.decode_send is None
+
+
+def test_the_turns_stats_carry_the_decision_and_parse_in_the_sdk() -> None:
+    mode = planned(Tokenizer([5] * 40), pins=("split",))
+    t = turn(CacheHints())
+    plan = asyncio.run(mode.plan(t, place(mode, t)))
+    t.prompt_token_ids = [5] * 40
+    turn_stats = stats.begin(t, plan, None, "turnkv", None, None)
+    assert turn_stats.placement is not None and turn_stats.placement.where == "split"
+    assert turn_stats.placement.pinned and "pinned" in turn_stats.placement.why
+    again = TurnStats.model_validate_json(turn_stats.model_dump_json())
+    assert again.placement == turn_stats.placement
+
+
+def test_fixed_pools_and_pins_are_router_options() -> None:
+    import argparse
+
+    from turnkv_server.router.config import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    engines: dict[str, Any] = dict(prefill=[PREFILL], decode=[DECODE],
+                                   prefill_nixl=["p@h:1"], decode_nixl=["d@h:2"])
+    args = ["--prefill", PREFILL, "--decode", DECODE, "--prefill-nixl", "p@h:1",
+            "--decode-nixl", "d@h:2"]
+    config = from_args(parser.parse_args([*args, "--fixed-pools"]))
+    assert config.fixed_pools and config.pins() == ()
+    config = from_args(parser.parse_args([*args, "--pin-placement", "whole, split,move"]))
+    assert config.pins() == ("whole", "split", "move") and not config.fixed_pools
+    with pytest.raises(ValueError, match="choose among"):
+        RouterConfig(**engines, pin_placement="whole,sideways")
+    with pytest.raises(ValueError, match="planner"):
+        RouterConfig(**engines, pin_placement="whole", fixed_pools=True)
+    with pytest.raises(ValueError, match="fixed-pools"):
+        RouterConfig(engine=[DECODE], mode="affinity", fixed_pools=True)
