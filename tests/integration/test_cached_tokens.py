@@ -25,7 +25,13 @@ import pytest
 
 import turnkv
 from tests.support.cluster_pool import ClusterPool
-from tests.support.clusters import IDLE_ROUTER, TINY_ENGINES, ClusterSpec, RouterView
+from tests.support.clusters import (
+    FIXED_POOLS,
+    IDLE_ROUTER,
+    TINY_ENGINES,
+    ClusterSpec,
+    RouterView,
+)
 from tests.support.conversation import SYSTEM, USER_TURNS
 from tests.support.oracle import RoutedCompletion, compare, routed_chat
 from tests.support.reference import SHORT_SCRIPT, Reference, References
@@ -45,8 +51,10 @@ SHORT_DELTA_TOKENS = 64
 SHORT_MESSAGES = ["Go on.", "And then?"]
 MAX_TOKENS = 8
 TURNS = 3
+# In fixed pools: the P/D form's cached tokens and push backs are what is checked.
 CLUSTER = ClusterSpec("usage-turnkv", TINY_ENGINES["turnkv"], RouterView(
-    prefill=1, decode=1, args=IDLE_ROUTER, short_delta_tokens=SHORT_DELTA_TOKENS))
+    prefill=1, decode=1, args=(*IDLE_ROUTER, *FIXED_POOLS),
+    short_delta_tokens=SHORT_DELTA_TOKENS))
 pytestmark = pytest.mark.cluster(CLUSTER)
 
 

@@ -174,7 +174,8 @@ def cross_host(references: dict[str, Played], tmp_path_factory: pytest.TempPathF
                 mode="turnkv", model=str(build_tiny()), dtype="float32",
                 run_dir=run_dir / "cluster", kv_cache_bytes=TINY_CACHE_BYTES,
                 connector_settings={"receive_timeout_s": RECEIVE_TIMEOUT_S},
-                router_args=("--redis", redis_url),
+                # In fixed pools: the P/D form's transfers between the hosts.
+                router_args=("--redis", redis_url, "--fixed-pools"),
                 hosts={"prefill-0": hosts["prefill"], "decode-0": hosts["decode"],
                        ROUTER: hosts["router-a"]})
             launched = Cluster(config)

@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from tests.support.cluster_pool import ClusterPool
-from tests.support.clusters import TINY_ENGINES, ClusterSpec, RouterView
+from tests.support.clusters import FIXED_POOLS, TINY_ENGINES, ClusterSpec, RouterView
 from tests.support.oracle import Completion, compare, routed_chat
 from tests.support.reference import SHORT_SCRIPT, References
 from tests.support.waiting import wait_for as wait_for_condition
@@ -46,9 +46,10 @@ MAX_TOKENS = SHORT_SCRIPT.max_tokens
 READ_TIMEOUT_S = 8.0
 # The tiny turnkv engines (one prefill, two decode), whose first two this module's router
 # serves; a registered receive that gets no KV in RECEIVE_TIMEOUT_S is recomputed.
+# In fixed pools: the faults are the P/D form's (a prefill engine lost, a transfer timed out).
 CLUSTER = ClusterSpec("faults", TINY_ENGINES["turnkv"], RouterView(
     prefill=1, decode=1, args=("--engine-read-timeout", str(READ_TIMEOUT_S),
-                               "--health-interval", "1")))
+                               "--health-interval", "1", *FIXED_POOLS)))
 pytestmark = pytest.mark.cluster(CLUSTER)
 
 

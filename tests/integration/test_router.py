@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.support.cluster_pool import ClusterPool
-from tests.support.clusters import MODES, TINY_ENGINES, ClusterSpec, RouterView
+from tests.support.clusters import FIXED_POOLS, MODES, TINY_ENGINES, ClusterSpec, RouterView
 from tests.support.conversation import USER_TURNS
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
 from tests.support.reference import ROUTER_SCRIPT, Reference, References
@@ -25,8 +25,12 @@ MAX_TOKENS = ROUTER_SCRIPT.max_tokens
 # One prefill and two decode engines per mode, behind a router of their own. Health probes
 # off: the failover test then meets the dead engine itself. (The turnkv and bidirectional
 # engines serve other modules' routers before this one's: `tests.support.clusters`.)
+# turnkv in fixed pools: these tests read the P/D form's stats (test_planner_placements.py
+# plays the planner's placements).
 CLUSTERS = {mode: ClusterSpec(f"router-{mode}", TINY_ENGINES[mode], RouterView(
-    prefill=1, decode=2, args=("--health-interval", "3600"))) for mode in MODES}
+    prefill=1, decode=2, args=("--health-interval", "3600",
+                               *(FIXED_POOLS if mode == "turnkv" else ()))))
+    for mode in MODES}
 
 
 @pytest.fixture(scope="module")

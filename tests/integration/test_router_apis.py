@@ -43,6 +43,7 @@ from tests.support.api_conversations import (
 )
 from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import (
+    FIXED_POOLS,
     TINY_ENGINES,
     ClusterSpec,
     RouterProcess,
@@ -53,7 +54,9 @@ from tests.support.oracle import compare
 from tests.support.reference import References
 from turnkv_server.launcher import Cluster, ClusterState
 
-CLUSTER = ClusterSpec("api-routes", TINY_ENGINES["turnkv"], RouterView(service=redis_store))
+# turnkv in fixed pools: the stats read here are the P/D form's.
+CLUSTER = ClusterSpec("api-routes", TINY_ENGINES["turnkv"], RouterView(
+    args=FIXED_POOLS, service=redis_store))
 pytestmark = pytest.mark.cluster(CLUSTER)
 
 

@@ -24,7 +24,13 @@ from hypothesis import HealthCheck, example, given
 from hypothesis import strategies as st
 
 from tests.support.cluster_pool import ClusterPool
-from tests.support.clusters import SHORT_LEASE_S, SHORT_LEASES, ClusterSpec, RouterView
+from tests.support.clusters import (
+    FIXED_POOLS,
+    SHORT_LEASE_S,
+    SHORT_LEASES,
+    ClusterSpec,
+    RouterView,
+)
 from tests.support.fuzz_seed import fuzz
 from tests.support.router_fuzz import (
     ADMIN_KEY,
@@ -61,7 +67,8 @@ def tenants(run_dir: Path) -> Iterator[tuple[str, ...]]:
     yield ("--api-keys", str(keys_file), "--admin-key", ADMIN_KEY)
 
 
-CLUSTER = ClusterSpec("security", SHORT_LEASES, RouterView(service=tenants))
+# In fixed pools: the tenants' isolation is read off the prefill engine's cache hits.
+CLUSTER = ClusterSpec("security", SHORT_LEASES, RouterView(args=FIXED_POOLS, service=tenants))
 pytestmark = pytest.mark.cluster(CLUSTER)
 
 

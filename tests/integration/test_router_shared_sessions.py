@@ -22,6 +22,7 @@ import pytest
 
 from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import (
+    FIXED_POOLS,
     TINY_ENGINES,
     ClusterSpec,
     RouterProcess,
@@ -37,7 +38,7 @@ TURNS = SHORT_SCRIPT.turns
 MAX_TOKENS = SHORT_SCRIPT.max_tokens
 # The tiny turnkv engines (one prefill, two decode): the routers here serve their first two.
 CLUSTER = ClusterSpec("shared-sessions", TINY_ENGINES["turnkv"],
-                      RouterView(prefill=1, decode=1, service=redis_store))
+                      RouterView(prefill=1, decode=1, args=FIXED_POOLS, service=redis_store))
 pytestmark = pytest.mark.cluster(CLUSTER)
 
 

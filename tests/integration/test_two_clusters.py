@@ -46,7 +46,9 @@ def test_two_clusters_started_at_once(tiny_model: Path, tmp_path: Path) -> None:
     errors: list[BaseException] = []
 
     def run(name: str) -> None:
+        # In fixed pools: the turn below moves KV from the prefill engine to the decode one.
         config = ClusterConfig(mode="turnkv", model=str(tiny_model), dtype="float32",
+                               router_args=("--fixed-pools",),
                                run_dir=tmp_path / name, max_model_len=1024,
                                # The tiny model's KV takes 2,048 bytes a token in float32;
                                # vLLM keeps one block back.

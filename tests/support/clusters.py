@@ -38,6 +38,9 @@ RECEIVE_TIMEOUT_S = 4.0
 # The launcher's router of a shared engine set serves no test (each has a router of its own,
 # which the pool can start anew): it should not probe them.
 IDLE_ROUTER = ("--health-interval", "3600")
+# A turnkv router in the P/D form (prefill engines compute, decode engines decode), for the
+# tests of that form's machinery; without it the planner places each turn.
+FIXED_POOLS = ("--fixed-pools",)
 
 
 class RouterProcess:
@@ -172,8 +175,9 @@ SMOLLM2_ENGINES = EngineSet("smollm2-turnkv", lambda run_dir: ClusterConfig(
     mode="turnkv", model=str(resolve_model("smollm2")), dtype="float32", run_dir=run_dir,
     connector_settings={"lease_ttl_s": SMOLLM2_LEASE_S},
     short_delta_tokens=SMOLLM2_SHORT_DELTA_TOKENS))
+# The router in fixed pools: these tests are about the P/D form's transfers and push backs.
 SMOLLM2_TURNKV = ClusterSpec("connector", SMOLLM2_ENGINES, RouterView(
-    short_delta_tokens=SMOLLM2_SHORT_DELTA_TOKENS))
+    short_delta_tokens=SMOLLM2_SHORT_DELTA_TOKENS, args=FIXED_POOLS))
 SMOLLM2_LAUNCHER = ClusterSpec("connector-launcher", SMOLLM2_ENGINES)
 
 # test_lease_eviction.py's and test_tier.py's pair: one prefill and one decode engine (tiny
@@ -194,8 +198,9 @@ TIER_ENGINES = EngineSet("tiny-turnkv-1p1d-32-blocks-tiers", lambda run_dir: _ti
     connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0,
     tier_host_blocks=TIER_HOST_BLOCKS, tier_disk_bytes=TIER_DISK_BLOCKS * TINY_BLOCK_BYTES,
     router_args=IDLE_ROUTER))
-LEASE_EVICTION = ClusterSpec("lease-eviction", TIER_ENGINES, RouterView(short_delta_tokens=0))
-TIER = ClusterSpec("tier", TIER_ENGINES, RouterView(short_delta_tokens=0))
+LEASE_EVICTION = ClusterSpec("lease-eviction", TIER_ENGINES, RouterView(short_delta_tokens=0,
+                                                                         args=FIXED_POOLS))
+TIER = ClusterSpec("tier", TIER_ENGINES, RouterView(short_delta_tokens=0, args=FIXED_POOLS))
 # The aggregated flavour on the same engines: an affinity router with `--engine-leases` in
 # front of the decode engine alone, which serves whole turns with its connector and tier.
 TIER_AFFINITY = ClusterSpec("tier-affinity", TIER.engines, RouterView(
@@ -208,7 +213,7 @@ TIER_POOL = ClusterSpec("tier-pool", TIER.engines, RouterView(args=("--pair-pool
 # through the prefill engine, as with `TIER`'s router.
 ADMISSION_TOKENS = 300
 TIER_ADMISSION = ClusterSpec("tier-admission", TIER.engines, RouterView(
-    short_delta_tokens=0, args=("--admission-tokens", str(ADMISSION_TOKENS))))
+    short_delta_tokens=0, args=(*FIXED_POOLS, "--admission-tokens", str(ADMISSION_TOKENS))))
 
 # test_router_security.py's and test_load.py's pair: one prefill and one decode engine (tiny
 # model, float32) whose KV caches hold LOAD_BLOCKS blocks each, so that the load test's 64 live

@@ -4,11 +4,14 @@ on either engine of its pair, each turn whole, split or moved, the decision in i
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from turnkv.protocol import CacheHints, PromptTokens, TurnStats, TurnTimes
+from turnkv.stats import TurnStats as SdkTurnStats
 from turnkv_server.engine.protocol import parse
 from turnkv_server.router import stats
 from turnkv_server.router.config import RouterConfig, from_args
@@ -22,6 +25,7 @@ from turnkv_server.router.sessions import SessionKey
 from turnkv_server.router.upstream import Upstream
 
 from .test_router_turnkv_mode import DECODE, PREFILL, Tokenizer, turn
+from .test_tool_calling import up_config
 
 CHANNELS = {"prefill-0": "127.0.0.1:5601", "decode-0": "127.0.0.1:5602"}
 
@@ -207,6 +211,10 @@ def test_the_turns_stats_carry_the_decision_and_parse_in_the_sdk() -> None:
     assert turn_stats.placement.pinned and "pinned" in turn_stats.placement.why
     again = TurnStats.model_validate_json(turn_stats.model_dump_json())
     assert again.placement == turn_stats.placement
+    # The SDK's stats of a turn read it too.
+    client_side = SdkTurnStats.from_wire(orjson.loads(turn_stats.model_dump_json()))
+    assert client_side.placement is not None and client_side.placement.where == "split"
+    assert client_side.wire().placement == turn_stats.placement
 
 
 def test_fixed_pools_and_pins_are_router_options() -> None:
@@ -230,3 +238,9 @@ def test_fixed_pools_and_pins_are_router_options() -> None:
         RouterConfig(**engines, pin_placement="whole", fixed_pools=True)
     with pytest.raises(ValueError, match="fixed-pools"):
         RouterConfig(engine=[DECODE], mode="affinity", fixed_pools=True)
+
+
+def test_turnkv_up_passes_fixed_pools_to_its_router(monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    assert "--fixed-pools" not in up_config(monkeypatch, tmp_path).router_args
+    assert "--fixed-pools" in up_config(monkeypatch, tmp_path, "--fixed-pools").router_args

@@ -165,7 +165,11 @@ class Turnkv(PdTurnkv):
     async def _carry_out(self, turn: Turn, decision: Decision, prompt_ids: list[int] | None,
                          facts: TurnFacts, placement: Placement) -> TurnPlan:
         home, prefill = self._engine(decision.home), self._engine(decision.prefill)
-        keep = transfer_id(turn, "d2p") if decision.push_back else None
+        # A push back names its receiver as the placement's prefill engine (`PdTurnkv.finish`
+        # sends it there): the engine that computed a split, else the home's other engine.
+        receiver = (prefill if prefill is not home else self._other(home)) \
+            if decision.push_back else None
+        keep = transfer_id(turn, "d2p") if receiver is not None else None
         decode_params = self._params(turn, send=send_or_none(keep))
         if prefill is not home:  # a split, or a move that pulls
             if decision.where == "split":
@@ -177,15 +181,13 @@ class Turnkv(PdTurnkv):
                             prefill_params=self._params(turn, send=Send(p2d, stream=True)),
                             concurrent=True, decode_params=decode_params, prefill_send=p2d,
                             decode_send=keep, decision=decision)
-        # Whole (or a move that recomputes): the home alone. A push back names its receiver as
-        # the placement's prefill engine (`PdTurnkv.finish` sends it there).
-        receiver = self._other(home) if keep is not None else None
+        # Whole (or a move that recomputes): the home alone.
         held = prompt_ids is not None and facts.home_holds > 0 and decision.where == "whole"
         alone = DecodeAlone(prompt_ids, len(prompt_ids) - facts.home_holds if prompt_ids
                             else 0, held=held)
         return TurnPlan(Placement(receiver or home, home, placement.reason),
                         prefill_params=None, alone=alone, decode_params=decode_params,
-                        decode_send=keep if receiver is not None else None, decision=decision)
+                        decode_send=keep, decision=decision)
 
     # -- after it ----------------------------------------------------------------------------
 
@@ -219,6 +221,8 @@ class Turnkv(PdTurnkv):
                 and computed > tokens.total - place.history_len + HELD_TAIL_TOKENS):
             # An untokenized turn that computed more than its delta: the home lost the
             # history (memory pressure), as a held short delta tells (`_judge_short_delta`).
+            # (Its delta is counted as if the history was not edited: an edit reads as
+            # pressure, and only holds push backs off for a while.)
             self._pressure.record(decode.name, True)
         history_len = tokens.total + stats.completion_tokens
         place.tokens_current = turn.prompt_token_ids is not None
