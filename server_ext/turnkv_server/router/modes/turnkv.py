@@ -1,4 +1,6 @@
-"""The `turnkv` mode: the turnkv connector on every engine, session KV kept on both sides.
+"""The `turnkv` mode's P/D form (`--fixed-pools`): the turnkv connector on every engine, session
+KV kept on both sides. Without fixed pools the planner places each turn (`modes.planned`) and
+carries out its splits and push backs with this machinery.
 
 Per turn (see docs/architecture.md for the picture):
 1. `plan`: prefill and decode are dispatched at the same time under one transfer ID. The
