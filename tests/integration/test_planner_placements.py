@@ -1,0 +1,121 @@
+"""The `turnkv` mode's planner on real engines (tiny model, float32): whatever it decides, a
+turn's greedy output equals a single engine's, turn by turn.
+
+The placements are pinned (`--pin-placement`, a diagnostic option) so that each is played
+where it should be: `whole` on the session's home, `split` (the other engine computes, the
+home receives the KV it lacks), `move` (the session's new home pulls its history from the
+old one), one after another in one conversation and at an edited history. A move that
+recomputes (its old home down) is the path of any turn that lost its engine, which
+test_faults.py covers on this same pair in fixed pools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.cluster_pool import ClusterPool
+from tests.support.clusters import TINY_ENGINES, ClusterSpec, RouterView
+from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
+from tests.support.reference import ROUTER_SCRIPT, Reference, References
+from turnkv_server.launcher import ClusterState
+
+SCRIPT = ROUTER_SCRIPT
+EDITED_AT = SCRIPT.edited_at
+assert EDITED_AT is not None
+# Each session's turns placed as the list says, cycling: every placement after another, each
+# with a history behind it.
+PINS = ("whole", "split", "move", "split", "whole")
+
+
+def planner_view(pins: tuple[str, ...]) -> ClusterSpec:
+    """A router of its own with `pins` in front of the first prefill and decode engines of the
+    suite's tiny turnkv engines (no new engine set: the suite's time is spent)."""
+    return ClusterSpec(f"planner-{'-'.join(pins)}", TINY_ENGINES["turnkv"], RouterView(
+        prefill=1, decode=1, args=("--health-interval", "3600",
+                                   "--pin-placement", ",".join(pins))))
+
+
+CLUSTER = planner_view(PINS)
+# At the edited turn (the third: session turn index 2), each placement in turn.
+EDITED = {where: planner_view(("whole", "split", where)) for where in ("whole", "split", "move")}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_references: References) -> Reference:
+    return tiny_references[SCRIPT]
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=300) as c:
+        yield c
+
+
+def _turn(state: ClusterState, client: httpx.Client, messages: list[dict[str, Any]],
+          session_id: str, stream: bool) -> RoutedCompletion:
+    # A salt per session: no other session's prefixes make a placement look right.
+    return routed_chat(state.router, state.served_model_name, messages, SCRIPT.max_tokens,
+                       session={"session_id": session_id}, stream=stream, client=client,
+                       extra={"cache_salt": session_id})
+
+
+def _check(ref: Completion | None, out: RoutedCompletion, turn: int, where: str,
+           home_before: str | None) -> str:
+    """The turn equals the reference and went where it was pinned; returns its home."""
+    assert ref is not None
+    verdict = compare(ref, out.completion)
+    stats = out.stats
+    print(f"turn {turn} ({where}): {verdict.describe()}; {stats['placement']}; "
+          f"{stats['prompt_tokens']}")
+    assert verdict.acceptable, f"turn {turn} ({where}): {verdict.describe()}"
+    placement = stats["placement"]
+    assert placement is not None and placement["where"] == where and placement["pinned"]
+    home = placement["home"]
+    assert stats["decode_node"] == home
+    if where == "whole":
+        assert stats["prefill_node"] is None and placement["prefill"] == home
+    else:
+        # Another engine computed the prompt and wrote its KV into the home.
+        assert stats["prefill_node"] == placement["prefill"] != home
+    if where == "move" and home_before is not None:
+        assert stats["moved"] and placement["prefill"] == home_before != home
+    elif home_before is not None:
+        assert home == home_before and not stats["moved"]
+    return str(home)
+
+
+@pytest.mark.cluster(CLUSTER)
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_every_placement_in_one_conversation_equals_a_single_engine(
+    reference: Reference, clusters: ClusterPool, client: httpx.Client, stream: bool,
+) -> None:
+    _, state = clusters.get(CLUSTER)
+    session_id = f"placements-{'sse' if stream else 'json'}"
+    home: str | None = None
+    for turn in range(1, SCRIPT.turns + 1):
+        out = _turn(state, client, reference.messages[turn - 1], session_id, stream)
+        home = _check(reference.turns[turn - 1], out, turn, PINS[(turn - 1) % len(PINS)], home)
+    assert client.delete(f"{state.router}/v1/turnkv/sessions/{session_id}").status_code == 200
+
+
+@pytest.mark.parametrize("where", [pytest.param(where, marks=pytest.mark.cluster(spec))
+                                   for where, spec in EDITED.items()])
+def test_an_edited_history_stays_exact_in_every_placement(
+    reference: Reference, clusters: ClusterPool, client: httpx.Client, where: str,
+) -> None:
+    _, state = clusters.get(EDITED[where])
+    session_id = f"edited-{where}"
+    pins = ("whole", "split", where)
+    home: str | None = None
+    for turn in range(1, EDITED_AT):
+        out = _turn(state, client, reference.messages[turn - 1], session_id, stream=False)
+        home = _check(reference.turns[turn - 1], out, turn, pins[turn - 1], home)
+    assert reference.edited_messages is not None
+    out = _turn(state, client, reference.edited_messages, session_id, stream=False)
+    _check(reference.edited_turn, out, EDITED_AT, where, home)
+    assert out.stats["prefix_break_at"] is not None
+    assert client.delete(f"{state.router}/v1/turnkv/sessions/{session_id}").status_code == 200
