@@ -113,11 +113,13 @@ class RouterConfig:
         "the decode engine alone (0: never)"))
     # None: short deltas stay on the decode engine whatever its load (router/modes/itl.py).
     itl_target_ms: float | None = field(default=None, metadata=cli(
-        "turnkv mode: a target for the decode engine's inter-token latency, in ms: while that "
-        "engine has other requests in flight, a short delta estimated to stall them longer "
-        "(its tokens x the engine's measured prefill cost per token; before a measurement, "
-        "any) is computed by the prefill engine instead; 0: short deltas on an idle decode "
-        "engine only (default: off)", load=float))
+        "turnkv mode: a target for the inter-token latency of the requests a turn's prompt "
+        "computation stalls, in ms: the planner refuses a placement estimated to stall an "
+        "engine's other requests longer while one within it exists; with --fixed-pools, while "
+        "the decode engine has other requests in flight, a short delta estimated to stall them "
+        "longer (its tokens x the engine's measured prefill cost per token; before a "
+        "measurement, any) is computed by the prefill engine instead, and 0 keeps short deltas "
+        "to an idle decode engine (default: off)", load=float))
     engine_leases: bool = field(default=False, metadata=cli(
         "affinity mode: the engines run the turnkv connector; tell each the session's lease "
         "with every turn (its TTL, priority and expected return; `final` releases it)"))
