@@ -244,3 +244,12 @@ def test_turnkv_up_passes_fixed_pools_to_its_router(monkeypatch: pytest.MonkeyPa
                                                     tmp_path: Path) -> None:
     assert "--fixed-pools" not in up_config(monkeypatch, tmp_path).router_args
     assert "--fixed-pools" in up_config(monkeypatch, tmp_path, "--fixed-pools").router_args
+
+
+def test_a_turn_without_a_session_goes_whole_to_the_less_busy_engine() -> None:
+    mode = planned()
+    engine(mode, "prefill-0").in_flight = 2
+    t = turn(session=False)
+    plan = asyncio.run(mode.plan(t, mode.ctx.pool.round_robin()))  # type: ignore[union-attr]
+    assert plan.decision is not None and plan.decision.where == "whole"
+    assert plan.placement.decode.name == "decode-0" and plan.decode_send is None
