@@ -111,12 +111,15 @@ def test_a_response_chain_through_openai_python_equals_a_single_engine(
     _, state = cluster
     turns = responses_chain(state.router, state.served_model_name, True)
     root = turns[0]["id"]
+    session = turns[0]["stats"]["session_id"]
     for n, (expected, got) in enumerate(zip(references["responses_chain"], turns, strict=True),
                                               start=1):
         check_equal(expected, got, n)
         check_reused(got, n, got["usage"]["input_tokens_details"]["cached_tokens"])
-        # The chain is one session, named by its root; the answer echoes the client's request.
-        assert got["stats"]["session_id"] == (None if n == 1 else root)
+        # The chain is one session: the root's, which no key named (inferred), continued by
+        # its lineage; the answer echoes the client's request.
+        assert (got["stats"]["session_id"], got["stats"]["session_source"]) == (
+            session, "inferred" if n == 1 else "lineage")
         assert got["previous"] == (None if n == 1 else turns[n - 2]["id"])
     client = openai.OpenAI(base_url=f"{state.router}/v1", api_key="test", max_retries=0)
     stored = client.responses.retrieve(turns[1]["id"])
@@ -134,10 +137,13 @@ def test_a_response_chain_through_openai_python_equals_a_single_engine(
 
 def test_store_false_with_the_whole_history_each_turn(
         references: ApiReferences, cluster: tuple[Cluster, ClusterState]) -> None:
-    """Codex's way: nothing stored, the whole input every turn, a prompt cache key."""
+    """Codex's way, without Codex's headers: nothing stored, the whole input every turn, a
+    prompt cache key (which names a prefix, not a session, from any client but Codex). No key
+    names a session: the router infers one from the conversation."""
     _, state = cluster
     client = openai.OpenAI(base_url=f"{state.router}/v1", api_key="test", max_retries=0)
     history: list[Any] = []
+    sessions = []
     for n, question in enumerate(QUESTIONS[:2], start=1):
         history.append({"role": "user", "content": question})
         response = create(client, dict(
@@ -150,6 +156,9 @@ def test_store_false_with_the_whole_history_each_turn(
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(response["id"])
         history += response["output"]
+        assert got["stats"] is not None and got["stats"]["session_source"] == "inferred"
+        sessions.append(got["stats"]["session_id"])
+    assert len(set(sessions)) == 1, sessions
 
 
 def test_function_tools_out_and_in_on_the_responses_api(
@@ -175,6 +184,22 @@ def test_messages_through_the_anthropic_sdk_equal_a_single_engine(
         check_reused(got, n, got["usage"].get("cache_read_input_tokens"))
         assert got["stats"]["session_id"] == "claude-1"
         assert got["stats"]["turn"] == n
+    # Without a session header: the second turn continues the first's conversation, one
+    # session inferred from it.
+    plain = anthropic.Anthropic(base_url=state.router, api_key="test", max_retries=0)
+    history: list[Any] = []
+    untagged = []
+    for question in QUESTIONS[:2]:
+        history.append({"role": "user", "content": question})
+        reply = plain.messages.create(model=state.served_model_name, max_tokens=8,
+                                      messages=history).model_dump(mode="json")
+        stats = reply["turnkv"]
+        assert stats["session_source"] == "inferred", stats
+        untagged.append(stats["session_id"])
+        history.append({"role": "assistant", "content": [
+            {"type": "text", "text": block["text"]} for block in reply["content"]
+            if block["type"] == "text"]})
+    assert len(set(untagged)) == 1, untagged
     # Errors on this route are Anthropic's shape.
     client = anthropic.Anthropic(base_url=state.router, api_key="test", max_retries=0,
                                  default_headers={"X-TurnKV-Session": "claude-2",
@@ -200,9 +225,10 @@ def test_the_agents_sdk_default_runner_equals_a_single_engine(
 
 
 def test_the_examples_run_against_the_router(cluster: tuple[Cluster, ClusterState]) -> None:
-    """examples/agents_sdk.py (the follow-up continues the first run by
-    `previous_response_id`: a session named by its root) and examples/anthropic_messages.py
-    (one session by its header, each turn's stats on the stream)."""
+    """examples/agents_sdk.py (the first run's model calls send its whole history, untagged:
+    one inferred session; the follow-up continues it by `previous_response_id`),
+    and examples/anthropic_messages.py (one session by its header, each turn's stats on the
+    stream)."""
     _, state = cluster
     model = state.served_model_name
     runs = asyncio.run(agents_sdk.converse(f"{state.router}/v1", model, max_tokens=64,
@@ -210,8 +236,10 @@ def test_the_examples_run_against_the_router(cluster: tuple[Cluster, ClusterStat
     assert [len(calls) for calls in runs][1] >= 1
     root = runs[0][0].response_id
     assert root is not None
-    record = httpx.get(f"{state.router}/v1/turnkv/sessions/{root}", timeout=30).json()
-    assert record["turns"] == len(runs[1])
+    stored = httpx.get(f"{state.router}/v1/responses/{root}", timeout=30).json()
+    session = stored["turnkv"]["session_id"]
+    record = httpx.get(f"{state.router}/v1/turnkv/sessions/{session}", timeout=30).json()
+    assert record["turns"] == len(runs[0]) + len(runs[1]), (record, [len(r) for r in runs])
 
     replies = anthropic_messages.converse(state.router, model, max_tokens=16,
                                           session="example-messages")
@@ -243,7 +271,7 @@ def test_the_responses_state_survives_a_router_killed_between_turns(
         for n, got in enumerate((one, two), start=1):
             verdict = compare(expected[n - 1]["completion"], responses_turn(got)["completion"])
             assert verdict.acceptable, f"turn {n}: {verdict.describe()}"
-        assert two["turnkv"]["session_id"] == one["id"]
+        assert two["turnkv"]["session_id"] == one["turnkv"]["session_id"]
         assert two["turnkv"]["prompt_tokens"]["prefill_reused"] > 0
         assert second.responses.retrieve(one["id"]).id == one["id"]
     finally:

@@ -135,7 +135,10 @@ def read_events(text: str) -> list[tuple[str | None, dict[str, Any]]]:
 
 def test_a_chain_is_resolved_by_the_router_and_sent_to_the_engines_whole() -> None:
     async def main() -> None:
-        async with cluster(ENGINES, ENGINES) as c, httpx.AsyncClient(timeout=30) as client:
+        # Inference off: a root no key names opens no session (with it on, the root's is an
+        # inferred session: test_router_inferred_api_sessions).
+        async with cluster(ENGINES, ENGINES, no_inferred_sessions=True) as c, \
+                httpx.AsyncClient(timeout=30) as client:
             first = await client.post(f"{c.url}/v1/responses", json={
                 "model": "m", "input": "hi", "instructions": "Be brief.", "stream": False})
             assert first.status_code == 200, first.text
@@ -229,9 +232,11 @@ def test_a_chains_lineage_takes_its_place_in_the_order_of_session_keys() -> None
     """A continuation's lineage names the session its previous response was served in (a
     chain whose first turn was named by `X-Session-ID` stays that session), after the keys
     before it in the order (vLLM's session ID) and before those after it (a coding agent's
-    header, Codex's `prompt_cache_key`)."""
+    header, Codex's `prompt_cache_key`). (Inference off: a root no key named is named by its
+    own ID.)"""
     async def main() -> None:
-        async with cluster(ENGINES, ENGINES) as c, httpx.AsyncClient(timeout=30) as client:
+        async with cluster(ENGINES, ENGINES, no_inferred_sessions=True) as c, \
+                httpx.AsyncClient(timeout=30) as client:
             async def respond(previous: str | None, headers: dict[str, str] | None = None,
                               **more: Any) -> dict[str, Any]:
                 reply = await client.post(f"{c.url}/v1/responses", headers=headers, json={

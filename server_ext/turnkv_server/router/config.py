@@ -150,9 +150,9 @@ class RouterConfig:
     admission_max_wait_s: float = field(default=120.0, metadata=cli(
         "seconds a turn waits for admission at most; then it goes anyway"))
     no_inferred_sessions: bool = field(default=False, metadata=cli(
-        "chat turns that no session key names are one-off turns: do not recognise the "
-        "conversations they continue from their content (docs/protocol.md, \"Conversations "
-        "nobody tagged\")"))
+        "turns that no session key names (chat, Responses, Messages) are one-off turns: do "
+        "not recognise the conversations they continue from their content (docs/protocol.md, "
+        "\"Conversations nobody tagged\")"))
     # None: this router's memory only.
     redis_url: str | None = field(default=None, metadata=cli(
         "share sessions with other routers through this Redis server, redis://HOST:PORT/DB "

@@ -1,9 +1,10 @@
-"""Conversations nobody tagged, recognised from their content: a chat turn that no key names
-(`tags.read_keys`) and that continues a conversation this router served (that turn's prompt,
-its reply, then more) is a turn of that conversation's session; any other opens a session of
-its own, which its continuation then finds. Each such session is a session like a tagged one
-(placed on its pair, held under a lease, pushed back, ended by expiry), with an ID of the
-router's making and `session_source: "inferred"` in its stats.
+"""Conversations nobody tagged, recognised from their content: a turn that no key names
+(`tags.read_keys`), on any API with conversations (chat, Responses, Messages: their requests
+read alike, `conversations.chat_messages`), and that continues a conversation this router
+served (that turn's prompt, its reply, then more) is a turn of that conversation's session;
+any other opens a session of its own, which its continuation then finds. Each such session
+is a session like a tagged one (placed on its pair, held under a lease, pushed back, ended by
+expiry), with an ID of the router's making and `session_source: "inferred"` in its stats.
 
 A conversation is known by its digests (`conversations`) at its boundaries: the prompt of a
 turn this router served and that turn's reply, together. A request is looked up at its last
@@ -36,12 +37,16 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from turnkv import protocol as p
-from turnkv_server.router.conversations import PromptDigests, canonical, chain, prompt_digests
+from turnkv_server.router.conversations import (
+    CONVERSATION_PATHS,
+    PromptDigests,
+    canonical,
+    chain,
+    prompt_digests,
+)
 from turnkv_server.router.sessions import SessionKey
 
 INFERRED_PREFIX = "inf-"
-# The route whose requests are conversations (a completion's prompt is one string: no turns).
-CHAT_PATH = "/v1/chat/completions"
 
 Outcome = Literal["continued", "forked", "new"]
 K = TypeVar("K")
@@ -94,8 +99,9 @@ class InferredSessions:
     def tag_for(self, path: str, body: dict[str, Any], tenant: str, prefix_id: str | None,
                 ttl: float | None = None) -> p.TurnTag | None:
         """The tag of a turn no key named (`prefix_id`: its own, e.g. `prompt_cache_key`'s;
-        `ttl`: `prompt_cache_retention`'s); None when it is no chat turn."""
-        digests = prompt_digests(body, tenant) if path == CHAT_PATH else None
+        `ttl`: `prompt_cache_retention`'s); None when it is no turn of a conversation (a
+        completion, a request the engine will refuse)."""
+        digests = prompt_digests(body, tenant, path) if path in CONVERSATION_PATHS else None
         if digests is None:
             return None
         found = self.infer(tenant, digests, prefix_id)

@@ -259,7 +259,7 @@ class Turns:
                      answer.usage, answer.reply, answer.metrics)
         decode.complete(answer.reply, turn_stats)
         await self._remember(turn, decode.plan, turn_stats,
-                             RelayedReply.of_response(data) if self._infers(turn) else None)
+                             api_of(turn).reply(data) if self._infers(turn) else None)
         api_of(turn).write_whole(data, turn, decode.plan, turn_stats)
         await api_of(turn).answered(data)
         return Response(orjson.dumps(data), media_type="application/json",

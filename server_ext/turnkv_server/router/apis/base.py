@@ -76,7 +76,7 @@ class Relay(ABC):
         # `response.completed`): what `Api.answered` gets.
         self.whole: dict[str, Any] | None = None
         # The assistant message relayed, gathered for a session inferred from its
-        # conversation (`inferred_sessions`: chat only); None where nothing gathers it.
+        # conversation (`inferred_sessions`); None where nothing gathers it.
         self.message: RelayedReply | None = None
 
     @abstractmethod
@@ -152,6 +152,11 @@ class Api(ABC):
         """The ID the engines give the request the router sends with `X-Request-Id:
         request_id` (vLLM's NixlPushConnector pairs the two engines' requests by it)."""
         return f"chatcmpl-{request_id}"
+
+    def reply(self, data: dict[str, Any]) -> RelayedReply:
+        """A whole answer's assistant message, as the client sends it back next turn: what a
+        session inferred from its conversation goes on with."""
+        return RelayedReply.of_response(data)
 
     async def answered(self, whole: dict[str, Any] | None) -> None:
         """The turn was served: `whole` is the client's whole answer where there is one."""

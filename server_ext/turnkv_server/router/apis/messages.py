@@ -23,6 +23,7 @@ import orjson
 
 from turnkv import protocol as p
 from turnkv_server.router.apis.base import Answer, Api, Relay, Seen, SseEvent, corrected_cached
+from turnkv_server.router.conversations import RelayedReply
 from turnkv_server.router.errors import error_body
 
 if TYPE_CHECKING:
@@ -61,7 +62,10 @@ class Messages(Api):
         data["turnkv"] = stats.model_dump()
 
     def relay(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> Relay:
-        return MessagesRelay(plan, stats)
+        return MessagesRelay(turn, plan, stats)
+
+    def reply(self, data: dict[str, Any]) -> RelayedReply:
+        return RelayedReply.of_anthropic(data)
 
     def authorization(self, headers: Mapping[str, str]) -> str | None:
         """Anthropic's clients send their key as `x-api-key` (or, given a token, as a bearer
@@ -78,9 +82,11 @@ class MessagesRelay(Relay):
     (corrected), and `message_delta`, the last with usage, which gets the turn's stats as a
     `turnkv` field: no event is added."""
 
-    def __init__(self, plan: TurnPlan, stats: p.TurnStats) -> None:
+    def __init__(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> None:
         super().__init__()
         self._plan, self._stats = plan, stats
+        if turn.session_source == "inferred":
+            self.message = RelayedReply()  # what the conversation goes on with
         self._event: SseEvent | None = None
         self._data: dict[str, Any] | None = None
         self._last = False
@@ -94,6 +100,8 @@ class MessagesRelay(Relay):
         if not isinstance(data, dict):
             return Seen()
         kind = data.get("type")
+        if self.message is not None:
+            self.message.feed_anthropic(data)
         usage = data.get("usage")
         if kind == "message_start" and isinstance(data.get("message"), dict):
             usage = data["message"].get("usage")

@@ -18,6 +18,7 @@ import orjson
 
 from turnkv import protocol as p
 from turnkv_server.router.apis.base import Answer, Api, Relay, Seen, SseEvent, corrected_cached
+from turnkv_server.router.conversations import RelayedReply
 
 if TYPE_CHECKING:
     from turnkv_server.router.modes.base import Turn, TurnPlan
@@ -87,6 +88,9 @@ class ResponsesApi(Api):
     def relay(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> Relay:
         return ResponsesRelay(self, turn, plan, stats)
 
+    def reply(self, data: dict[str, Any]) -> RelayedReply:
+        return RelayedReply.of_responses(data)
+
     def engine_request_id(self, request_id: str) -> str:
         return self.response_id  # the engines take the body's `request_id`, not the header
 
@@ -138,6 +142,8 @@ class ResponsesRelay(Relay):
                 self._last = True
                 self.answer = self._api.read_whole(response)
                 self._turn.output_token_ids = self.answer.output_token_ids
+                if self._turn.session_source == "inferred":
+                    self.message = RelayedReply.of_responses(response)
                 correct_usage(response.get("usage"), self._plan, self._stats)
         return Seen(output=kind.endswith(".delta"), last=self._last)
 
