@@ -3,15 +3,18 @@
     python scripts/fuzz_router.py [--cases 10000] [--seed 0]     # -> docs/reliability/fuzz.json
 
 Starts its own local `turnkv` cluster of the tiny model (float32): one prefill and one decode
-engine, the router with two tenants' API keys and an admin key, as in
-tests/integration/test_router_security.py, and sends cases drawn with hypothesis from the same
-strategies (tests/support/router_fuzz.py), split evenly over the four kinds of case, seeded.
-Recorded: cases and requests per kind, statuses, every answer at 500 or above with the request
-that caused it (without its key), answers that broke the API's other promises, memory of each
-process every few hundred cases, whether the engines are healthy after, and the KV blocks
-still pinned or in use once the leases' TTL has passed. Nothing is asserted; the command
-exits 1 if a goal was missed and says which. Every process it started is stopped when it
-ends, however it ends.
+engine, the router with two tenants' API keys, an admin key and small bounds on its Responses
+store, as in tests/integration/test_router_security.py, and sends cases drawn with hypothesis
+from the same strategies (tests/support/router_fuzz.py: chat, tagged turns, completions, raw
+bodies and the session routes, the Responses API with its chains and stored responses, the
+Messages API), split evenly over the kinds of case, seeded. Recorded: cases and requests per
+kind, statuses, every answer at 500 or above with the request that caused it (without its
+key), answers that broke the API's other promises (an error in another shape than its
+route's), memory of each process every few hundred cases, whether the engines are healthy
+after, what the Responses store holds per tenant against its bounds, and the KV blocks still
+pinned or in use once the leases' TTL has passed. Nothing is asserted; the command exits 1 if
+a goal was missed and says which. Every process it started is stopped when it ends, however it
+ends.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import httpx
 from hypothesis import HealthCheck, Phase, given, seed, settings
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -46,6 +50,7 @@ from tests.support.router_fuzz import (  # noqa: E402
     KINDS,
     MARKER,
     Answer,
+    Chain,
     Request,
     auth,
     fetch,
@@ -67,6 +72,9 @@ from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState  # noqa:
 # the last case and what is left pinned then is a leak.
 LEASE_S = 3.0
 MAX_LEASE_S = 10.0
+# The Responses store's bounds per tenant: small, so that the fuzzed responses go past both.
+RESPONSES_MAX_COUNT = 50
+RESPONSES_MAX_BYTES = 256 * 1024
 # Memory and health are sampled every this many cases.
 SAMPLE_EVERY = 250
 # A fuzzed answer that takes longer than this is recorded as a hang: a valid case (two tokens
@@ -144,12 +152,15 @@ class FuzzRun:
         """The body of a hypothesis test for `kind`: one case, recorded, never failing (a
         wrong answer is a finding to count, not a falsifying example to shrink)."""
         def one_case(**drawn: Any) -> None:
-            for request in KINDS[kind].build(self.state.served_model_name, **drawn):
+            chain = Chain()  # a request may name the response an earlier one got
+            for built in KINDS[kind].build(self.state.served_model_name, **drawn):
+                request = chain.fill(built)
                 sent = time.monotonic()
                 answer: Answer | None = None
                 error = None
                 try:
                     answer = fetch(self.client, self.state.router, request)
+                    chain.saw(answer)
                 except (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL) as exc:
                     error = f"{type(exc).__name__}: {exc}"
                 self.tally.record(kind, request, answer, error, time.monotonic() - sent)
@@ -209,9 +220,21 @@ def run_cases(run: FuzzRun, cases: int, first_seed: int) -> str | None:
     return None
 
 
+def responses_stored(client: httpx.Client, router: str) -> dict[str, dict[str, float]]:
+    """What the router's Responses store holds, by tenant (its `/metrics`)."""
+    text = client.get(f"{router}/metrics", headers=auth(ADMIN_KEY)).text
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("turnkv_responses_stored", "turnkv_responses_bytes"):
+            for sample in family.samples:
+                found.setdefault(sample.labels["tenant"], {})[family.name] = sample.value
+    return found
+
+
 def aftermath(client: httpx.Client, state: ClusterState) -> dict[str, Any]:
-    """Is the cluster still well once the fuzzing is over, and is every block free again
-    once the leases' TTL has passed (first without a request, then after one)?"""
+    """Is the cluster still well once the fuzzing is over, is the Responses store within its
+    bounds, and is every block free again once the leases' TTL has passed (first without a
+    request, then after one)?"""
     admin, engines = auth(ADMIN_KEY), {e.name: e.url for e in state.engines}
     deadline = time.monotonic() + 30
     while True:
@@ -221,6 +244,10 @@ def aftermath(client: httpx.Client, state: ClusterState) -> dict[str, Any]:
             break
         time.sleep(0.5)
     healthy = {e["name"]: e["healthy"] for e in stats["engines"]}
+    stored = responses_stored(client, state.router)
+    within = all(held.get("turnkv_responses_stored", 0) <= RESPONSES_MAX_COUNT
+                 and held.get("turnkv_responses_bytes", 0) <= RESPONSES_MAX_BYTES
+                 for held in stored.values())
     body = {"model": state.served_model_name, "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": f"{MARKER} still there?"}]}
     still = client.post(f"{state.router}/v1/chat/completions", json=body,
@@ -238,6 +265,7 @@ def aftermath(client: httpx.Client, state: ClusterState) -> dict[str, Any]:
         ticked = wait_until_clear(engines, timeout=30)
     return {"in_flight": in_flight, "engines_healthy": all(healthy.values()),
             "healthy": healthy, "a_valid_turn_after": still, "waited_s": MAX_LEASE_S,
+            "responses_stored": stored, "responses_within_bounds": within,
             "clear_idle": idle.seconds is not None, "clear_idle_after_s": idle.seconds,
             "kv_idle": idle.last, "kv_idle_steps": idle.steps,
             "clear_after_a_request": None if ticked is None else ticked.seconds is not None,
@@ -250,7 +278,9 @@ def fuzz(args: argparse.Namespace, console: Console) -> int:
     keys_file.write_text(json.dumps(KEYS))
     config = ClusterConfig(
         mode="turnkv", model="tiny", dtype="float32", run_dir=run_dir,
-        router_args=("--api-keys", str(keys_file), "--admin-key", ADMIN_KEY),
+        router_args=("--api-keys", str(keys_file), "--admin-key", ADMIN_KEY,
+                     "--responses-max-count", str(RESPONSES_MAX_COUNT),
+                     "--responses-max-bytes", str(RESPONSES_MAX_BYTES)),
         connector_settings={"lease_ttl_s": LEASE_S, "lease_max_ttl_s": MAX_LEASE_S})
     console.print(f"fuzz: {args.cases} cases, seed {args.seed}; run folder {run_dir}")
     started = time.time()
@@ -279,7 +309,9 @@ def fuzz(args: argparse.Namespace, console: Console) -> int:
     record |= {
         "cluster": {"mode": "turnkv", "model": "tiny (float32)",
                     "engines": [e.name for e in state.engines],
-                    "lease_ttl_s": LEASE_S, "lease_max_ttl_s": MAX_LEASE_S},
+                    "lease_ttl_s": LEASE_S, "lease_max_ttl_s": MAX_LEASE_S,
+                    "responses_max_count": RESPONSES_MAX_COUNT,
+                    "responses_max_bytes": RESPONSES_MAX_BYTES},
         "aborted": aborted, "seconds": round(fuzz_s, 1),
         "cases_per_s": round(done / max(fuzz_s, 1e-9), 2),
         "cases": dict(tally.cases), "cases_total": done,
@@ -304,6 +336,7 @@ def fuzz(args: argparse.Namespace, console: Console) -> int:
         "requests without an answer": tally.no_answer,
         "a run cut short": aborted,
         "engines unhealthy after": not after["engines_healthy"],
+        "the Responses store over its bounds": not after["responses_within_bounds"],
         "blocks left pinned or in use": not after["clear_idle"],
         "a log holding a key or a prompt": any(v["holds_a_secret"] for v in logs.values()),
     })

@@ -2,9 +2,11 @@
 
 The router is started with two tenants' API keys and an admin key. Tenants never see, extend
 or release each other's sessions, even under the same session ID, and never hit each other's
-cached prefixes. Then the router's HTTP API is fuzzed (hypothesis): whatever arrives gets an
-answer below 500, the router and its engines stay healthy, and once the engines' leases run
-out no KV block is left in use. Last, no log of the cluster holds a key or a prompt.
+cached prefixes. Then the router's HTTP API is fuzzed (hypothesis), the Responses and Messages
+APIs too: whatever arrives gets an answer below 500, errors in each route's shape, the router
+and its engines stay healthy, the Responses store stays within its bounds, and once the
+engines' leases run out no KV block is left in use. Last, no log of the cluster holds a key or
+a prompt.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, example, given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import (
@@ -36,18 +39,24 @@ from tests.support.router_fuzz import (
     ADMIN_KEY,
     CHAT,
     COMPLETION,
+    FUNCTION_TOOL,
     HEADERS,
     HINTS,
     JSON,
     KEY_A,
     KEY_B,
     KEYS,
+    KINDS,
     MARKER,
     ODD,
+    PREVIOUS,
     TAG,
     VALID_TAG,
+    Request,
     auth,
     check,
+    play,
+    problem,
 )
 from tests.support.waiting import wait_for as wait_for_condition
 from turnkv_server.engine.metrics import fetch_connector_counters
@@ -57,14 +66,19 @@ from turnkv_server.launcher import ClusterState
 ENGINE_LEASE_S = SHORT_LEASE_S
 # Long enough for a full 128-token block with the tiny model's byte-level tokenizer.
 SHARED_PROMPT = f"{MARKER} " + " ".join(f"fact {i}: the sky is blue." for i in range(40))
+# The Responses store's bounds per tenant, small: the fuzzed responses go past both.
+RESPONSES_MAX_COUNT = 4
+RESPONSES_MAX_BYTES = 8192
 
 
 @contextmanager
 def tenants(run_dir: Path) -> Iterator[tuple[str, ...]]:
-    """The router's two tenants' API keys and the admin key."""
+    """The router's two tenants' API keys and the admin key; the Responses store's bounds."""
     keys_file = run_dir / "api-keys.json"
     keys_file.write_text(json.dumps(KEYS))
-    yield ("--api-keys", str(keys_file), "--admin-key", ADMIN_KEY)
+    yield ("--api-keys", str(keys_file), "--admin-key", ADMIN_KEY,
+           "--responses-max-count", str(RESPONSES_MAX_COUNT),
+           "--responses-max-bytes", str(RESPONSES_MAX_BYTES))
 
 
 # In fixed pools: the tenants' isolation is read off the prefill engine's cache hits.
@@ -179,18 +193,28 @@ FUZZ = fuzz(60, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
 
 
-def answered(response: httpx.Response) -> int:
+def answered(response: httpx.Response, path: str) -> int:
     """Read all of the answer (streamed or not); its status, which must be below 500 (and an
-    error must say what was wrong: `router_fuzz.check`)."""
+    error must say what was wrong, in the route's shape: `router_fuzz.check`)."""
     response.read()
-    wrong = check(response.status_code, response.text)
+    wrong = check(response.status_code, response.text, path)
     assert wrong is None, wrong
     return response.status_code
 
 
 def send(client: httpx.Client, method: str, url: str, **kwargs: Any) -> int:
     with client.stream(method, url, **kwargs) as response:
-        return answered(response)
+        return answered(response, urllib.parse.urlsplit(url).path)
+
+
+def send_case(client: httpx.Client, router: str, requests: list[Request]) -> list[int]:
+    """A case's requests in order (`router_fuzz.play`), each answer judged: their statuses."""
+    statuses = []
+    for request, answer in play(client, router, requests):
+        wrong = problem(request, answer)
+        assert wrong is None, f"{request.describe()}: {wrong}"
+        statuses.append(answer.status)
+    return statuses
 
 
 @FUZZ
@@ -253,6 +277,74 @@ def test_fuzzed_bodies_and_session_routes(cluster: ClusterState, client: httpx.C
         assert send(client, method, url, headers=auth(KEY_A), **extra) in (400, 404, 405)
 
 
+# Fewer cases than the other kinds: more of them are served turns (a Responses case is up to
+# four), which take the tiny engines a moment each.
+API_FUZZ = fuzz(20, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+@API_FUZZ
+# A response, continued, read back and deleted; another tenant's continuation and reads of it.
+@example(body={"input": f"{MARKER} hello", "max_output_tokens": 2, "store": True},
+         headers={}, raw=b"{", follow_ups=[("continue", True, True), ("get", False, False),
+                                           ("foreign", False, True),
+                                           ("get_foreign", False, False),
+                                           ("delete", False, False)])
+# Codex's way: the whole history, function calls and their outputs, nothing stored.
+@example(body={"instructions": f"{MARKER} be brief", "store": False, "stream": True,
+               "max_output_tokens": 2, "tools": [FUNCTION_TOOL],
+               "input": [{"role": "user", "content": f"{MARKER} read a.py"},
+                         {"type": "function_call", "call_id": "call_1", "name": "read_file",
+                          "arguments": '{"path": "a.py"}'},
+                         {"type": "function_call_output", "call_id": "call_1",
+                          "output": f"{MARKER} print()"}]},
+         headers={}, raw=b"[]", follow_ups=[("delete_foreign", False, False)])
+# An unknown previous response, and a conversation.
+@example(body={"input": f"{MARKER} hi", "max_output_tokens": 1,
+               "previous_response_id": PREVIOUS}, headers={}, raw=b"", follow_ups=[])
+@example(body={"input": f"{MARKER} hi", "max_output_tokens": 1, "conversation": "fuzz-conv"},
+         headers={}, raw=b"null", follow_ups=[("continue", False, False)])
+@given(**KINDS["responses"].strategies)
+def test_fuzzed_responses_requests(cluster: ClusterState, client: httpx.Client,
+                                   body: dict[str, Any], headers: dict[str, str],
+                                   follow_ups: list[tuple[str, bool, bool]], raw: bytes) -> None:
+    send_case(client, cluster.router, KINDS["responses"].build(
+        cluster.served_model_name, body, headers, follow_ups, raw))
+
+
+@API_FUZZ
+# Claude Code's turn: its session header, system blocks, a tool's use and its result.
+@example(body={"system": [{"type": "text", "text": f"{MARKER} be brief",
+                           "cache_control": {"type": "ephemeral"}}],
+               "max_tokens": 2, "stream": True,
+               "messages": [{"role": "user", "content": f"{MARKER} read a.py"},
+                            {"role": "assistant", "content": [
+                                {"type": "tool_use", "id": "toolu_1", "name": "read_file",
+                                 "input": {"path": "a.py"}}]},
+                            {"role": "user", "content": [
+                                {"type": "tool_result", "tool_use_id": "toolu_1",
+                                 "content": f"{MARKER} print()"}]}]},
+         headers={"x-claude-code-session-id": "fuzz-claude"}, raw=b"{")
+@example(body={"messages": "not a list", "max_tokens": 1}, headers={}, raw=b"[1]")
+@given(**KINDS["messages"].strategies)
+def test_fuzzed_messages_requests(cluster: ClusterState, client: httpx.Client,
+                                  body: dict[str, Any], headers: dict[str, str],
+                                  raw: bytes) -> None:
+    send_case(client, cluster.router, KINDS["messages"].build(
+        cluster.served_model_name, body, headers, raw))
+
+
+def responses_stored(client: httpx.Client, router: str) -> dict[str, dict[str, float]]:
+    """The router's `turnkv_responses_stored` and `turnkv_responses_bytes`, by tenant."""
+    text = client.get(f"{router}/metrics", headers=auth(ADMIN_KEY)).text
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("turnkv_responses_stored", "turnkv_responses_bytes"):
+            for sample in family.samples:
+                found.setdefault(sample.labels["tenant"], {})[family.name] = sample.value
+    return found
+
+
 def test_a_huge_body_is_refused(cluster: ClusterState, client: httpx.Client) -> None:
     body = json.dumps({"messages": [{"role": "user", "content": "x" * (17 * 2**20)}],
                        "max_tokens": 1}).encode()
@@ -263,8 +355,9 @@ def test_a_huge_body_is_refused(cluster: ClusterState, client: httpx.Client) -> 
 
 def test_after_the_fuzzing_everything_is_healthy_and_no_kv_is_left(
         clusters: ClusterPool, client: httpx.Client) -> None:
-    """Fuzzed chat requests and tagged turns of its own, on a clean cluster: then every engine
-    is healthy, and once the sessions' engine leases run out no block is in use."""
+    """Fuzzed chat requests, tagged turns, Responses and Messages cases of its own, on a clean
+    cluster: then every engine is healthy, the Responses store holds no more than its bounds,
+    and once the sessions' engine leases run out no block is in use."""
     cluster = clusters.clean(CLUSTER)[1]
     tried: dict[str, int] = {}
 
@@ -290,9 +383,35 @@ def test_after_the_fuzzing_everything_is_healthy_and_no_kv_is_left(
         count(send(client, "POST", f"{cluster.router}/v1/chat/completions", json=body,
                    headers=auth(KEY_B)))
 
+    @fuzz(8, suppress_health_check=[HealthCheck.too_slow])
+    # A chain longer than the store's count bound, each record bigger than the last.
+    @example(body={"input": f"{MARKER} hello", "max_output_tokens": 2}, headers={}, raw=b"",
+             follow_ups=[("continue", n % 2 == 0, True) for n in range(RESPONSES_MAX_COUNT + 1)])
+    @given(**KINDS["responses"].strategies)
+    def responses_cases(**drawn: Any) -> None:
+        for status in send_case(client, cluster.router, KINDS["responses"].build(
+                cluster.served_model_name, **drawn)):
+            count(status)
+
+    @fuzz(8, suppress_health_check=[HealthCheck.too_slow])
+    @given(**KINDS["messages"].strategies)
+    def messages_cases(**drawn: Any) -> None:
+        for status in send_case(client, cluster.router, KINDS["messages"].build(
+                cluster.served_model_name, **drawn)):
+            count(status)
+
     chat_requests()
     tagged_turns()
+    responses_cases()
+    messages_cases()
     print(f"fuzzed requests by answer: {dict(sorted(tried.items()))}")
+    # Within its bounds, each tenant's; the chain above stored more than they hold.
+    stored = responses_stored(client, cluster.router)
+    print(f"Responses store by tenant: {stored}")
+    assert stored.get("tenant-a", {}).get("turnkv_responses_stored", 0) > 0, stored
+    for tenant, held in stored.items():
+        assert held["turnkv_responses_stored"] <= RESPONSES_MAX_COUNT, (tenant, held)
+        assert held["turnkv_responses_bytes"] <= RESPONSES_MAX_BYTES, (tenant, held)
     # A valid turn among the examples, whatever the seed: some were served (and left KV
     # behind to give back), some refused.
     assert tried.get("2xx", 0) > 0 and tried.get("4xx", 0) > 0, tried

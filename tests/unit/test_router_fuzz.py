@@ -18,20 +18,33 @@ from hypothesis import strategies as st
 
 from tests.integration import test_router_security as security
 from tests.support.fuzz_seed import fuzz
-from tests.support.router_fuzz import KINDS, Answer, Request, auth, check, problem
+from tests.support.router_fuzz import (
+    KINDS,
+    PREVIOUS,
+    UNKNOWN_ID,
+    Answer,
+    Chain,
+    Request,
+    auth,
+    check,
+    problem,
+)
 
 TESTS = {
     "chat": security.test_fuzzed_chat_requests,
     "tagged_turn": security.test_fuzzed_tags_on_valid_turns,
     "completion": security.test_fuzzed_completion_requests,
     "raw_body_and_session_routes": security.test_fuzzed_bodies_and_session_routes,
+    "responses": security.test_fuzzed_responses_requests,
+    "messages": security.test_fuzzed_messages_requests,
 }
 ROUTER = "http://router"
 
 
 class Recorder:
     """Stands in for the test's httpx client: records each request, answers as a router
-    would for the request's kind of route."""
+    would for the request's kind of route (nothing found by ID, anything else refused), in
+    the route's error shape."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, str, dict[str, Any]]] = []
@@ -39,9 +52,13 @@ class Recorder:
     @contextlib.contextmanager
     def stream(self, method: str, url: str, **kwargs: Any) -> Iterator[Any]:
         self.sent.append((method, url, kwargs))
-        status = 404 if "/v1/turnkv/sessions/" in url else 400
-        yield SimpleNamespace(status_code=status, text='{"error": {"message": "no"}}',
-                              read=lambda: None)
+        body = kwargs.get("json")
+        unknown = isinstance(body, dict) and body.get("previous_response_id") == UNKNOWN_ID
+        found_by_id = "/v1/turnkv/sessions/" in url or "/v1/responses/" in url
+        status = 404 if found_by_id or unknown else 400
+        text = ('{"type": "error", "error": {"type": "invalid_request_error", "message": "no"}}'
+                if "/v1/messages" in url else '{"error": {"message": "no"}}')
+        yield SimpleNamespace(status_code=status, text=text, read=lambda: None)
 
 
 def as_sent(request: Request) -> tuple[str, str, dict[str, Any]]:
@@ -59,7 +76,8 @@ def test_each_kind_builds_the_requests_its_test_sends(kind: str) -> None:
         client = Recorder()
         inner(cluster=cluster, client=client, **copy.deepcopy(drawn))
         built = KINDS[kind].build("tiny", **copy.deepcopy(drawn))
-        assert client.sent == [as_sent(r) for r in built]
+        chain = Chain()  # (no answer here has a response ID: each is filled with none)
+        assert client.sent == [as_sent(chain.fill(r)) for r in built]
 
     same()
 
@@ -78,6 +96,32 @@ def test_answers_are_judged_as_the_test_judges_them() -> None:
     assert "expected one of (400,)" in (problem(request, Answer(
         404, '{"error": {"message": "x"}}')) or "")
     assert problem(request, Answer(400, '{"error": {"message": "x"}}')) is None
+
+
+def test_a_case_names_the_response_an_earlier_request_got() -> None:
+    requests = KINDS["responses"].build(
+        "tiny", {"input": "x", "max_output_tokens": 1, "previous_response_id": PREVIOUS}, {},
+        [("continue", False, True), ("get_foreign", False, False)], b"{")
+    chain = Chain()
+    first = chain.fill(requests[0])
+    assert first.json["previous_response_id"] == UNKNOWN_ID  # none got yet
+    chain.saw(Answer(200, "{}", response_id="resp_1"))
+    second, third = chain.fill(requests[1]), chain.fill(requests[2])
+    assert second.json["previous_response_id"] == "resp_1" and second.key == requests[0].key
+    chain.saw(Answer(200, "{}", response_id="resp_2"))
+    assert chain.fill(requests[2]).path == "/v1/responses/resp_2"
+    assert third.path == "/v1/responses/resp_1" and third.expect == (404,)
+    assert third.key != requests[0].key  # another tenant's read of it
+    assert requests[-1].expect == (400,) and requests[-1].content == b"{"
+
+
+def test_errors_are_judged_in_their_routes_shape() -> None:
+    openai_shaped = '{"error": {"message": "bad", "type": "invalid_request_error"}}'
+    anthropic_shaped = '{"type": "error", "error": {"type": "x", "message": "bad"}}'
+    assert check(400, openai_shaped, "/v1/responses") is None
+    assert check(400, anthropic_shaped, "/v1/messages") is None
+    assert "Anthropic's" in (check(400, openai_shaped, "/v1/messages") or "")
+    assert "not OpenAI's" in (check(400, anthropic_shaped, "/v1/responses") or "")
 
 
 def test_a_recorded_request_names_the_tenant_not_the_key() -> None:

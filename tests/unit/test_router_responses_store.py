@@ -18,6 +18,7 @@ from turnkv_server.router.responses_store import (
     MemoryResponses,
     RedisResponses,
     ResponsesBounds,
+    ResponsesGauges,
     StoreUnavailable,
 )
 
@@ -130,6 +131,28 @@ def test_a_record_stored_again_replaces_itself(make_store: MakeStore) -> None:
     run(make_store(ResponsesBounds(max_bytes=100, max_count=2), Clock()), steps)
 
 
+def test_usage_says_what_each_tenant_holds(make_store: MakeStore) -> None:
+    """What `/metrics` reports (`ResponsesGauges`): each tenant's records and bytes, after
+    stores past the bounds and deletes."""
+    clock = Clock()
+
+    async def steps(store: Store) -> None:
+        for n in range(4):
+            clock.now += 1
+            await store.put("acme", f"resp_{n}", b"x" * 30)
+        await store.put("globex", "resp_g", b"g" * 7)
+        assert store.usage() == {"acme": (3, 90), "globex": (1, 7)}
+        assert await store.delete("acme", "resp_3")
+        assert store.usage()["acme"] == (2, 60)
+        metrics = {(m.name, s.labels["tenant"]): s.value
+                   for m in ResponsesGauges(store).collect() for s in m.samples}
+        assert metrics == {("turnkv_responses_stored", "acme"): 2,
+                           ("turnkv_responses_stored", "globex"): 1,
+                           ("turnkv_responses_bytes", "acme"): 60,
+                           ("turnkv_responses_bytes", "globex"): 7}
+    run(make_store(ResponsesBounds(max_count=3, max_bytes=100), clock), steps)
+
+
 def test_memory_records_expire_with_age() -> None:
     clock = Clock()
 
@@ -215,6 +238,8 @@ async def check_bounds(store: Store, clock: Clock, ops: list[tuple[str, str, int
                     found[key] = record
             assert len(found) <= BOUNDS.max_count
             assert sum(map(len, found.values())) <= BOUNDS.max_bytes
+            count, size = store.usage().get(who, (0, 0))
+            assert count <= BOUNDS.max_count and size <= BOUNDS.max_bytes
             assert all(clock.now - stored[k] < BOUNDS.max_age_s for k in found)
 
 

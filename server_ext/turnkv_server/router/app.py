@@ -39,7 +39,7 @@ from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
 from turnkv_server.router.placement import Engine, EnginePool
-from turnkv_server.router.responses_store import responses_store
+from turnkv_server.router.responses_store import ResponsesGauges, responses_store
 from turnkv_server.router.session_service import SessionService
 from turnkv_server.router.session_store import RedisStore, StoreUnavailable
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey, SessionTable
@@ -78,6 +78,7 @@ class Router:
             4 * config.max_sessions, config.max_ttl, table.clock,
             on_infer=self.metrics.count_inferred)
         self.responses = ResponsesService(responses_store(config))
+        self.metrics.registry.register(ResponsesGauges(self.responses.store))
         self.turns = Turns(pool=self.pool, mode=self.mode, mode_name=config.mode,
                            upstream=self.upstream, sessions=self.sessions,
                            admission=self.admission, metrics=self.metrics,

@@ -8,6 +8,10 @@ another's), and each lasts `max_age_s` at most. A response is stored once, when 
 and never changed, so oldest-first is creation order. A record is opaque bytes here (its
 contents are `apis.responses_state`'s), keyed by tenant and response ID: one tenant cannot read
 or delete another's, and in Redis neither appears in the keyspace, only a hash of both.
+
+What each tenant holds (`usage`: records and bytes) is in the router's `/metrics`
+(`ResponsesGauges`): this router's memory exactly, or in Redis what the last store or delete
+of this router found there (other routers change it too).
 """
 
 from __future__ import annotations
@@ -15,18 +19,20 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import redis.asyncio as redis
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.session_store import PREFIX, StoreUnavailable
 
 __all__ = ["MemoryResponses", "RedisResponses", "ResponseStore", "ResponsesBounds",
-           "StoreUnavailable", "responses_store"]
+           "ResponsesGauges", "StoreUnavailable", "responses_store"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class ResponseStore(Protocol):
         """Whether there was one to delete. Raises `StoreUnavailable`."""
 
     async def close(self) -> None: ...
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """Each tenant's stored records and their bytes, as far as this router knows."""
 
 
 class MemoryResponses:
@@ -101,6 +110,11 @@ class MemoryResponses:
 
     def size(self, tenant: str) -> int:
         return self._bytes.get(tenant, 0)
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        for tenant in list(self._tenants):
+            self._expire(tenant)
+        return {tenant: (self.count(tenant), self.size(tenant)) for tenant in self._tenants}
 
     def _expire(self, tenant: str) -> None:
         records = self._tenants.get(tenant)
@@ -150,14 +164,14 @@ while redis.call('ZCARD', KEYS[2]) > tonumber(ARGV[6]) or total > tonumber(ARGV[
   total = tonumber(redis.call('GET', KEYS[4]))
 end
 for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], age) end
-return 1
+return {redis.call('ZCARD', KEYS[2]), total}
 """
 # KEYS as _PUT's. ARGV: the records' key prefix, the member, now (ms), the age bound (ms).
 _DELETE = _DROP + """
 expire(tonumber(ARGV[3]), tonumber(ARGV[4]))
-if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 0 then return 0 end
-drop(ARGV[2])
-return 1
+local found = redis.call('HEXISTS', KEYS[3], ARGV[2])
+if found == 1 then drop(ARGV[2]) end
+return {found, redis.call('ZCARD', KEYS[2]), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
 
 
@@ -171,14 +185,16 @@ class RedisResponses:
         self._redis = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
         self._put = self._redis.register_script(_PUT)
         self._delete = self._redis.register_script(_DELETE)
+        self._usage: dict[str, tuple[int, int]] = {}
 
     async def put(self, tenant: str, response_id: str, record: bytes) -> bool:
         if len(record) > self.bounds.max_bytes:
             return False
         keys, member = _keys(tenant, response_id)
-        await self._run(self._put, keys, [_RECORDS, member, record, self._now_ms(),
-                                          self._age_ms(), self.bounds.max_count,
-                                          self.bounds.max_bytes])
+        count, size = await self._run(self._put, keys, [
+            _RECORDS, member, record, self._now_ms(), self._age_ms(), self.bounds.max_count,
+            self.bounds.max_bytes])
+        self._usage[tenant] = (int(count), int(size))
         return True
 
     async def get(self, tenant: str, response_id: str) -> bytes | None:
@@ -191,15 +207,21 @@ class RedisResponses:
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         keys, member = _keys(tenant, response_id)
-        return bool(await self._run(self._delete, keys, [_RECORDS, member, self._now_ms(),
-                                                         self._age_ms()]))
+        found, count, size = await self._run(self._delete, keys, [
+            _RECORDS, member, self._now_ms(), self._age_ms()])
+        self._usage[tenant] = (int(count), int(size))
+        return bool(found)
 
     async def close(self) -> None:
         await self._redis.aclose()
 
-    async def _run(self, script: object, keys: list[str], args: list[object]) -> object:
+    def usage(self) -> dict[str, tuple[int, int]]:
+        return dict(self._usage)
+
+    async def _run(self, script: object, keys: list[str], args: list[object]) -> list[int]:
+        """A script's answer: a list of integers (Redis's, from Lua's numbers)."""
         try:
-            return await script(keys=keys, args=args)  # type: ignore[operator]
+            return [int(x) for x in await script(keys=keys, args=args)]  # type: ignore[operator]
         except RedisError as exc:
             raise StoreUnavailable(str(exc)) from exc
 
@@ -219,6 +241,25 @@ def _keys(tenant: str, response_id: str) -> tuple[list[str], str]:
     member = hashlib.sha256(f"{tenant}\0{response_id}".encode()).hexdigest()[:40]
     scope = f"{PREFIX}responses:{hashlib.sha256(tenant.encode()).hexdigest()[:40]}"
     return [f"{_RECORDS}{member}", f"{scope}:index", f"{scope}:sizes", f"{scope}:bytes"], member
+
+
+class ResponsesGauges(Collector):
+    """`turnkv_responses_stored` and `turnkv_responses_bytes`, per tenant, read from the store
+    whenever the metrics are."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stored = GaugeMetricFamily("turnkv_responses_stored", "Responses API responses (and "
+                                   "conversations) stored, per tenant", labels=["tenant"])
+        size = GaugeMetricFamily("turnkv_responses_bytes", "Bytes of the Responses API "
+                                 "records stored, per tenant", labels=["tenant"])
+        for tenant, (count, total) in sorted(self.store.usage().items()):
+            stored.add_metric([tenant], count)
+            size.add_metric([tenant], total)
+        yield stored
+        yield size
 
 
 def responses_store(config: RouterConfig) -> MemoryResponses | RedisResponses:
