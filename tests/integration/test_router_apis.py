@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 
-from examples import agents_sdk, anthropic_messages
+from examples import agents_sdk, anthropic_messages, langchain_responses
 from tests.support.api_conversations import (
     INSTRUCTIONS,
     MAX_TOKENS,
@@ -227,8 +227,9 @@ def test_the_agents_sdk_default_runner_equals_a_single_engine(
 def test_the_examples_run_against_the_router(cluster: tuple[Cluster, ClusterState]) -> None:
     """examples/agents_sdk.py (the first run's model calls send its whole history, untagged:
     one inferred session; the follow-up continues it by `previous_response_id`),
-    and examples/anthropic_messages.py (one session by its header, each turn's stats on the
-    stream)."""
+    examples/anthropic_messages.py (one session by its header, each turn's stats on the
+    stream) and examples/langchain_responses.py (LangChain's ChatOpenAI on the Responses API,
+    untagged: one inferred session)."""
     _, state = cluster
     model = state.served_model_name
     runs = asyncio.run(agents_sdk.converse(f"{state.router}/v1", model, max_tokens=64,
@@ -248,6 +249,14 @@ def test_the_examples_run_against_the_router(cluster: tuple[Cluster, ClusterStat
         assert (reply.stats["session_id"], reply.stats["turn"]) == ("example-messages", n)
         assert reply.usage["cache_read_input_tokens"] == \
             reply.stats["prompt_tokens"]["prefill_reused"]
+
+    said = langchain_responses.converse(f"{state.router}/v1", model, max_tokens=8)
+    stats = [httpx.get(f"{state.router}/v1/responses/{reply.response_id}", timeout=30
+                       ).json()["turnkv"] for reply in said]
+    assert [s["session_source"] for s in stats] == ["inferred"] * len(said), stats
+    assert len({s["session_id"] for s in stats}) == 1, stats
+    for n, reply in enumerate(said[1:], start=2):
+        assert reply.cached_tokens > 0, f"turn {n}: nothing reused"
 
 
 # After the tests on this module's router: it kills that router.
