@@ -399,3 +399,32 @@ def test_errors_on_the_messages_route_are_anthropic_shaped() -> None:
         # The Responses API's are OpenAI's.
         down = client.post("/v1/responses", json={"model": "m", "input": "hi"})
         assert down.status_code == 503 and down.json()["error"]["code"] == 503
+
+
+def test_an_engines_refusal_on_the_messages_route_is_anthropic_shaped() -> None:
+    """vLLM answers a malformed request in OpenAI's shape on every route (its validation
+    handler is the app's), its Messages route's own errors in Anthropic's: the client gets
+    Anthropic's either way, the message kept; the Responses route's stay OpenAI's."""
+    async def refuse(engine: StandIn, request: web.Request, body: dict[str, Any]
+                     ) -> web.StreamResponse:
+        if body.get("metadata") == {"own": True}:
+            return web.json_response({"type": "error", "error": {
+                "type": "invalid_request_error", "message": "anthropic's own"}}, status=400)
+        return web.json_response({"error": {
+            "message": "body.messages: Input should be a valid list",
+            "type": "BadRequestError", "param": "body.messages", "code": 400}}, status=400)
+
+    async def main() -> None:
+        engines = {**ENGINES, "/v1/messages": refuse}
+        async with cluster(engines, engines) as c, httpx.AsyncClient(timeout=30) as client:
+            for own, message in ((False, "body.messages: Input should be a valid list"),
+                                 (True, "anthropic's own")):
+                for stream in (False, True):
+                    reply = await client.post(f"{c.url}/v1/messages", json={
+                        "model": "m", "max_tokens": 8, "stream": stream,
+                        "messages": "not a list", "metadata": {"own": own}})
+                    assert reply.status_code == 400
+                    assert reply.json() == {"type": "error", "error": {
+                        "type": "invalid_request_error", "message": message}}
+
+    asyncio.run(main())

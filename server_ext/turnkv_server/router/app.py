@@ -149,7 +149,7 @@ class Router:
             return api.error_response(503, str(exc), headers={"Retry-After": RETRY_AFTER_S})
         except EngineRejected as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
-            return Response(exc.content, exc.status, media_type="application/json")
+            return prepared.api.rejected(exc.status, exc.content)
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
         length = request.headers.get("content-length")

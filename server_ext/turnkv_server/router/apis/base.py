@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from turnkv import protocol as p
 from turnkv_server.router.conversations import RelayedReply
@@ -161,6 +161,11 @@ class Api(ABC):
     async def answered(self, whole: dict[str, Any] | None) -> None:
         """The turn was served: `whole` is the client's whole answer where there is one."""
         return None
+
+    def rejected(self, status: int, content: bytes) -> Response:
+        """An engine's refusal of the request (below 500), passed on: vLLM's errors are in the
+        API's own shape but where an API says otherwise."""
+        return Response(content, status, media_type="application/json")
 
     def error_response(self, status: int, message: str, *, kind: str | None = None,
                        param: str | None = None,

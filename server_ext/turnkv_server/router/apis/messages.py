@@ -20,11 +20,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from fastapi.responses import Response
 
 from turnkv import protocol as p
 from turnkv_server.router.apis.base import Answer, Api, Relay, Seen, SseEvent, corrected_cached
 from turnkv_server.router.conversations import RelayedReply
-from turnkv_server.router.errors import error_body
+from turnkv_server.router.errors import error_body, error_response
 
 if TYPE_CHECKING:
     from turnkv_server.router.modes.base import Turn, TurnPlan
@@ -66,6 +67,21 @@ class Messages(Api):
 
     def reply(self, data: dict[str, Any]) -> RelayedReply:
         return RelayedReply.of_anthropic(data)
+
+    def rejected(self, status: int, content: bytes) -> Response:
+        """vLLM answers a request its models refuse in OpenAI's shape on every route (its
+        validation handler is the whole app's), and only its Messages route's own errors in
+        Anthropic's: the message goes to the client in Anthropic's shape either way."""
+        try:
+            body = orjson.loads(content)
+        except ValueError:
+            body = None
+        error = body.get("error") if isinstance(body, dict) else None
+        if isinstance(body, dict) and body.get("type") == "error" and isinstance(error, dict):
+            return super().rejected(status, content)
+        message = error.get("message") if isinstance(error, dict) else None
+        return error_response(status, str(message or "the engine refused the request"),
+                              path=self.path)
 
     def authorization(self, headers: Mapping[str, str]) -> str | None:
         """Anthropic's clients send their key as `x-api-key` (or, given a token, as a bearer
