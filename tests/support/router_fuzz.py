@@ -130,7 +130,36 @@ RESPONSES_ITEM = st.one_of(
                            "output": PROMPT | JSON}),
     st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.just([]) | JSON}),
     JSON)
-RESPONSES_BODY = st.fixed_dictionaries({
+# Well-formed requests, with odd text and any mix of the API's features: served turns (streamed,
+# stored, chained, with tools), which the bodies below, mostly refused, rarely are.
+WELL_FORMED_ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer"]),
+                           "content": PROMPT}),
+    st.fixed_dictionaries({"type": st.just("message"), "role": st.just("user"),
+                           "content": st.lists(st.fixed_dictionaries({
+                               "type": st.just("input_text"), "text": PROMPT}),
+                               min_size=1, max_size=2)}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": PROMPT}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.just("call_1"),
+                           "name": st.just("read_file"),
+                           "arguments": st.just('{"path": "a.py"}')}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"),
+                           "call_id": st.just("call_1"), "output": PROMPT}))
+WELL_FORMED_RESPONSES = st.fixed_dictionaries({
+    "input": PROMPT | st.lists(WELL_FORMED_ITEM, min_size=1, max_size=3),
+    "max_output_tokens": st.integers(1, 3),
+}, optional={
+    "store": st.booleans(),
+    "stream": st.booleans(),
+    "instructions": PROMPT,
+    "tools": st.just([FUNCTION_TOOL]),
+    "tool_choice": st.sampled_from(["auto", "none"]),
+    "previous_response_id": st.just(PREVIOUS),
+    "conversation": SESSION_ID,
+    "temperature": st.floats(0, 1),
+    "prompt_cache_key": SESSION_ID,
+})
+RESPONSES_BODY = WELL_FORMED_RESPONSES | st.fixed_dictionaries({
     "input": PROMPT | st.lists(RESPONSES_ITEM, max_size=3) | JSON,
     "max_output_tokens": MAX_TOKENS,
 }, optional={
@@ -171,7 +200,21 @@ ANTHROPIC_MESSAGE = st.fixed_dictionaries({
 })
 ANTHROPIC_TOOL = {"name": "read_file", "description": "Read a file",
                   "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
-MESSAGES_BODY = st.fixed_dictionaries({
+WELL_FORMED_MESSAGES = st.fixed_dictionaries({
+    "messages": st.lists(st.fixed_dictionaries({
+        "role": st.just("user"), "content": PROMPT | st.lists(TEXT_BLOCK, min_size=1,
+                                                               max_size=2)}),
+        min_size=1, max_size=1).flatmap(lambda first: st.lists(st.fixed_dictionaries({
+            "role": st.sampled_from(["assistant", "user"]), "content": PROMPT}),
+            max_size=2).map(lambda more: [*first, *more])),
+    "max_tokens": st.integers(1, 3),
+}, optional={
+    "system": PROMPT | st.lists(TEXT_BLOCK, min_size=1, max_size=2),
+    "stream": st.booleans(),
+    "tools": st.just([ANTHROPIC_TOOL]),
+    "temperature": st.floats(0, 1),
+})
+MESSAGES_BODY = WELL_FORMED_MESSAGES | st.fixed_dictionaries({
     "messages": st.lists(ANTHROPIC_MESSAGE, max_size=3) | JSON,
     "max_tokens": MAX_TOKENS,
 }, optional={
