@@ -17,7 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.test_router_affinity import StandIn, affinity_router
-from turnkv_server.router.conversations import RelayedReply, canonical, prompt_digests
+from turnkv_server.router.conversations import (
+    CHAT_PATH,
+    RelayedReply,
+    canonical,
+    prompt_digests,
+)
 from turnkv_server.router.inferred_sessions import INFERRED_PREFIX, InferredSessions
 from turnkv_server.router.sessions import SessionKey
 
@@ -119,6 +124,35 @@ def test_a_continuation_while_a_turn_of_the_session_is_in_flight_forks() -> None
     assert inferred.infer("t", digests, None).session_id == session  # in flight now
     duplicate = inferred.infer("t", digests, None)  # the same turn again, at once
     assert duplicate.outcome == "forked" and duplicate.session_id != session
+
+
+def test_a_turns_end_told_after_the_next_turn_began_changes_nothing() -> None:
+    """A streamed turn's relay ends (and says so) after the client has its last chunk, so the
+    conversation's next turn can begin first: the late word of the served turn must not end
+    the next turn's, which would leave its boundary unkept and fork the turn after it."""
+    inferred = table()
+    turn = 0
+
+    def ask(messages: list[dict[str, Any]]) -> tuple[SessionKey, int, str]:
+        nonlocal turn
+        turn += 1
+        request = [*messages, {"role": "user", "content": f"q{turn}"}]
+        found = inferred.infer_turn(CHAT_PATH, {"model": "m", "messages": request}, "t", None)
+        assert found is not None
+        tag, ticket = found
+        return SessionKey("t", tag.session_id), ticket, tag.session_id
+
+    messages: list[dict[str, Any]] = []
+    key, first, session = ask(messages)
+    inferred.served(key, {"role": "assistant", "content": "a1"}, first)
+    messages = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
+    key, second, again = ask(messages)
+    assert again == session
+    inferred.abandon(key, first)  # the first turn's relay, ending late
+    inferred.served(key, {"role": "assistant", "content": "a2"}, second)
+    messages += [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    _, _, third = ask(messages)
+    assert third == session
 
 
 def test_an_edit_mid_way_forks_and_the_edited_conversation_stays_in_its_fork() -> None:

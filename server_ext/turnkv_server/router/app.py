@@ -125,11 +125,12 @@ class Router:
             self.metrics.errors.labels("503").inc()
             return api.error_response(503, f"the shared store did not answer: {exc}",
                                       headers={"Retry-After": RETRY_AFTER_S})
-        tag, source = keys.tag, keys.source
+        tag, source, ticket = keys.tag, keys.source, None
         if tag is None and self.inferred is not None:
             # No key names a session: a conversation this router served may (its content).
-            tag = self.inferred.tag_for(api.path, body, tenant, keys.prefix_id,
-                                        keys.retention_ttl)
+            found = self.inferred.infer_turn(api.path, body, tenant, keys.prefix_id,
+                                             keys.retention_ttl)
+            tag, ticket = found if found is not None else (None, None)
             source = "inferred" if tag is not None else None
         tag = self.tenants.capped_tag(tenant, tag)
         prepared = (Prepared(api, body, tag, keys.prefix_id) if resolved is None
@@ -141,6 +142,7 @@ class Router:
             return await self.turns.serve(prepared.api, body, prepared.tag, tenant,
                                           prepared.prefix_id, gone=lambda: disconnected(request),
                                           home=prepared.home, source=source,
+                                          inferred_ticket=ticket,
                                           stats_in_stream=keys.native)
         except ClientLeft:
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"

@@ -30,6 +30,7 @@ this one's boundaries, and its first turn of the conversation opens a session of
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -60,6 +61,9 @@ class Inference:
     session_id: str
     prefix_id: str  # the conversation's: a fork is placed where its parent is warm
     outcome: Outcome
+    # Names this turn to `served` and `abandon`: a turn's end can come after its session's
+    # next turn has begun (a stream's last chunk reaches the client before the relay ends).
+    ticket: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class _Pending:
     prompt: bytes
     prefix_id: str
     at: float
+    ticket: int
 
 
 class InferredSessions:
@@ -87,6 +92,7 @@ class InferredSessions:
         self.max_age_s = max_age_s
         self.clock = clock
         self._on_infer = on_infer
+        self._tickets = itertools.count(1)
         self._boundaries: OrderedDict[bytes, _Boundary] = OrderedDict()
         # Each session's latest boundary: only there does a turn continue it.
         self._heads: OrderedDict[SessionKey, tuple[bytes, float]] = OrderedDict()
@@ -101,12 +107,18 @@ class InferredSessions:
         """The tag of a turn no key named (`prefix_id`: its own, e.g. `prompt_cache_key`'s;
         `ttl`: `prompt_cache_retention`'s); None when it is no turn of a conversation (a
         completion, a request the engine will refuse)."""
+        found = self.infer_turn(path, body, tenant, prefix_id, ttl)
+        return found[0] if found is not None else None
+
+    def infer_turn(self, path: str, body: dict[str, Any], tenant: str, prefix_id: str | None,
+                   ttl: float | None = None) -> tuple[p.TurnTag, int] | None:
+        """`tag_for`'s tag, and the ticket that names the turn to `served` and `abandon`."""
         digests = prompt_digests(body, tenant, path) if path in CONVERSATION_PATHS else None
         if digests is None:
             return None
         found = self.infer(tenant, digests, prefix_id)
         return p.TurnTag(session_id=found.session_id, prefix_id=found.prefix_id,
-                         hints=p.CacheHints(ttl=ttl))
+                         hints=p.CacheHints(ttl=ttl)), found.ticket
 
     def infer(self, tenant: str, digests: PromptDigests, prefix_id: str | None) -> Inference:
         """The session of a turn with these digests; it is in flight until `served` or
@@ -125,10 +137,12 @@ class InferredSessions:
         key = _new_key(tenant)
         return self._begin(key, digests, prefix_id or key.session_id, "new", now)
 
-    def served(self, key: SessionKey, reply: dict[str, Any] | None) -> None:
-        """The turn of `key` in flight was answered with `reply` (the assistant message): its
-        prompt and reply are the session's latest boundary."""
-        pending = self._pending.pop(key, None)
+    def served(self, key: SessionKey, reply: dict[str, Any] | None,
+               ticket: int | None = None) -> None:
+        """The turn of `key` in flight (the one `ticket` names, where given) was answered with
+        `reply` (the assistant message): its prompt and reply are the session's latest
+        boundary."""
+        pending = self._take(key, ticket)
         if pending is None or reply is None:
             return
         now = self.clock()
@@ -139,17 +153,27 @@ class InferredSessions:
         self._heads.move_to_end(key)
         self._expire(now)
 
-    def abandon(self, key: SessionKey) -> None:
-        """The turn of `key` in flight ended without a reply: the session's latest boundary
-        stays what it was. (Once `served`, nothing.)"""
-        self._pending.pop(key, None)
+    def abandon(self, key: SessionKey, ticket: int | None = None) -> None:
+        """The turn of `key` in flight (the one `ticket` names, where given) ended without a
+        reply: the session's latest boundary stays what it was. (Once `served`, nothing; nor
+        for a ticket whose turn is no longer the one in flight: the session's next turn may
+        have begun before this one's end was told.)"""
+        self._take(key, ticket)
+
+    def _take(self, key: SessionKey, ticket: int | None) -> _Pending | None:
+        pending = self._pending.get(key)
+        if pending is None or (ticket is not None and pending.ticket != ticket):
+            return None
+        del self._pending[key]
+        return pending
 
     def _begin(self, key: SessionKey, digests: PromptDigests, prefix_id: str,
                outcome: Outcome, now: float) -> Inference:
-        self._pending[key] = _Pending(digests.prompt, prefix_id, now)
+        ticket = next(self._tickets)
+        self._pending[key] = _Pending(digests.prompt, prefix_id, now, ticket)
         self._pending.move_to_end(key)
         self._on_infer(outcome)
-        return Inference(key.session_id, prefix_id, outcome)
+        return Inference(key.session_id, prefix_id, outcome, ticket)
 
     def _expire(self, now: float) -> None:
         """Oldest first (each table is in the order of its entries' times): those past the

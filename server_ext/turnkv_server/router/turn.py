@@ -83,10 +83,12 @@ class Turns:
                     prefix_id: str | None = None, gone: ClientGone | None = None, *,
                     home: tuple[str | None, str] | None = None,
                     source: p.SessionSource | None = "tag",
+                    inferred_ticket: int | None = None,
                     stats_in_stream: bool = True) -> Response:
         """The turn's response (`api`: the API it came in on; `prefix_id`: a sessionless
         turn's; `home`: the (prefill, decode) engines a session the turn opens starts on;
-        `source`: which key named the session; `stats_in_stream`: the client reads a stats
+        `source`: which key named the session; `inferred_ticket`: an inferred session's turn
+        (`InferredSessions.infer_turn`); `stats_in_stream`: the client reads a stats
         chunk); raises `TurnFailed`, `EngineRejected` (the engine's 4xx, for the client as it
         is) or `ClientLeft`."""
         session, opened = None, False
@@ -98,7 +100,8 @@ class Turns:
         turn = Turn(path=api.path, body=body, tag=tag, session=session,
                     want_token_ids=api.wants_token_ids(body), stream=api.stream(body),
                     prefix_id=prefix_id, api=api,
-                    session_source=source if session is not None else None)
+                    session_source=source if session is not None else None,
+                    inferred_ticket=inferred_ticket)
         if turn.stream:
             turn.usage_in_stream = ask_usage(api.path, body)
             turn.stats_in_stream = stats_in_stream or turn.usage_in_stream
@@ -323,7 +326,7 @@ class Turns:
                    else [*turn.prompt_token_ids, *turn.output_token_ids])
         await self.sessions.remember(turn.session, turn.tag, plan.placement, turn_stats, history)
         if reply is not None and self.inferred is not None:
-            self.inferred.served(turn.session.key, reply.message())
+            self.inferred.served(turn.session.key, reply.message(), turn.inferred_ticket)
 
     def _infers(self, turn: Turn) -> bool:
         return self.inferred is not None and turn.session_source == "inferred"
@@ -333,7 +336,7 @@ class Turns:
         conversation's latest boundary as it was (after `served`, this does nothing)."""
         if self._infers(turn) and turn.session is not None:
             assert self.inferred is not None
-            self.inferred.abandon(turn.session.key)
+            self.inferred.abandon(turn.session.key, turn.inferred_ticket)
 
 
 def api_of(turn: Turn) -> Api:

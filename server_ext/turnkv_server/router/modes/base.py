@@ -69,6 +69,8 @@ class Turn:
     queued_ms: float = 0.0
     # Which key named its session (`router.tags.read_keys`), or "inferred".
     session_source: str | None = None
+    # An inferred session's turn as `InferredSessions` knows it (`Inference.ticket`).
+    inferred_ticket: int | None = None
     # What a streamed turn relays besides the answer: the engine's usage chunk (the client
     # asked for `stream_options.include_usage`; the router always asks the engine) and the
     # turn's stats chunk (the client asked for either, or sent turnkv's own tag).
