@@ -177,7 +177,8 @@ class SessionCore:
             self._prefix_id = prefix_id(model=model, messages=messages, tools=body.get("tools"))
 
     def record(
-        self, stats: p.TurnStats | Mapping[str, Any] | None, client_ttft_ms: float | None = None,
+        self, stats: p.RouterTurnStats | Mapping[str, Any] | None,
+        client_ttft_ms: float | None = None,
         *, client_total_ms: float | None = None, retries: int = 0,
         usage: Mapping[str, Any] | None = None, turn: int | None = None, text: str = "",
         message: Any = None, response: Any = None, early_headers: Mapping[str, str] | None = None,

@@ -181,7 +181,7 @@ class TurnPlacement(BaseModel):
     why: str = ""
 
 
-class TurnStats(BaseModel):
+class RouterTurnStats(BaseModel):
     """The `turnkv` field of a response (the final SSE chunk when streaming)."""
 
     session_id: str | None = None
@@ -218,7 +218,7 @@ __all__ = [
     "KvMoved",
     "PromptTokens",
     "SessionSource",
-    "TurnStats",
+    "RouterTurnStats",
     "TurnPlacement",
     "TurnTag",
     "TurnTimes",

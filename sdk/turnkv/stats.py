@@ -1,7 +1,7 @@
 """Turn and session statistics as the client sees them.
 
-`TurnStats` is the router's per-turn record (`turnkv.protocol.TurnStats`) plus what only the
-client can measure. Against a server without turnkv it is built from the response's `usage`
+`TurnStats` is the router's per-turn record (`turnkv.protocol.RouterTurnStats`) plus what only
+the client can measure. Against a server without turnkv it is built from the response's `usage`
 alone (`served_by_turnkv=False`, `mode="plain"`). The models are data only: `turnkv.render`
 draws them as tables.
 """
@@ -18,7 +18,7 @@ from turnkv import protocol as p
 PLAIN_MODE = "plain"
 
 
-class TurnStats(p.TurnStats):
+class TurnStats(p.RouterTurnStats):
     """One turn: where its prompt tokens came from, KV moved, router times, client times."""
 
     client_ttft_ms: float | None = None
@@ -27,8 +27,8 @@ class TurnStats(p.TurnStats):
     served_by_turnkv: bool = True
 
     @classmethod
-    def from_wire(cls, wire: p.TurnStats | Mapping[str, Any], **client: Any) -> TurnStats:
-        data = wire.model_dump() if isinstance(wire, p.TurnStats) else dict(wire)
+    def from_wire(cls, wire: p.RouterTurnStats | Mapping[str, Any], **client: Any) -> TurnStats:
+        data = wire.model_dump() if isinstance(wire, p.RouterTurnStats) else dict(wire)
         return cls.model_validate({**data, **client, "served_by_turnkv": True})
 
     @classmethod
@@ -76,9 +76,10 @@ class TurnStats(p.TurnStats):
             fallback=reason,
             **client)
 
-    def wire(self) -> p.TurnStats:
+    def wire(self) -> p.RouterTurnStats:
         """The router's part alone, comparable with `GET /v1/turnkv/sessions/{id}`."""
-        return p.TurnStats.model_validate(self.model_dump(include=set(p.TurnStats.model_fields)))
+        fields = set(p.RouterTurnStats.model_fields)
+        return p.RouterTurnStats.model_validate(self.model_dump(include=fields))
 
     @property
     def reused_tokens(self) -> int | None:

@@ -18,12 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (ROOT / "sdk" / "turnkv", ROOT / "server_ext" / "turnkv_server")
-# Duplicates whose rename waits on the router's modes, which are being rewritten: the wire's
-# `turnkv.protocol.TurnStats` (the router's record of a turn, imported by
-# `router/modes/base.py`) is to become `RouterTurnStats`, leaving `turnkv.TurnStats` (that
-# record plus the client's own measurements) the only one. Each entry must still be a
-# duplicate: remove it with the rename.
-WAITING: frozenset[str] = frozenset({"turnkv.TurnStats"})
+# Duplicates whose rename waits on other work: each must still be a duplicate (remove it with
+# the rename).
+WAITING: frozenset[str] = frozenset()
 
 
 def class_definitions(package: Path, relative_to: Path) -> dict[str, list[str]]:

@@ -172,7 +172,7 @@ def test_hints_and_durations_read_in_sane_units() -> None:
 
 
 def turn_stats(turn: int, total: int, computed: int, **extra: object) -> turnkv.TurnStats:
-    wire = p.TurnStats(
+    wire = p.RouterTurnStats(
         session_id="s", turn=turn, mode="turnkv", prefill_node="prefill-0",
         decode_node="decode-0", completion_tokens=10,
         prompt_tokens=p.PromptTokens(total=total, prefill_computed=computed,

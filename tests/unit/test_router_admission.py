@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.test_router_affinity import StandIn, affinity_router, stats_of, turn
-from turnkv.protocol import PromptTokens, TurnStats, TurnTag, TurnTimes
+from turnkv.protocol import PromptTokens, RouterTurnStats, TurnTag, TurnTimes
 from turnkv_server.router.admission import Admission, ClientGone, ClientLeft, fits, is_cold
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.placement import EnginePool
@@ -47,7 +47,7 @@ def test_what_a_session_holds_and_when_it_is_cold() -> None:
     assert is_cold(session) and held_tokens(session) == 0
     # Served once (its index 0, as a client may count): warm. Affinity keeps no token history,
     # so the last turn's prompt and output say what the engine holds.
-    session.last_stats = TurnStats(mode="affinity", turn=0, completion_tokens=2,
+    session.last_stats = RouterTurnStats(mode="affinity", turn=0, completion_tokens=2,
                                    prompt_tokens=PromptTokens(total=300)).model_dump()
     assert session.turns == 0 and not is_cold(session) and held_tokens(session) == 302
     session.tokens = list(range(500))  # where the mode keeps the history, it counts
@@ -93,7 +93,7 @@ def live(service: SessionService, name: str, tokens: int) -> Session:
     """A session that has served a turn and holds `tokens` of history."""
     session = service.table.open(SessionKey("t", name))
     session.tokens, session.turns = list(range(tokens)), 1
-    session.last_stats = TurnStats(mode="standard", turn=1).model_dump()
+    session.last_stats = RouterTurnStats(mode="standard", turn=1).model_dump()
     return session
 
 
@@ -180,7 +180,7 @@ def test_a_history_that_shrinks_lets_the_queue_on() -> None:
         # a's next turn edits its history down to 300 tokens.
         placement = EnginePool.from_urls(["http://p"], ["http://d"]).round_robin()
         await service.remember(a, TurnTag(session_id="a", turn=2), placement,
-                               TurnStats(mode="standard", turn=2), list(range(300)))
+                               RouterTurnStats(mode="standard", turn=2), list(range(300)))
         assert await b > 0
 
     asyncio.run(main())
@@ -356,7 +356,7 @@ def test_the_running_totals_equal_a_recount_after_any_operations(
                 tag = TurnTag(session_id=key.session_id, turn=session.turns + 1,
                               hints={"final": op == "final", "ttl": 1 + value % 60})
                 await service.remember(session, tag, placement,
-                                       TurnStats(mode="standard", turn=session.turns + 1),
+                                       RouterTurnStats(mode="standard", turn=session.turns + 1),
                                        list(range(value)))
             elif op in ("end", "fail"):
                 await service.end_turn(session, opened.get(n, False), failed=op == "fail")
@@ -367,7 +367,7 @@ def test_the_running_totals_equal_a_recount_after_any_operations(
                 await service.expire()
             elif op == "affinity":  # no token history: the last turn's stats say what it holds
                 session.tokens = []
-                session.last_stats = TurnStats(mode="affinity", turn=1, completion_tokens=2,
+                session.last_stats = RouterTurnStats(mode="affinity", turn=1, completion_tokens=2,
                                                prompt_tokens=PromptTokens(total=value)
                                                ).model_dump()
             elif op == "queue":

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from turnkv.protocol import CacheHints, PromptTokens, TurnStats, TurnTimes
+from turnkv.protocol import CacheHints, PromptTokens, RouterTurnStats, TurnTimes
 from turnkv_server.bench.plan import BenchSettings, cluster_config
 from turnkv_server.router.__main__ import parse_args
 from turnkv_server.router.config import RouterConfig, from_args, itl_target_args
@@ -83,7 +83,7 @@ def served_alone(mode: Mode, placement: Placement, delta: int, engine_ms: float 
     """The decode engine served a short delta of `delta` tokens, computing `computed` in
     `engine_ms`. (Final: no push back to arrange.)"""
     plan = TurnPlan(placement, prefill_params=None, alone=DecodeAlone([0] * 1000, delta))
-    stats = TurnStats(mode="turnkv", times=TurnTimes(engine_prefill_ms=engine_ms),
+    stats = RouterTurnStats(mode="turnkv", times=TurnTimes(engine_prefill_ms=engine_ms),
                       prompt_tokens=PromptTokens(total=1000, decode_computed=computed))
     mode.finish(turn(CacheHints(final=True)), plan, TurnEnd("complete", None, stats))
 

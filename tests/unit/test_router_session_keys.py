@@ -168,7 +168,7 @@ def test_peer_sessions_are_the_tenants_own_and_engines_never_see_them() -> None:
 def test_the_sdk_reads_stats_with_any_session_source_or_none() -> None:
     """Backward compatible both ways: stats of a router before `session_source` parse (None),
     and so do a later router's that names a source this SDK does not know."""
-    from turnkv.protocol import TurnStats as WireStats
+    from turnkv.protocol import RouterTurnStats as WireStats
     from turnkv.stats import TurnStats
 
     earlier = {"session_id": "s", "turn": 1, "mode": "turnkv"}

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from turnkv.protocol import CacheHints, PromptTokens, TurnStats, TurnTag
+from turnkv.protocol import CacheHints, PromptTokens, RouterTurnStats, TurnTag
 from turnkv_server.engine.protocol import parse
 from turnkv_server.launcher.cluster import kv_transfer_config
 from turnkv_server.router.config import RouterConfig
@@ -177,7 +177,7 @@ def test_a_short_delta_that_found_its_history_gone_backs_the_decode_engine_off()
         # (Final: no push back or abandoned send to arrange, only the verdict on the delta.)
         t = turn(CacheHints(final=True))
         plan = TurnPlan(placement, prefill_params=None, alone=DecodeAlone([0] * 1000, delta))
-        stats = TurnStats(mode="turnkv",
+        stats = RouterTurnStats(mode="turnkv",
                           prompt_tokens=PromptTokens(total=1000, decode_computed=computed))
         mode.finish(t, plan, TurnEnd("complete", None, stats))
 
@@ -241,7 +241,8 @@ def test_a_turn_that_held_nothing_says_nothing_about_the_decode_engines_leases()
     # prompt, as expected: that does not show the engine's leases are held again.
     plan = TurnPlan(placement, prefill_params=None,
                     alone=DecodeAlone([0] * 1000, 1000, held=False))
-    stats = TurnStats(mode="turnkv", prompt_tokens=PromptTokens(total=1000, decode_computed=1000))
+    stats = RouterTurnStats(mode="turnkv",
+                            prompt_tokens=PromptTokens(total=1000, decode_computed=1000))
     mode.finish(turn(CacheHints(final=True)), plan, TurnEnd("complete", None, stats))
     assert mode._pressure.active(decode)  # type: ignore[attr-defined]
 

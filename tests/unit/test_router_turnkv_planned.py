@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from turnkv.protocol import CacheHints, PromptTokens, TurnStats, TurnTimes
+from turnkv.protocol import CacheHints, PromptTokens, RouterTurnStats, TurnTimes
 from turnkv.stats import TurnStats as SdkTurnStats
 from turnkv_server.engine.protocol import parse
 from turnkv_server.router import stats
@@ -64,7 +64,7 @@ def served(mode: Turnkv, t: Turn, plan: TurnPlan, *, total: int, computed: int,
     """The turn ended whole: the mode hears of it and the session remembers its placement."""
     tokens = (PromptTokens(total=total, decode_computed=computed) if plan.alone is not None
               else PromptTokens(total=total, prefill_computed=computed))
-    end = TurnEnd("complete", stats=TurnStats(
+    end = TurnEnd("complete", stats=RouterTurnStats(
         mode="turnkv", prompt_tokens=tokens, completion_tokens=completion,
         times=TurnTimes(engine_prefill_ms=engine_ms, first_token_ms=10.0, total_ms=100.0)))
     mode.finish(t, plan, end)
@@ -209,7 +209,7 @@ def test_the_turns_stats_carry_the_decision_and_parse_in_the_sdk() -> None:
     turn_stats = stats.begin(t, plan, None, "turnkv", None, None)
     assert turn_stats.placement is not None and turn_stats.placement.where == "split"
     assert turn_stats.placement.pinned and "pinned" in turn_stats.placement.why
-    again = TurnStats.model_validate_json(turn_stats.model_dump_json())
+    again = RouterTurnStats.model_validate_json(turn_stats.model_dump_json())
     assert again.placement == turn_stats.placement
     # The SDK's stats of a turn read it too.
     client_side = SdkTurnStats.from_wire(orjson.loads(turn_stats.model_dump_json()))

@@ -41,8 +41,8 @@ def usage(cached: int | None, total: int = 300) -> dict[str, Any]:
     return {"prompt_tokens": total, "completion_tokens": 8, "prompt_tokens_details": details}
 
 
-def pd_stats(total: int, reused: int) -> p.TurnStats:
-    return p.TurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(
+def pd_stats(total: int, reused: int) -> p.RouterTurnStats:
+    return p.RouterTurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(
         total=total, prefill_cached=reused, prefill_received=0, prefill_reused=reused,
         prefill_computed=total - reused))
 
@@ -63,7 +63,7 @@ def test_a_later_pd_turn_reports_the_prefill_sides_reuse() -> None:
 
 def test_a_short_delta_keeps_the_decode_engines_own_hits() -> None:
     body = usage(cached=256)
-    tokens = p.TurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=300))
+    tokens = p.RouterTurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=300))
     stats.correct_usage(body, alone_plan(list(range(300)), 20), tokens)
     assert body["prompt_tokens_details"]["cached_tokens"] == 256
 
@@ -88,7 +88,7 @@ def test_engine_times_read_vllms_per_request_metrics() -> None:
 def test_a_short_delta_is_timed_by_the_decode_engine() -> None:
     prompt = list(range(300))
     plan = alone_plan(prompt, 20)
-    record = p.TurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=300))
+    record = p.RouterTurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=300))
     stats.finish(turn(prompt[:280], prompt), plan, record, 8, None, usage(256), None,
                  {"time_to_first_token_ms": 15.0, "queue_time_ms": 1.0})
     assert (record.times.engine_prefill_ms, record.times.engine_queue_ms) == (15.0, 1.0)
@@ -124,7 +124,7 @@ def test_a_turn_that_reused_nothing_says_when_the_block_size_is_why(
 
 def test_a_short_delta_under_a_block_says_so_too() -> None:
     prompt = list(range(90))
-    record = p.TurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=90))
+    record = p.RouterTurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=90))
     stats.finish(turn(prompt[:70], prompt), alone_plan(prompt, 20), record, 8, None,
                  usage(0, total=90), None)
     assert record.prompt_tokens.decode_cached == 0
@@ -160,7 +160,7 @@ def test_the_prefill_engines_reply_splits_its_own_hits_from_the_tiers() -> None:
 
 def test_a_short_delta_s_reply_splits_the_decode_engines_hits_from_the_tiers() -> None:
     plan = alone_plan(list(range(300)), 20)
-    found = p.TurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=300))
+    found = p.RouterTurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=300))
     stats.finish(turn([], list(range(300))), plan, found, 8, None, usage(cached=256),
                  {"turnkv": {"local_tokens": 128}})
     tokens = found.prompt_tokens

@@ -17,7 +17,7 @@ def turns() -> list[turnkv.TurnStats]:
     out = []
     for turn in range(1, 13):
         total = 2_500 * turn
-        wire = p.TurnStats(
+        wire = p.RouterTurnStats(
             session_id="s", turn=turn, mode="turnkv", prefill_node="prefill-0",
             decode_node="decode-0", completion_tokens=96,
             prompt_tokens=p.PromptTokens(total=total, prefill_computed=140,

@@ -16,8 +16,8 @@ from turnkv.stats import estimate_prefill_saved, prefill_cost_ms
 
 
 def wire(turn: int, total: int, computed: int, prefill_ms: float, **extra: object
-         ) -> p.TurnStats:
-    return p.TurnStats(session_id="s", turn=turn, mode="bidirectional",
+         ) -> p.RouterTurnStats:
+    return p.RouterTurnStats(session_id="s", turn=turn, mode="bidirectional",
                        prompt_tokens=p.PromptTokens(total=total, prefill_computed=computed,
                                                     prefill_reused=total - computed),
                        completion_tokens=8, times=p.TurnTimes(prefill_ms=prefill_ms),
@@ -247,7 +247,7 @@ def test_early_headers_stand_in_for_missing_final_stats() -> None:
 
 def test_a_turn_served_by_the_decode_engine_alone_counts_its_work() -> None:
     # turnkv's short delta: no prefill side, the decode engine computed 40 of 300 tokens.
-    alone = p.TurnStats(mode="turnkv", decode_node="decode-0",
+    alone = p.RouterTurnStats(mode="turnkv", decode_node="decode-0",
                         prompt_tokens=p.PromptTokens(total=300, decode_cached=260,
                                                      decode_computed=40))
     stats = turnkv.TurnStats.from_wire(alone.model_dump())

@@ -54,7 +54,7 @@ class Decode:
     mode: Mode
     state: Literal["open", "complete", "cut"] = "open"
 
-    def complete(self, reply: dict[str, Any] | None, turn_stats: p.TurnStats) -> None:
+    def complete(self, reply: dict[str, Any] | None, turn_stats: p.RouterTurnStats) -> None:
         if self.state == "open":
             self.state = "complete"
             self.mode.finish(self.turn, self.plan, TurnEnd("complete", reply, turn_stats))

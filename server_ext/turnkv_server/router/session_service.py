@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from turnkv.protocol import CacheHints, TurnStats, TurnTag
+from turnkv.protocol import CacheHints, RouterTurnStats, TurnTag
 from turnkv_server.router.placement import Placement
 from turnkv_server.router.session_store import (
     RedisStore,
@@ -56,7 +56,7 @@ class SessionService:
             await self.release(session)
 
     async def remember(self, session: Session, tag: TurnTag | None, placement: Placement,
-                       stats: TurnStats, history: list[int] | None) -> None:
+                       stats: RouterTurnStats, history: list[int] | None) -> None:
         """A turn served: its pair, its history (prompt and output token IDs), its stats, and a
         renewed lease (or the end of the session, on a `final` turn)."""
         # A resent turn (an index already seen) is not counted twice.

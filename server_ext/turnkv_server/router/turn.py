@@ -180,7 +180,7 @@ class Turns:
 
     async def _prefill_then_decode(self, turn: Turn, plan: TurnPlan,
                                    fallback: p.FallbackReason | None, detail: str | None
-                                   ) -> tuple[Decode, p.TurnStats]:
+                                   ) -> tuple[Decode, p.RouterTurnStats]:
         decode: asyncio.Task[Decode] | None = None
         if plan.concurrent:
             decode = asyncio.create_task(self._open_decode(turn, plan, plan.decode_params))
@@ -246,7 +246,8 @@ class Turns:
             raise EngineRejected(upstream.status, content)
         return Decode(turn, plan, upstream, self.mode)
 
-    async def _complete(self, turn: Turn, decode: Decode, turn_stats: p.TurnStats) -> Response:
+    async def _complete(self, turn: Turn, decode: Decode, turn_stats: p.RouterTurnStats
+                        ) -> Response:
         try:
             data = orjson.loads(await decode.stream.read())
         except BaseException as exc:
@@ -268,7 +269,7 @@ class Turns:
         return Response(orjson.dumps(data), media_type="application/json",
                         headers=stats.headers(turn_stats))
 
-    async def _relay(self, turn: Turn, decode: Decode, turn_stats: p.TurnStats
+    async def _relay(self, turn: Turn, decode: Decode, turn_stats: p.RouterTurnStats
                      ) -> AsyncIterator[bytes]:
         first_token_ms: float | None = None
         relay = api_of(turn).relay(turn, decode.plan, turn_stats)
@@ -312,7 +313,7 @@ class Turns:
         if decode.turn.session is not None:
             decode.turn.session.in_flight = False
 
-    async def _remember(self, turn: Turn, plan: TurnPlan, turn_stats: p.TurnStats,
+    async def _remember(self, turn: Turn, plan: TurnPlan, turn_stats: p.RouterTurnStats,
                         reply: RelayedReply | None = None) -> None:
         """The turn, served: its stats counted, its prefix warm, its session's history (and
         for an inferred session, `reply` as its conversation's latest boundary)."""

@@ -84,7 +84,7 @@ class Relay(ABC):
         """Take in one event of the decode engine's stream."""
 
     @abstractmethod
-    def write(self, stats: p.TurnStats) -> list[bytes]:
+    def write(self, stats: p.RouterTurnStats) -> list[bytes]:
         """What the event just read becomes for the client (none, one, or more events);
         `stats` are final when it was the `last`."""
 
@@ -136,12 +136,12 @@ class Api(ABC):
 
     @abstractmethod
     def write_whole(self, data: dict[str, Any], turn: Turn, plan: TurnPlan,
-                    stats: p.TurnStats) -> None:
+                    stats: p.RouterTurnStats) -> None:
         """Make `data` (in place) the client's answer: usage corrected to what the turn did
         not compute, the router's fields off, the turn's stats in."""
 
     @abstractmethod
-    def relay(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> Relay:
+    def relay(self, turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats) -> Relay:
         """A streamed answer's relay (`stats` hold the prefill's part already)."""
 
     def authorization(self, headers: Mapping[str, str]) -> str | None:
@@ -206,7 +206,7 @@ class Resolved:
 Resolve = Callable[[dict[str, Any], str], Awaitable[Resolved]]
 
 
-def corrected_cached(plan: TurnPlan, stats: p.TurnStats, cached: int | None) -> int | None:
+def corrected_cached(plan: TurnPlan, stats: p.RouterTurnStats, cached: int | None) -> int | None:
     """The cached-token figure the client is told, given the decode engine's (`cached`): what
     the turn did not compute (`stats.correct_usage` says why); None: leave it as it is."""
     if plan.alone is not None or cached is None:

@@ -48,14 +48,14 @@ class Chat(Api):
                       metrics=data.get("metrics"))
 
     def write_whole(self, data: dict[str, Any], turn: Turn, plan: TurnPlan,
-                    stats: p.TurnStats) -> None:
+                    stats: p.RouterTurnStats) -> None:
         data.pop("kv_transfer_params", None)
         turn_stats.correct_usage(data.get("usage") or {}, plan, stats)
         if not turn.want_token_ids:
             strip_token_ids(data)
         data["turnkv"] = stats.model_dump()
 
-    def relay(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> Relay:
+    def relay(self, turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats) -> Relay:
         return ChatRelay(turn, plan, stats)
 
     def engine_request_id(self, request_id: str) -> str:
@@ -72,7 +72,7 @@ class ChatRelay(Relay):
     asks for it) with the turn's stats where the client asked for usage, else a stats chunk
     where it asked for the stats."""
 
-    def __init__(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> None:
+    def __init__(self, turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats) -> None:
         super().__init__()
         self._turn, self._plan, self._stats = turn, plan, stats
         self._template: dict[str, Any] | None = None
@@ -107,7 +107,7 @@ class ChatRelay(Relay):
             turn_stats.correct_usage(chunk["usage"], self._plan, self._stats)
         return Seen(output=has_output(chunk))
 
-    def write(self, stats: p.TurnStats) -> list[bytes]:
+    def write(self, stats: p.RouterTurnStats) -> list[bytes]:
         if self._done:
             out = []
             if self._usage_chunk is not None and self._turn.usage_in_stream:

@@ -57,12 +57,12 @@ class Messages(Api):
         return Answer(usage=chat_usage(data.get("usage")), reply=data.get("kv_transfer_params"))
 
     def write_whole(self, data: dict[str, Any], turn: Turn, plan: TurnPlan,
-                    stats: p.TurnStats) -> None:
+                    stats: p.RouterTurnStats) -> None:
         data.pop("kv_transfer_params", None)  # (vLLM leaves out what is None)
         correct_usage(data.get("usage"), plan, stats)
         data["turnkv"] = stats.model_dump()
 
-    def relay(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> Relay:
+    def relay(self, turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats) -> Relay:
         return MessagesRelay(turn, plan, stats)
 
     def reply(self, data: dict[str, Any]) -> RelayedReply:
@@ -98,7 +98,7 @@ class MessagesRelay(Relay):
     (corrected), and `message_delta`, the last with usage, which gets the turn's stats as a
     `turnkv` field: no event is added."""
 
-    def __init__(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> None:
+    def __init__(self, turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats) -> None:
         super().__init__()
         self._plan, self._stats = plan, stats
         if turn.session_source == "inferred":
@@ -129,7 +129,7 @@ class MessagesRelay(Relay):
                 self.answer = Answer(usage=chat_usage(usage))
         return Seen(output=kind == "content_block_delta", last=self._last)
 
-    def write(self, stats: p.TurnStats) -> list[bytes]:
+    def write(self, stats: p.RouterTurnStats) -> list[bytes]:
         assert self._event is not None
         if self._data is None:
             return [self._event.encode()]
@@ -154,7 +154,7 @@ def chat_usage(usage: Any) -> dict[str, Any]:
             "prompt_tokens_details": None if read is None else {"cached_tokens": int(read)}}
 
 
-def correct_usage(usage: Any, plan: TurnPlan, stats: p.TurnStats) -> None:
+def correct_usage(usage: Any, plan: TurnPlan, stats: p.RouterTurnStats) -> None:
     """`cache_read_input_tokens` (in place): what the turn did not compute; `input_tokens` the
     rest of what was not written to the cache."""
     if not isinstance(usage, dict):

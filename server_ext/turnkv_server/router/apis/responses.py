@@ -80,12 +80,12 @@ class ResponsesApi(Api):
                       reply=data.get("kv_transfer_params"), metrics=data.get("metrics"))
 
     def write_whole(self, data: dict[str, Any], turn: Turn, plan: TurnPlan,
-                    stats: p.TurnStats) -> None:
+                    stats: p.RouterTurnStats) -> None:
         self.as_client_sees(data)
         correct_usage(data.get("usage"), plan, stats)
         data["turnkv"] = stats.model_dump()
 
-    def relay(self, turn: Turn, plan: TurnPlan, stats: p.TurnStats) -> Relay:
+    def relay(self, turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats) -> Relay:
         return ResponsesRelay(self, turn, plan, stats)
 
     def reply(self, data: dict[str, Any]) -> RelayedReply:
@@ -115,7 +115,7 @@ class ResponsesRelay(Relay):
     client's echo), and the last (`response.completed`), whose usage is corrected and which
     gets the turn's stats as the response's `turnkv` field: no event is added."""
 
-    def __init__(self, api: ResponsesApi, turn: Turn, plan: TurnPlan, stats: p.TurnStats
+    def __init__(self, api: ResponsesApi, turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats
                  ) -> None:
         super().__init__()
         self._api, self._turn, self._plan, self._stats = api, turn, plan, stats
@@ -147,7 +147,7 @@ class ResponsesRelay(Relay):
                 correct_usage(response.get("usage"), self._plan, self._stats)
         return Seen(output=kind.endswith(".delta"), last=self._last)
 
-    def write(self, stats: p.TurnStats) -> list[bytes]:
+    def write(self, stats: p.RouterTurnStats) -> list[bytes]:
         assert self._event is not None
         if self._data is None:
             return [self._event.encode()]
@@ -188,7 +188,7 @@ def chat_usage(usage: Any) -> dict[str, Any]:
             "prompt_tokens_details": None if cached is None else {"cached_tokens": cached}}
 
 
-def correct_usage(usage: Any, plan: TurnPlan, stats: p.TurnStats) -> None:
+def correct_usage(usage: Any, plan: TurnPlan, stats: p.RouterTurnStats) -> None:
     """`usage.input_tokens_details.cached_tokens` (in place): what the turn did not compute, as
     for chat (`stats.correct_usage`)."""
     details = usage.get("input_tokens_details") if isinstance(usage, dict) else None

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from turnkv.protocol import CacheHints, FallbackReason, PrefetchOutcome, TurnStats, TurnTag
+from turnkv.protocol import CacheHints, FallbackReason, PrefetchOutcome, RouterTurnStats, TurnTag
 from turnkv_server.engine.requests import tokenize_request
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.placement import Engine, EnginePool, Placement
@@ -177,7 +177,7 @@ class TurnEnd:
     # complete: the decode engine's kv_transfer_params (in non-streamed responses only) and
     # the turn's stats.
     reply: dict[str, Any] | None = None
-    stats: TurnStats | None = None
+    stats: RouterTurnStats | None = None
 
 
 @dataclass(frozen=True)
