@@ -26,8 +26,9 @@ from turnkv_server.models import build_tiny
 #   routers in front of it (`tier-affinity`, `tier-pool`, `tier-admission`);
 # - the tiny turnkv pair with 128-block caches and 3 s leases: `security`, then `load`;
 # - tiny turnkv engines: the shared-session routers, `cached_tokens`, the stock clients, the
-#   Responses and Messages APIs (a turnkv router, then an affinity one), the faults, then
-#   test_router.py, whose last test leaves a decode engine dead;
+#   Responses and Messages APIs (a turnkv router, then an affinity one), the faults, the
+#   planner's pinned placements (test_planner_placements.py), then test_router.py, whose last
+#   test leaves a decode engine dead;
 # - tiny standard engines: an affinity router in front of the two decode engines, the APIs
 #   through a standard router, then test_router.py (a dead decode engine again);
 # - tiny bidirectional engines: the SDK, adapter and example tests (`router_cluster`), the
@@ -40,6 +41,8 @@ SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "tier-pool
             "tier-admission", "security",
             "load", "shared-sessions",
             "usage-turnkv", "stock-clients", "api-routes", "api-routes-affinity", "faults",
+            "planner-whole-split-move-split-whole", "planner-whole-split-whole",
+            "planner-whole-split-split", "planner-whole-split-move",
             "router-turnkv", "router-affinity", "api-routes-standard", "router-standard",
             "router-cluster", "api-routes-bidirectional", "router-bidirectional",
             "api-routes-push", "router-push", "connector", "connector-launcher")
