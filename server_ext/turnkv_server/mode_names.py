@@ -67,7 +67,10 @@ BENCH_BASELINES: dict[str, BenchMode] = {
 }
 # turnkv, and its forms and options measured beside it (the planner is to absorb them).
 TURNKV_BENCH_MODES: dict[str, BenchMode] = {
-    "turnkv": BenchMode("turnkv", "sessions' KV kept on their engines across turns"),
+    "turnkv": BenchMode(
+        "turnkv", "sessions' KV kept on their engines across turns, each turn placed by the "
+        "planner, with affinity-offload's host tier below each engine's cache",
+        host_tier=True),
     "turnkv-end-write": BenchMode(
         "turnkv", "turnkv sending a prefill's KV in one write when it ends, not layer by "
         "layer"),
@@ -75,8 +78,8 @@ TURNKV_BENCH_MODES: dict[str, BenchMode] = {
         "turnkv", "turnkv with a host-memory tier below each engine's cache, as big as "
         "bound's cache, its evictions ordered by the sessions' hints", host_tier=True),
     "turnkv-pool": BenchMode(
-        "turnkv", "turnkv-tier whose router keeps each session on one engine of the pair "
-        "(--pair-pool)", host_tier=True),
+        "turnkv", "turnkv whose router keeps each session on one engine of the pair, every "
+        "turn whole (--pair-pool)", host_tier=True),
     "affinity-tier": BenchMode(
         "affinity", "affinity's engines with the turnkv connector (leases, hint-ordered "
         "eviction) and turnkv-tier's tier", host_tier=True),

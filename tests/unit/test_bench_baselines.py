@@ -99,7 +99,7 @@ def test_every_tier_holds_what_bounds_cache_holds(tmp_path: Path) -> None:
                                approx_tokens)
     assert (blocks - len(agent.sessions) - 1) * BLOCK_TOKENS >= total_context_tokens(agent)
     assert {m for m in BENCH_MODES if has_host_tier(m)} == {
-        "affinity-offload", "affinity-tier", "turnkv-tier", "turnkv-pool"}
+        "affinity-offload", "affinity-tier", "turnkv", "turnkv-tier", "turnkv-pool"}
     assert has_host_tier("affinity-offload-untagged") and not has_host_tier("affinity")
 
 

@@ -240,3 +240,48 @@ def test_cold_start_priors_still_split_a_long_delta_beside_busy_decodes() -> Non
     decision = planner.decide(EngineLoad(HOME, in_flight=4), EngineLoad(HELPER),
                               history_turn(delta=10, helper_holds=0))
     assert decision.where == "whole"
+
+
+# -- room: a placement that would end other sessions' leases -------------------------------
+
+def test_a_split_the_helper_has_no_room_for_stays_whole() -> None:
+    """Under memory pressure a split would make the helper end other sessions' leases to
+    hold the prompt (their histories recomputed later): the turn stays whole on its home."""
+    planner = Planner(measured())
+    busy = EngineLoad(HOME, in_flight=3)
+    facts = history_turn(delta=3000, helper_holds=0)
+    assert planner.decide(busy, EngineLoad(HELPER, room_tokens=8192), facts).where == "split"
+    crowded = planner.decide(busy, EngineLoad(HELPER, room_tokens=1000), facts)
+    assert crowded.where == "whole"
+    assert "room" in crowded.why
+    # A helper that holds a copy needs room for the delta only.
+    copy = history_turn(delta=3000)
+    assert planner.decide(busy, EngineLoad(HELPER, room_tokens=3100), copy).where == "split"
+
+
+def test_a_move_needs_room_for_the_whole_history() -> None:
+    costs = measured()
+    for _ in range(5):
+        costs.observe_decode(HOME, 1, 10.0, 10.0 + 100 * 50.0, 101)
+        costs.observe_decode(HELPER, 1, 10.0, 10.0 + 100 * 1.0, 101)
+    planner = Planner(costs)
+    home = EngineLoad(HOME, in_flight=1)
+    facts = TurnFacts(prompt_tokens=4096, home_holds=4000, block_size=16,
+                      expected_output=200)
+    assert planner.decide(home, EngineLoad(HELPER, room_tokens=10_000), facts).where == "move"
+    assert planner.decide(home, EngineLoad(HELPER, room_tokens=2000), facts).where != "move"
+    # An overloaded home does not move a session to an engine without room for it either.
+    overloaded = EngineLoad(HOME, in_flight=64, overloaded=True)
+    untokenized = planner.decide(overloaded, EngineLoad(HELPER, room_tokens=2000),
+                                 TurnFacts(history_tokens=4000))
+    assert untokenized.where == "whole"
+
+
+def test_no_push_back_to_a_helper_without_room_for_the_copy() -> None:
+    planner = Planner(measured())
+    busy = EngineLoad(HOME, in_flight=3)
+    facts = history_turn(delta=3000, helper_holds=0, can_push_back=True)
+    assert planner.decide(busy, EngineLoad(HELPER, room_tokens=100_000), facts).push_back
+    # Room for the prompt it computes, not for the copy that would outlive the turn.
+    tight = planner.decide(busy, EngineLoad(HELPER, room_tokens=4150), facts)
+    assert tight.where == "split" and not tight.push_back

@@ -123,6 +123,42 @@ def test_a_long_delta_on_a_busy_home_is_split_to_the_other_engine() -> None:
     assert plan.decision.push_back and decode.send is not None
 
 
+def test_a_split_stays_whole_where_the_other_engines_leases_fill_its_cache() -> None:
+    """The router counts what the sessions homed on each engine hold there: where the other
+    engine's cache is full of them, a split would end their leases, so the turn stays home."""
+    history, delta = [1] * 3000, [2] * 3000
+    mode = planned(Tokenizer(history + delta))
+    for name in ("decode-0", "prefill-0"):
+        engine(mode, name).block_size, engine(mode, name).kv_tokens = 16, 20_000
+    # Three sessions homed on the other engine, 5,000 tokens of history each.
+    for i in range(3):
+        other = turn()
+        assert other.session is not None
+        other.session.key = SessionKey("tenant-a", f"other-{i}")
+        other.session.prefill = other.session.decode = "prefill-0"
+        plan = asyncio.run(mode.plan(other, place(mode, other)))
+        served(mode, other, plan, total=4990, computed=4990)
+    assert mode._holdings.held("prefill-0") == 3 * 5000
+    t = turn()
+    assert t.session is not None
+    t.session.prefill = t.session.decode = "decode-0"
+    t.session.tokens = history
+    mode._places[t.session.key] = SessionPlace(history_len=len(history), tokens_current=True)
+    engine(mode, "decode-0").in_flight = 3
+    plan = asyncio.run(mode.plan(t, place(mode, t)))
+    assert plan.decision is not None and plan.decision.where == "whole", plan.decision
+    assert "would end leases" in plan.decision.why
+    # The other sessions end: their leases go, and the same turn splits.
+    for i in range(3):
+        gone = turn()
+        assert gone.session is not None
+        gone.session.key = SessionKey("tenant-a", f"other-{i}")
+        mode.forget_session(gone.session)
+    assert mode._holdings.held("prefill-0") == 0
+    plan = asyncio.run(mode.plan(t, place(mode, t)))
+    assert plan.decision is not None and plan.decision.where == "split", plan.decision
+
+
 @pytest.mark.parametrize("pins", [("whole", "split", "move"), ("split", "move", "whole")])
 def test_pinned_placements_are_carried_out_turn_by_turn(pins: tuple[Where, ...]) -> None:
     async def main() -> None:

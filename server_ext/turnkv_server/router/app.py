@@ -100,7 +100,8 @@ class Router:
         self.metrics.engine_healthy.labels(engine.name).set(1 if ok else 0)
         if ok and engine.block_size is None:
             with contextlib.suppress(EngineConnectionError, RuntimeError, ValueError):
-                engine.block_size = await self.upstream.block_size(engine)
+                cache = await self.upstream.cache_config(engine)
+                engine.block_size, engine.kv_tokens = cache.block_size, cache.tokens
 
     async def serve(self, request: Request, api: Api, resolve: Resolve | None = None
                     ) -> Response:

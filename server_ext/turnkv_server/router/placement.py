@@ -37,6 +37,8 @@ class Engine:
     consecutive_failures: int = 0
     # Its KV block size once a health probe has read it (stats explain reuse in whole blocks).
     block_size: int | None = None
+    # Its KV cache's capacity in tokens, read with the block size.
+    kv_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,13 @@ the waiting it adds across all requests. The cheapest goes, with the ITL target 
 constraint: a placement that would stall others longer than the target is refused while one
 within it is possible. A `move` must beat staying by a margin, so that sessions do not bounce.
 
+Memory is a constraint too: a placement that would have an engine take more KV than it has
+room for (`EngineLoad.room_tokens`: its cache less what the sessions' leases hold there, as the
+router counts them) is not taken, for it would end other sessions' leases and cost them their
+histories: a split needs room on the helper for what it computes, a move room on the new home
+for the whole history. Under pressure the turn so stays whole on its home, as on an
+aggregated engine.
+
 After the turn, the home's copy of the history is pushed to the helper (`push_back`) only when
 splits are expected for the session (this turn split, or one of its last turns did) and no
 engine of the pair is under memory pressure: a copy on both engines halves the sessions the
@@ -52,6 +59,11 @@ class EngineLoad:
     in_flight: int = 0  # requests in flight on it, this turn's not counted
     overloaded: bool = False  # at the pool's limit of requests in flight
     pressure: bool = False  # lost a held history, or failed a push back, lately
+    # Tokens of KV it can take without ending another session's lease (None: not known).
+    room_tokens: int | None = None
+
+    def fits(self, tokens: int) -> bool:
+        return self.room_tokens is None or tokens <= self.room_tokens
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,9 @@ class TurnFacts:
     block_size: int | None = None
     expected_output: int = 0  # tokens the turn is expected to decode
     turns_since_split: int | None = None  # None: the session never split
+    # The session's history after its last turn, tokens (0: none known); what a move holds
+    # where the prompt is not tokenized.
+    history_tokens: int = 0
     # A push back is possible: the turn's history will be known, and it is not the last.
     can_push_back: bool = False
 
@@ -92,6 +107,7 @@ class _Option:
     ttft_ms: float  # to the first token
     stall_ms: float  # of each other request decoding on `prefill`
     cost_ms: float  # waiting added across all requests
+    fits: bool = True  # the engines have room for the KV it adds (see the module's text)
 
 
 def tokens_to_compute(prompt_len: int, held: int, block: int | None) -> int:
@@ -135,7 +151,7 @@ class Planner:
         if other is None:
             return Decision("whole", home.name, home.name, why="no other engine is up")
         if facts.prompt_tokens is None:
-            if home.overloaded and not other.overloaded:
+            if home.overloaded and not other.overloaded and other.fits(facts.history_tokens):
                 return self._pull(home, other, f"{home.name} is overloaded")
             return Decision("whole", home.name, home.name, push_back=self._push_back(
                 "whole", home, other, facts), why=f"{home.name} has nothing in flight to stall")
@@ -143,7 +159,7 @@ class Planner:
         if pin is not None:
             return self._decision(options[pin], options, home, other, facts, "pinned",
                                   pinned=True)
-        if home.overloaded and not other.overloaded:
+        if home.overloaded and not other.overloaded and options["move"].fits:
             return self._decision(options["move"], options, home, other, facts,
                                   f"{home.name} is overloaded")
         chosen, reason = self._choose(options)
@@ -168,31 +184,41 @@ class Planner:
         split_ms = (split_compute + costs.transfer_ms(whole_n)
                     + costs.priors.split_overhead_ms)
         split = _Option("split", other, home, split_ms, _stall(split_compute, other),
-                        split_ms + split_compute * other.in_flight + home_decode)
+                        split_ms + split_compute * other.in_flight + home_decode,
+                        fits=other.fits(split_n))
         # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
         # the other engine, which decodes there from now on, at its own batch.
         move_ms = whole_ms + costs.transfer_ms(prompt) + costs.priors.split_overhead_ms
         moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
         move = _Option("move", home, other, move_ms, _stall(whole_ms, home),
-                       move_ms + whole_ms * home.in_flight + moved_decode)
+                       move_ms + whole_ms * home.in_flight + moved_decode,
+                       fits=other.fits(prompt + out))
         return {"whole": whole, "split": split, "move": move}
 
     def _choose(self, options: dict[Where, _Option]) -> tuple[_Option, str]:
-        stay = [options["whole"], options["split"]]
+        stay = [o for o in (options["whole"], options["split"]) if o.fits]
         best = min(stay, key=lambda o: o.cost_ms)
         move = options["move"]
-        if move.cost_ms < best.cost_ms * (1 - MOVE_MARGIN):
+        if move.fits and move.cost_ms < best.cost_ms * (1 - MOVE_MARGIN):
             best = move
         target = self.itl_target_ms
         if target is None or best.stall_ms <= target:
-            return best, "the least waiting"
-        within = [o for o in (*stay, move) if o.stall_ms <= target]
+            return best, self._least_waiting(options, best)
+        within = [o for o in (*stay, move) if o.fits and o.stall_ms <= target]
         if within:
             pick = min(within, key=lambda o: o.cost_ms)
             return pick, (f"{best.where} would stall {best.prefill.name}'s other requests "
                           f"~{best.stall_ms:.0f} ms, over the ITL target {target:g} ms")
         pick = min(stay, key=lambda o: o.stall_ms)
         return pick, f"every placement stalls over the ITL target {target:g} ms: the least"
+
+    @staticmethod
+    def _least_waiting(options: dict[Where, _Option], best: _Option) -> str:
+        cheaper = [o.where for o in options.values()
+                   if not o.fits and o.cost_ms < best.cost_ms]
+        if cheaper:
+            return f"the least waiting with room: {' and '.join(cheaper)} would end leases"
+        return "the least waiting"
 
     # -- the decision --------------------------------------------------------------------
 
@@ -220,6 +246,10 @@ class Planner:
         then computes only its delta there), and never under memory pressure (the copy would
         cost another session its history). A moved session leaves its copy on the old home."""
         if where == "move" or not facts.can_push_back or home.pressure or other.pressure:
+            return False
+        copy = tokens_to_compute(facts.prompt_tokens or facts.history_tokens,
+                                 facts.helper_holds, facts.block_size) + facts.expected_output
+        if not other.fits(copy):
             return False
         return where == "split" or _splits_expected(facts)
 

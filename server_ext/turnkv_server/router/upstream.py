@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from turnkv_server.engine.metrics import parse_cache_config
+from turnkv_server.engine.metrics import CacheConfig, parse_cache_config
 from turnkv_server.router.placement import Engine
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -228,11 +228,15 @@ class Upstream:
 
     async def block_size(self, engine: Engine) -> int:
         """The engine's KV block size, from its `/metrics`."""
-        reply = await self.get(engine, "/metrics", timeout=10.0)
-        size = parse_cache_config(reply.content.decode()).block_size
+        size = (await self.cache_config(engine)).block_size
         if size is None:
             raise RuntimeError(f"{engine.name} does not report its block size")
         return size
+
+    async def cache_config(self, engine: Engine) -> CacheConfig:
+        """The engine's KV cache settings (block size, blocks), from its `/metrics`."""
+        reply = await self.get(engine, "/metrics", timeout=10.0)
+        return parse_cache_config(reply.content.decode())
 
     async def close(self) -> None:
         if self._session is not None:

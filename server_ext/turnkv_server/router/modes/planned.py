@@ -4,8 +4,9 @@ Each session has a home, either engine of its pair (the launcher starts both wit
 connector as `kv_both`, so a "prefill" engine serves whole turns as well as a "decode" one): a
 new session's is the engine of its pair home to fewer sessions, as in `--pair-pool`. Per turn:
 
-1. `plan` reads the engines' load (requests in flight, and whether each lost a held history or
-   failed a push back lately: memory pressure), asks the planner whether it needs the prompt
+1. `plan` reads the engines' load (requests in flight; whether each lost a held history or
+   failed a push back lately; the room its cache has left beside what the sessions' leases
+   hold there, as `router.holdings` counts them), asks the planner whether it needs the prompt
    (only where a split could pay, `Planner.needs_prompt`: an idle home gets no /tokenize
    round trip) and for its decision, and carries it out with the P/D form's machinery
    (`modes.turnkv`): `whole` is a turn the home serves alone, as the pool serves it; `split`
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from turnkv_server.engine.protocol import Receive, Send
 from turnkv_server.router.costs import CostModel, Priors
+from turnkv_server.router.holdings import Holdings
 from turnkv_server.router.modes.base import (
     DecodeAlone,
     ModeContext,
@@ -76,6 +78,7 @@ class Turnkv(PdTurnkv):
         self.planner = Planner(CostModel(priors), ctx.itl_target_ms)
         self._homes = PairPool()
         self._places: OrderedDict[SessionKey, SessionPlace] = OrderedDict()
+        self._holdings = Holdings()
 
     @property
     def planned(self) -> bool:
@@ -94,7 +97,8 @@ class Turnkv(PdTurnkv):
         home_load = self._load(home)
         other_load = self._load(other) if other is not None else None
         place = self._places.get(session.key) if session is not None else None
-        facts = TurnFacts(turns_since_split=place.turns_since_split if place else None)
+        facts = TurnFacts(turns_since_split=place.turns_since_split if place else None,
+                          history_tokens=place.history_len if place else 0)
         pin = self._pin(session)
         prompt_ids: list[int] | None = None
         if self.planner.needs_prompt(home_load, other_load, facts, pin):
@@ -134,7 +138,8 @@ class Turnkv(PdTurnkv):
         overloaded = self.ctx.pool is not None and engine.in_flight >= self.ctx.pool.max_in_flight
         pressure = (self._pressure.active(engine.name)
                     or self._no_push_back.active(engine.name))
-        return EngineLoad(engine.name, engine.healthy, engine.in_flight, overloaded, pressure)
+        return EngineLoad(engine.name, engine.healthy, engine.in_flight, overloaded, pressure,
+                          self._holdings.room(engine.name, engine.kv_tokens))
 
     def _pin(self, session: Session | None) -> Where | None:
         pins = self.ctx.pins
@@ -159,6 +164,7 @@ class Turnkv(PdTurnkv):
             block_size=home.block_size,
             expected_output=round(place.expected_output) if place else 0,
             turns_since_split=place.turns_since_split if place else None,
+            history_tokens=place.history_len if place else 0,
             can_push_back=(session is not None and not turn_hints(turn).final
                            and gives_token_ids(turn)))
 
@@ -215,7 +221,7 @@ class Turnkv(PdTurnkv):
         place = self._places.pop(session.key, None) or SessionPlace()
         self._places[session.key] = place  # the most recent last
         while len(self._places) > MAX_HOMES:
-            self._places.popitem(last=False)
+            self._holdings.drop(self._places.popitem(last=False)[0])
         if (plan.alone is not None and not plan.alone.held and decision.where == "whole"
                 and place.history_len and session.decode == decode.name and computed is not None
                 and computed > tokens.total - place.history_len + HELD_TAIL_TOKENS):
@@ -237,11 +243,16 @@ class Turnkv(PdTurnkv):
         elif decision.where == "move":
             place.copy_on, place.copy_tokens = None, 0
         place.history_len = history_len
+        held = {decode.name: history_len}
+        if place.copy_on is not None and place.copy_on != decode.name:
+            held[place.copy_on] = place.copy_tokens
+        self._holdings.hold(session.key, held)
 
     def forget_session(self, session: Session) -> None:
         super().forget_session(session)
         self._homes.forget(session.key)
         self._places.pop(session.key, None)
+        self._holdings.drop(session.key)
 
     def drop_session(self, session: Session) -> None:
         place = self._places.get(session.key)
