@@ -92,6 +92,9 @@ def up(
     ),
     kv_cache_bytes: Annotated[int | None, typer.Option(
         metavar="BYTES", help="KV cache size per engine")] = None,
+    block_size: Annotated[int | None, typer.Option(
+        metavar="TOKENS", help="the engines' KV block size (default: vLLM's, 128 on CPU); a "
+        "history is reused in whole blocks", min=16)] = None,
     cores_per_engine: Annotated[int, typer.Option(
         metavar="N", help="cores pinned to each engine (one engine on two: --mode single "
                           "--cores-per-engine 2)")] = 1,
@@ -146,7 +149,7 @@ def up(
             mode=mode,  # type: ignore[arg-type]
             model=model, num_prefill=prefill, num_decode=decode, num_aggregated=engines,
             dtype=dtype,
-            prefill_cache=prefill_cache, kv_cache_bytes=kv_cache_bytes,
+            prefill_cache=prefill_cache, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
             cores_per_engine=cores_per_engine, router_port=port, run_dir=run_dir,
             decoder_kv_ttl=decoder_kv_ttl, short_delta_tokens=short_delta_tokens,
             tier_host_blocks=tier_host_blocks, tier_disk_bytes=tier_disk_bytes,

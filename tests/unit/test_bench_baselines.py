@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from turnkv_server.bench.cli import (
-    BLOCK_TOKENS,
+    VLLM_CPU_BLOCK_TOKENS as BLOCK_TOKENS,
+)
+from turnkv_server.bench.cli import (
     BenchOptions,
     _bound_kv_cache_bytes,
     _kv_cache_bytes,

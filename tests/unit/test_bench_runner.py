@@ -11,7 +11,9 @@ import pytest
 import turnkv
 from turnkv.protocol import KvMoved, PromptTokens
 from turnkv_server.bench.cli import (
-    BLOCK_TOKENS,
+    VLLM_CPU_BLOCK_TOKENS as BLOCK_TOKENS,
+)
+from turnkv_server.bench.cli import (
     BenchOptions,
     _bound_kv_cache_bytes,
     _kv_cache_bytes,
@@ -36,6 +38,7 @@ from turnkv_server.bench.sizing import approx_tokens
 from turnkv_server.bench.trace import write_trace
 from turnkv_server.bench.watchdog import Watchdog
 from turnkv_server.bench.workloads import TurnSpec, total_context_tokens
+from turnkv_server.launcher import Cluster
 
 # --- the plan -------------------------------------------------------------------------------
 
@@ -331,3 +334,17 @@ def test_memory_pressure_cache_leaves_room_for_the_null_block(tmp_path: Path) ->
                                      kv_cache_bytes=per_token), tmp_path)
     # Other workloads keep the engines' own sizing.
     assert _kv_cache_bytes(BenchOptions(workload="agent"), tmp_path) == (None, None)
+
+
+def test_a_block_size_reaches_every_engine_and_sizes_the_caches(tmp_path: Path) -> None:
+    """`--block-size` goes to each engine's command line, and the pressure presets' caches
+    and the tiers are sized in blocks of that many tokens."""
+    settings = BenchSettings(model="tiny", block_size=32)
+    config = cluster_config("turnkv", settings, tmp_path)
+    assert config.block_size == 32
+    spec = Cluster(config)._engine_specs(Path("/m"), "m")[0]
+    command = spec.command(tmp_path / "port")
+    assert command[command.index("--block-size") + 1] == "32"
+    plain = Cluster(cluster_config("turnkv", BenchSettings(model="tiny"), tmp_path / "p"))
+    assert "--block-size" not in plain._engine_specs(Path("/m"), "m")[0].command(
+        tmp_path / "port")

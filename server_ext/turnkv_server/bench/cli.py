@@ -30,7 +30,8 @@ from turnkv_server.mode_names import has_host_tier, tagged_mode
 
 # vLLM's CPU backend allocates KV in blocks of 128 tokens (GPU backends use smaller blocks,
 # for which this is a conservative estimate).
-BLOCK_TOKENS = 128
+# vLLM's KV block size on CPU where none is given (upstream `platforms/cpu.py`).
+VLLM_CPU_BLOCK_TOKENS = 128
 
 
 def _check(options: BenchOptions) -> None:
@@ -68,6 +69,7 @@ def _kv_cache_bytes(options: BenchOptions, model_dir: Path) -> tuple[int | None,
     """
     if options.workload not in PRESSURE:
         return options.kv_cache_bytes, None
+    block = block_tokens(options)
     try:
         per_token = kv_bytes_per_token(model_dir, options.dtype)
     except (OSError, KeyError, ValueError) as exc:
@@ -75,19 +77,24 @@ def _kv_cache_bytes(options: BenchOptions, model_dir: Path) -> tuple[int | None,
     # vLLM keeps one block of every cache as its null block: requests get the rest.
     if options.kv_cache_bytes is None:
         tokens = PRESSURE[options.workload].cache_tokens
-        return (tokens + BLOCK_TOKENS) * per_token, tokens
-    usable = (options.kv_cache_bytes // per_token // BLOCK_TOKENS - 1) * BLOCK_TOKENS
-    if usable < BLOCK_TOKENS:
+        return (tokens + block) * per_token, tokens
+    usable = (options.kv_cache_bytes // per_token // block - 1) * block
+    if usable < block:
         raise PlanError(f"--kv-cache-bytes {options.kv_cache_bytes} holds less than two "
-                        f"blocks of {BLOCK_TOKENS} tokens")
+                        f"blocks of {block} tokens")
     return options.kv_cache_bytes, usable
 
 
-def _session_blocks(workload: Workload, count_tokens: TokenCounter) -> int:
+def block_tokens(options: BenchOptions) -> int:
+    """The engines' KV block size in tokens."""
+    return options.block_size or VLLM_CPU_BLOCK_TOKENS
+
+
+def _session_blocks(workload: Workload, count_tokens: TokenCounter, block: int) -> int:
     """Blocks that hold every session's whole context, with a block to spare for each (and
     vLLM's null block)."""
     tokens = total_context_tokens(workload, count_tokens)
-    return -(-tokens // BLOCK_TOKENS) + len(workload.sessions) + 1
+    return -(-tokens // block) + len(workload.sessions) + 1
 
 
 def _bound_kv_cache_bytes(options: BenchOptions, model_dir: Path, kv_bytes: int | None,
@@ -97,7 +104,8 @@ def _bound_kv_cache_bytes(options: BenchOptions, model_dir: Path, kv_bytes: int 
     if kv_bytes is None:
         return None
     per_token = kv_bytes_per_token(model_dir, options.dtype)
-    return max(kv_bytes, _session_blocks(workload, count_tokens) * BLOCK_TOKENS * per_token)
+    block = block_tokens(options)
+    return max(kv_bytes, _session_blocks(workload, count_tokens, block) * block * per_token)
 
 
 def _tier_host_blocks(options: BenchOptions, model_dir: Path, kv_bytes: int | None,
@@ -105,10 +113,11 @@ def _tier_host_blocks(options: BenchOptions, model_dir: Path, kv_bytes: int | No
     """Each engine's host tier in blocks, for the modes with one: as many as `bound`'s cache
     holds, so that the tier holds every session; where no cache size was set, every
     session's context all the same (the engines' default cache then holds most of it)."""
-    block_bytes = BLOCK_TOKENS * kv_bytes_per_token(model_dir, options.dtype)
+    block = block_tokens(options)
+    block_bytes = block * kv_bytes_per_token(model_dir, options.dtype)
     bound = _bound_kv_cache_bytes(options, model_dir, kv_bytes, workload, count_tokens)
     return (bound // block_bytes if bound is not None
-            else _session_blocks(workload, count_tokens))
+            else _session_blocks(workload, count_tokens, block))
 
 
 def _max_model_len(options: BenchOptions, model_dir: Path, kv_tokens: int | None) -> int | None:
@@ -148,6 +157,7 @@ def run_bench(options: BenchOptions, command: list[str], console: Console,
                    if any(map(has_host_tier, modes)) else None)
     settings = BenchSettings(model=options.model, dtype=options.dtype, kv_cache_bytes=kv_bytes,
                              max_model_len=_max_model_len(options, model_dir, kv_tokens),
+                             block_size=options.block_size,
                              kv_recompute_threshold=options.kv_recompute_threshold,
                              short_delta_tokens=options.short_delta_tokens,
                              itl_target_ms=options.itl_target_ms,

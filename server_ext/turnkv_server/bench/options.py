@@ -68,6 +68,9 @@ class BenchOptions:
     kv_cache_bytes: int | None = _option(
         None, f"KV cache per engine (default: the engines'; {_PRESSURE_CACHES})", minimum=1)
     max_model_len: int | None = _option(None, "engines' max_model_len", minimum=1)
+    block_size: int | None = _option(
+        None, "engines' KV block size in tokens (default: vLLM's, 128 on CPU; a multiple of "
+        "32 on CPU)", minimum=16)
     kv_recompute_threshold: int | None = _option(
         None, "bidirectional: read back only if this many tokens are missing (vLLM: 64)",
         minimum=0)

@@ -74,6 +74,7 @@ class BenchSettings:
     dtype: str = DEFAULTS.dtype
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
+    block_size: int | None = None  # None: vLLM's
     decoder_kv_ttl: float = 120.0
     # bidirectional: read back only when at least this many tokens are missing (None: vLLM's
     # 64; 0: always, which short test prompts need to show any read-back).
@@ -142,6 +143,7 @@ def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> Cluster
         prefill_cache=mode != "standard-nocache",
         kv_cache_bytes=settings.kv_cache_bytes,
         max_model_len=settings.max_model_len,
+        block_size=settings.block_size,
         decoder_kv_ttl=settings.decoder_kv_ttl,
         kv_recompute_threshold=settings.kv_recompute_threshold,
         short_delta_tokens=settings.short_delta_tokens,

@@ -146,6 +146,7 @@ class Cluster:
                     prefix_caching=cfg.prefill_cache or role != "prefill",
                     kv_cache_bytes=cfg.kv_cache_bytes,
                     max_model_len=cfg.max_model_len,
+                    block_size=cfg.block_size,
                     tool_call_parser=parser,
                     extra_args=cfg.engine_extra_args,
                     side_channel_secret=(self.side_channel_secret

@@ -36,6 +36,9 @@ class ClusterConfig:
     prefill_cache: bool = True
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
+    # The engines' KV block size in tokens (None: vLLM's, 128 on CPU). A session's history is
+    # reused in whole blocks: smaller blocks lose less of a prompt that breaks mid-block.
+    block_size: int | None = None
     cores_per_engine: int = 1
     # bidirectional: how long decode engines hold a finished turn for the next prefill (the
     # router's setting, which the engines are given too), and read back only when at least

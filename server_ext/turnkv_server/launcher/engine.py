@@ -81,6 +81,7 @@ class EngineSpec:
     prefix_caching: bool = True
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
+    block_size: int | None = None
     # The address it listens on (HTTP, the side channel): `placed_on`'s, else loopback.
     host: str = placement.LOOPBACK
     # The simulated host it runs on (`launcher.placement`); None: the launcher's namespace.
@@ -126,6 +127,8 @@ class EngineSpec:
             cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.block_size is not None:
+            cmd += ["--block-size", str(self.block_size)]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd + engine_arguments(self.tool_call_parser) + list(self.extra_args)
