@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import turnkv
-from turnkv.protocol import KvMoved, PromptTokens
+from turnkv.protocol import KvMoved, PromptTokens, TurnPlacement
 from turnkv_server.bench.cli import (
     VLLM_CPU_BLOCK_TOKENS as BLOCK_TOKENS,
 )
@@ -291,6 +291,11 @@ def test_record_from_router_stats() -> None:
     assert (r.kv_to_prefill_bytes, r.kv_to_decode_bytes) == (4096, None)
     assert (r.ttft_ms, r.e2e_ms, r.completion_tokens) == (42.0, 90.0, 7)
     assert r.itl_ms == [20.0, 30.0] and r.fallback == "lease_expired" and r.error is None
+    assert r.placement is None
+    planned = stats.model_copy(update={"placement": TurnPlacement(
+        where="split", home="decode-0", prefill="prefill-0")})
+    assert record_turn("turnkv", "s-1", 1, planned, started_at=5.0, ended_at=5.1,
+                       chunk_times=[], sent=0.9, error=None).placement == "split"
 
 
 def test_record_of_a_cut_turn_keeps_what_the_client_saw() -> None:

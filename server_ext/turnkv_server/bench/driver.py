@@ -107,6 +107,7 @@ def record_turn(mode: str, session_id: str, index: int, stats: turnkv.TurnStats 
         prefill_phase_ms=stats.times.prefill_ms if stats.served_by_turnkv else None,
         router_ttft_ms=stats.times.first_token_ms if stats.served_by_turnkv else None,
         fallback=stats.fallback, prefix_break_at=stats.prefix_break_at,
+        placement=stats.placement.where if stats.placement is not None else None,
         started_at=started_at, ended_at=ended_at, error=error,
     )
 

@@ -46,6 +46,9 @@ class TurnRecord(BaseModel):
     e2e_ms: float | None = None
     fallback: str | None = None
     prefix_break_at: int | None = None
+    placement: str | None = Field(
+        default=None, description="Where the `turnkv` mode's planner ran the turn: whole, "
+        "split or move (None: a mode that decides nothing per turn).")
     started_at: float = Field(description="Wall clock (Unix seconds) when the turn was sent.")
     ended_at: float | None = None
     error: str | None = None
