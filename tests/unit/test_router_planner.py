@@ -110,6 +110,10 @@ def test_busy_home_asks_for_the_prompt_only_where_a_split_is_possible() -> None:
     assert planner.needs_prompt(busy, EngineLoad(HELPER), TurnFacts())
     assert not planner.needs_prompt(busy, EngineLoad(HELPER, healthy=False), TurnFacts())
     assert not planner.needs_prompt(busy, None, TurnFacts())
+    # A helper as busy as the home would stall as many requests computing more of the prompt
+    # (it holds no copy): the turn is whole, and no /tokenize round trip is spent on it.
+    assert not planner.needs_prompt(busy, EngineLoad(HELPER, in_flight=3), TurnFacts())
+    assert planner.needs_prompt(busy, EngineLoad(HELPER, in_flight=2), TurnFacts())
     # A session that split lately may push back: its history must be known.
     assert planner.needs_prompt(EngineLoad(HOME), EngineLoad(HELPER),
                                 TurnFacts(turns_since_split=0))

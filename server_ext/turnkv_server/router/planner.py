@@ -129,13 +129,15 @@ class Planner:
     def needs_prompt(home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
                      pin: Where | None = None) -> bool:
         """Whether the decision needs the prompt's length (a /tokenize round trip): only where
-        a split could pay (the home has other requests to stall, and a helper is up), a push
-        back may follow (the session splits), or a placement is pinned. An idle home serves
-        the turn whole: nobody waits while it computes."""
+        a split could pay (the home has other requests to stall, and a helper that has fewer),
+        a push back may follow (the session splits), or a placement is pinned. An idle home
+        serves the turn whole: nobody waits while it computes. Nor does a split pay on a
+        helper as busy as the home without a copy of the history: it would stall as many
+        requests for longer, computing the whole prompt where the home computes its delta."""
         if helper is None or not helper.healthy or not home.healthy:
             return False
-        return (pin is not None or home.in_flight > 0 or home.overloaded
-                or _splits_expected(facts))
+        return (pin is not None or home.overloaded or _splits_expected(facts)
+                or helper.in_flight < home.in_flight)
 
     def decide(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
                pin: Where | None = None) -> Decision:
@@ -153,8 +155,10 @@ class Planner:
         if facts.prompt_tokens is None:
             if home.overloaded and not other.overloaded and other.fits(facts.history_tokens):
                 return self._pull(home, other, f"{home.name} is overloaded")
+            why = (f"{home.name} has nothing in flight to stall" if not home.in_flight else
+                   f"{other.name} is as busy as {home.name}: a split cannot pay")
             return Decision("whole", home.name, home.name, push_back=self._push_back(
-                "whole", home, other, facts), why=f"{home.name} has nothing in flight to stall")
+                "whole", home, other, facts), why=why)
         options = self._options(home, other, facts)
         if pin is not None:
             return self._decision(options[pin], options, home, other, facts, "pinned",
