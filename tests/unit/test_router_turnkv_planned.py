@@ -159,6 +159,26 @@ def test_a_split_stays_whole_where_the_other_engines_leases_fill_its_cache() -> 
     assert plan.decision is not None and plan.decision.where == "split", plan.decision
 
 
+def test_no_prefetch_on_a_home_whose_sessions_do_not_fit_its_cache() -> None:
+    """A hinted pause is prefetched where the home holds every history it is home to; where it
+    cannot, a prefetch would evict another session's history to load this one's."""
+    async def main(kv_tokens: int) -> bool:
+        mode = planned()
+        for name in ("decode-0", "prefill-0"):
+            engine(mode, name).block_size, engine(mode, name).kv_tokens = 16, kv_tokens
+        t = turn(CacheHints(next_turn_in=30))
+        plan = await mode.plan(t, place(mode, t))
+        t.prompt_token_ids, t.output_token_ids = [5] * 3000, [6] * 10
+        served(mode, t, plan, total=3000, computed=3000)
+        assert t.session is not None
+        scheduled = t.session.key in mode._prefetches._pending
+        mode.forget_session(t.session)
+        return scheduled
+
+    assert asyncio.run(main(kv_tokens=20_000))
+    assert not asyncio.run(main(kv_tokens=3_000))
+
+
 @pytest.mark.parametrize("pins", [("whole", "split", "move"), ("split", "move", "whole")])
 def test_pinned_placements_are_carried_out_turn_by_turn(pins: tuple[Where, ...]) -> None:
     async def main() -> None:

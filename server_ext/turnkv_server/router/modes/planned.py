@@ -248,6 +248,14 @@ class Turnkv(PdTurnkv):
             held[place.copy_on] = place.copy_tokens
         self._holdings.hold(session.key, held)
 
+    def _prefetch_pays(self, engine: Engine) -> bool:
+        """Not on an engine whose homed sessions' histories do not all fit its cache: there a
+        prefetch makes one history resident by evicting another's, which that session's turn
+        then restores, and costs the busy engine a request (loading the history, often a
+        /tokenize too) besides."""
+        room = self._holdings.room(engine.name, engine.kv_tokens)
+        return room is None or room > 0
+
     def forget_session(self, session: Session) -> None:
         super().forget_session(session)
         self._homes.forget(session.key)

@@ -257,8 +257,9 @@ class PdTurnkv(Mode):
         if turn.session is not None and not hints.final:
             # A hinted pause ahead: both engines make the history resident shortly before the
             # session is back (the prefill engine's copy arrives with the push back, below).
+            engines = [decode] if prefill is decode else [prefill, decode]
             self._prefetches.schedule(
-                turn.session.key, [decode] if prefill is decode else [prefill, decode], turn,
+                turn.session.key, [e for e in engines if self._prefetch_pays(e)], turn,
                 prefetch_lease(turn.session, hints, self.ctx.session_policy),
                 hints.next_turn_in)
         if plan.alone is not None and plan.alone.held and end.stats is not None:
@@ -287,6 +288,11 @@ class PdTurnkv(Mode):
                                     cache_salt=turn.body.get("cache_salt"))
         turn.session.mode_state[PUSH_BACK] = self._orders.spawn(
             self._push_back(prefill, decode, request, plan.decode_send))
+
+    def _prefetch_pays(self, engine: Engine) -> bool:
+        """Whether a prefetch on `engine` can pay: the P/D form does not count what its
+        engines hold, so always; the planner says where it does (`Turnkv`)."""
+        return True
 
     def forget_session(self, session: Session) -> None:
         self._prefetches.cancel(session.key)
