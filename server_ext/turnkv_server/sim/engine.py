@@ -1,0 +1,126 @@
+"""One simulated engine: a prefill lane, decoding by processor sharing, its KV cache and tier.
+
+Decoding is not one event per token: the engine keeps a clock of decode steps, advancing at
+one step per `decode_step_ms(batch)` while no prefill runs (a prefill holds the engine's steps:
+the calibrated prefill cost already includes the decode work that shares them). A turn that
+decodes n tokens finishes when the clock has advanced n steps from its start; only the next
+finish is scheduled, and rescheduled when the batch changes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Generator
+from typing import Any
+
+import simpy
+
+from turnkv_server.sim.kv_cache import SessionKvCache
+from turnkv_server.sim.service_costs import ServiceCosts
+
+
+class SimEngine:
+    def __init__(self, env: simpy.Environment, name: str, costs: ServiceCosts,
+                 cache: SessionKvCache, tier: SessionKvCache | None = None) -> None:
+        self.env = env
+        self.name = name
+        self.costs = costs
+        self.cache = cache
+        self.tier = tier
+        self.healthy = True
+        self.in_flight = 0  # turns placed here and not ended (prefill or decode)
+        self.homed = 0  # sessions whose home this is
+        # Shared prefixes (system prompts) computed here: they stay cached (the hottest
+        # blocks of the cache), for every session that starts here.
+        self.prefixes: set[str] = set()
+        self.prefill_busy_s = 0.0
+        self.decode_busy_s = 0.0
+        self._lane = simpy.Resource(env, capacity=1)
+        self._steps = 0.0  # decode steps taken since the start
+        self._at = 0.0  # when `_steps` was last brought up to date
+        self._prefilling = 0
+        self._decoding: list[tuple[float, int, simpy.Event]] = []
+        self._seq = itertools.count()
+        self._generation = 0
+        self._room = env.event()
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def prefill(self, ms: float) -> Generator[simpy.Event, Any, None]:
+        """Compute for `ms` on this engine, after the prefills queued before it."""
+        with self._lane.request() as turn:
+            yield turn
+            self._advance()
+            self._prefilling += 1
+            self._reschedule()
+            yield self.env.timeout(ms / 1000)
+            self._advance()
+            self._prefilling -= 1
+            self.prefill_busy_s += ms / 1000
+            self._reschedule()
+
+    # -- decode ----------------------------------------------------------------------------
+
+    @property
+    def batch(self) -> int:
+        return len(self._decoding)
+
+    def decode(self, tokens: int) -> simpy.Event:
+        """An event that fires once `tokens` more steps have been taken with this turn in the
+        batch."""
+        done = self.env.event()
+        if tokens <= 0:
+            done.succeed()
+            return done
+        self._advance()
+        heapq.heappush(self._decoding, (self._steps + tokens, next(self._seq), done))
+        self._reschedule()
+        return done
+
+    def step_ms(self) -> float:
+        return self.costs.decode_step_ms(len(self._decoding))
+
+    def _advance(self) -> None:
+        now = self.env.now
+        if self._decoding and not self._prefilling and now > self._at:
+            elapsed = now - self._at
+            self._steps += elapsed * 1000 / self.step_ms()
+            self.decode_busy_s += elapsed
+        self._at = now
+
+    def _reschedule(self) -> None:
+        self._generation += 1
+        if not self._decoding or self._prefilling:
+            return
+        left = max(0.0, self._decoding[0][0] - self._steps)
+        wake = self.env.timeout(left * self.step_ms() / 1000)
+        generation = self._generation
+        wake.callbacks.append(lambda _: self._tick(generation))
+
+    def _tick(self, generation: int) -> None:
+        if generation != self._generation:
+            return  # the batch changed since: a later wake-up stands
+        self._advance()
+        while self._decoding and self._decoding[0][0] <= self._steps + 1e-6:
+            heapq.heappop(self._decoding)[2].succeed()
+        self._reschedule()
+
+    # -- room in the cache ---------------------------------------------------------------
+
+    def room_changed(self) -> simpy.Event:
+        """Fires when a turn here ends: room may have come free."""
+        return self._room
+
+    def turn_ended(self) -> None:
+        self.in_flight -= 1
+        room, self._room = self._room, self.env.event()
+        room.succeed()
+
+    def lose(self) -> None:
+        """The engine is gone: its cache and tier with it."""
+        self.healthy = False
+        self.cache.clear()
+        self.prefixes.clear()
+        if self.tier is not None:
+            self.tier.clear()

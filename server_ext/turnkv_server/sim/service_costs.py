@@ -1,0 +1,66 @@
+"""What serving costs in the simulated fleet: parametric curves, fitted from `turnkv bench`
+results (`calibration`) or derived from published figures (`gpu_profiles`).
+
+- prefill: `fixed + computed x (per_token + per_token_per_kctx x context / 1000)` ms: a
+  step's fixed cost, a cost per computed token, and attention's growth with the context the
+  tokens attend to;
+- decode: `fixed + per_seq x batch` ms per step (a step reads the weights once, and each
+  sequence's KV);
+- transfer and tier reads: tokens of KV per ms.
+
+The planner's own cost model (`router.costs.CostModel`) starts from `planner_priors()` and
+learns per engine from the simulated turns as the router does from real ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from turnkv_server.router.costs import Priors
+
+# The context at which `planner_priors` quotes a cost per token: a mid-length prompt.
+_PRIOR_CONTEXT = 2048
+
+
+@dataclass(frozen=True)
+class ServiceCosts:
+    name: str
+    prefill_fixed_ms: float
+    prefill_ms_per_token: float
+    prefill_ms_per_token_per_kctx: float
+    decode_fixed_ms: float
+    decode_ms_per_seq: float
+    transfer_tokens_per_ms: float
+    tier_tokens_per_ms: float
+    kv_capacity_tokens: int  # one engine's KV cache
+    block_size: int
+    kv_bytes_per_token: int
+    split_overhead_ms: float = 5.0
+    source: str = ""
+
+    def prefill_ms(self, computed: int, context: int) -> float:
+        if computed <= 0:
+            return 0.0
+        per_token = self.prefill_ms_per_token + self.prefill_ms_per_token_per_kctx * (
+            context / 1000)
+        return self.prefill_fixed_ms + computed * per_token
+
+    def decode_step_ms(self, batch: int) -> float:
+        return self.decode_fixed_ms + self.decode_ms_per_seq * max(1, batch)
+
+    def transfer_ms(self, tokens: int) -> float:
+        return tokens / self.transfer_tokens_per_ms if tokens > 0 else 0.0
+
+    def tier_read_ms(self, tokens: int) -> float:
+        return tokens / self.tier_tokens_per_ms if tokens > 0 else 0.0
+
+    def planner_priors(self) -> Priors:
+        """The planner's cold-start costs, from these curves."""
+        return Priors(prefill_ms_per_token=self.prefill_ms(1000, _PRIOR_CONTEXT) / 1000,
+                      decode_step_ms=self.decode_step_ms(1),
+                      transfer_tokens_per_ms=self.transfer_tokens_per_ms,
+                      split_overhead_ms=self.split_overhead_ms)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

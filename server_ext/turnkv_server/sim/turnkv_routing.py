@@ -1,0 +1,167 @@
+"""turnkv's router in the fleet: engines in pairs, each session homed on one engine of a pair,
+and every turn placed by turnkv's own planner (`router.planner.Planner`, imported), which
+learns each engine's costs from the simulated turns through `router.costs.CostModel`, as the
+router learns them from real ones.
+
+The planner's decisions are carried out as the `turnkv` mode carries them out
+(`router/modes/planned.py`): `whole` on the home; `split` computes on the other engine, which
+writes the KV the home lacks into it; `move` makes the other engine the home, pulling the
+history from the old one (which computes the delta) or recomputing it where the old one is
+lost; `push_back` copies the history to the other engine after the turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import simpy
+
+from turnkv_server.router.costs import CostModel
+from turnkv_server.router.planner import Decision, EngineLoad, Planner, TurnFacts
+from turnkv_server.sim.baseline_routing import RoundRobin, TurnProcess
+from turnkv_server.sim.engine import SimEngine
+from turnkv_server.sim.outcomes import FleetTraffic, SimTurnOutcome
+from turnkv_server.sim.sessions import SimSession
+from turnkv_server.sim.turn_steps import (
+    PrefillDone,
+    compute_prompt,
+    held_prefix,
+    keep_history,
+    reserve,
+)
+
+# An engine that lost a leased history for room this recently is under memory pressure (the
+# planner then keeps no copies on both engines).
+PRESSURE_WINDOW_S = 30.0
+
+
+@dataclass
+class _SessionPlace:
+    home: SimEngine
+    last_split: int | None = None  # the turn that last split
+
+
+class TurnkvRouting:
+    name = "turnkv"
+
+    def __init__(self, env: simpy.Environment, engines: Sequence[SimEngine],
+                 traffic: FleetTraffic, itl_target_ms: float | None = None) -> None:
+        if len(engines) < 2 or len(engines) % 2:
+            raise ValueError("turnkv serves engines in pairs: an even number, at least 2")
+        self.env = env
+        self.traffic = traffic
+        self.planner = Planner(CostModel(engines[0].costs.planner_priors()), itl_target_ms)
+        self.partner = {a.name: b for a, b in zip(engines[::2], engines[1::2], strict=True)}
+        self.partner.update({b.name: a for a, b in zip(engines[::2], engines[1::2],
+                                                       strict=True)})
+        self.pairs = RoundRobin(engines[::2])
+        self.places: dict[str, _SessionPlace] = {}
+        self.decisions: dict[str, int] = {}
+        self._pressure: dict[str, tuple[int, float]] = {}
+
+    # -- where --------------------------------------------------------------------------------
+
+    def _place(self, sid: str) -> _SessionPlace:
+        place = self.places.get(sid)
+        if place is not None and not place.home.healthy \
+                and not self.partner[place.home.name].healthy:
+            place.home.homed -= 1  # its pair is lost: a new one, recomputing the history
+            place = None
+        if place is None:
+            first = self.pairs.pick()
+            pair = (first, self.partner[first.name])
+            home = min((e for e in pair if e.healthy), key=lambda e: (e.homed, e.in_flight))
+            home.homed += 1
+            place = self.places[sid] = _SessionPlace(home)
+        return place
+
+    def _load(self, engine: SimEngine) -> EngineLoad:
+        return EngineLoad(engine.name, engine.healthy, engine.in_flight,
+                          pressure=self._under_pressure(engine))
+
+    def _under_pressure(self, engine: SimEngine) -> bool:
+        count = engine.cache.lease_evictions
+        seen, since = self._pressure.get(engine.name, (0, -PRESSURE_WINDOW_S))
+        if count != seen:
+            self._pressure[engine.name] = (count, self.env.now)
+            return True
+        return self.env.now - since < PRESSURE_WINDOW_S
+
+    def _decide(self, session: SimSession, turn: int, place: _SessionPlace) -> Decision:
+        home, helper = place.home, self.partner[place.home.name]
+        home_load, helper_load = self._load(home), self._load(helper)
+        facts = TurnFacts(
+            prompt_tokens=session.prompts[turn],
+            home_holds=held_prefix(home, session) if home.healthy else 0,
+            helper_holds=held_prefix(helper, session) if helper.healthy else 0,
+            block_size=home.costs.block_size,
+            expected_output=session.turns[turn].tokens_out,
+            turns_since_split=None if place.last_split is None else turn - place.last_split,
+            can_push_back=session.next_gap(turn) is not None)
+        if not Planner.needs_prompt(home_load, helper_load, facts):
+            facts = replace(facts, prompt_tokens=None)
+        return self.planner.decide(home_load, helper_load, facts)
+
+    # -- the turn -----------------------------------------------------------------------------
+
+    def serve(self, session: SimSession, turn: int) -> TurnProcess:
+        env, sid = self.env, session.session_id
+        place = self._place(sid)
+        decision = self._decide(session, turn, place)
+        self.decisions[decision.where] = self.decisions.get(decision.where, 0) + 1
+        old = place.home
+        home = self._engine(old, decision.home)
+        prefill = self._engine(old, decision.prefill)
+        if home is not old:
+            old.homed -= 1
+            home.homed += 1
+            place.home = home
+        prompt, out = session.prompts[turn], session.turns[turn].tokens_out
+        keep = prompt + out
+        start = env.now
+        received = 0
+        home.in_flight += 1
+        if prefill is home:  # whole, or a move that recomputes
+            done = yield from compute_prompt(home, session, turn, keep, self.traffic)
+        else:  # split, or a move that pulls: the KV the home lacks is written into it
+            prefill.in_flight += 1
+            held = home.cache.begin(sid)
+            done = yield from compute_prompt(prefill, session, turn, prompt, self.traffic)
+            keep_history(prefill, session, turn, prompt, self.traffic)
+            prefill.turn_ended()
+            yield from reserve(home, sid, keep, self.traffic)
+            received = max(0, prompt - held)
+            yield env.timeout((home.costs.transfer_ms(received)
+                               + home.costs.split_overhead_ms) / 1000)
+            self.traffic.kv_moved_tokens += received
+        ttft_ms = (env.now - start) * 1000
+        batch = home.batch + 1
+        yield home.decode(out - 1)
+        decode_ms = (env.now - start) * 1000 - ttft_ms
+        keep_history(home, session, turn, keep, self.traffic)
+        home.turn_ended()
+        self._observe(prefill, home, prompt, done, batch, ttft_ms, decode_ms, out)
+        if decision.where == "split":
+            place.last_split = turn
+        helper = self.partner[home.name]
+        if decision.push_back and helper.healthy:
+            self.traffic.kv_moved_tokens += helper.cache.put(sid, keep, session.next_gap(turn))
+        if session.next_gap(turn) is None:
+            self._forget(sid)
+        return SimTurnOutcome(sid, turn, home.name, prefill.name, decision.where, prompt,
+                              done.computed, done.cached, done.from_tier, received,
+                              ttft_ms - done.ms, ttft_ms, decode_ms, out, start)
+
+    def _engine(self, home: SimEngine, name: str) -> SimEngine:
+        return home if name == home.name else self.partner[home.name]
+
+    def _observe(self, prefill: SimEngine, home: SimEngine, prompt: int, done: PrefillDone,
+                 batch: int, ttft_ms: float, decode_ms: float, out: int) -> None:
+        costs = self.planner.costs
+        costs.observe_prefill(prefill.name, prompt, done.computed, done.ms)
+        costs.observe_decode(home.name, batch, ttft_ms, ttft_ms + decode_ms, out)
+
+    def _forget(self, sid: str) -> None:
+        place = self.places.pop(sid)
+        place.home.homed -= 1

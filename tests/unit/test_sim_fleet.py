@@ -1,0 +1,111 @@
+"""The fleet simulator held to cases computed by hand: one engine and one session, a full
+cache evicting in its policy's order, a lost engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnkv_server.connector.leases import LeaseLimits
+from turnkv_server.sim.fleet import Fleet, FleetSpec
+from turnkv_server.sim.kv_cache import SessionKvCache
+from turnkv_server.sim.service_costs import ServiceCosts
+from turnkv_server.sim.sessions import SimSession, SimTurn
+
+BLOCK = 16
+# Leases may pin the whole cache: with the connector's default cap (half of it), pinning b
+# would end a's lease first, and the order under test would not decide.
+UNCAPPED = LeaseLimits(max_pinned_fraction=1.0)
+
+
+def costs(capacity: int = 100_000) -> ServiceCosts:
+    # Prefill: 10 ms + 1 ms per computed token; a decode step: 20 ms + 1 ms per sequence.
+    return ServiceCosts("hand", prefill_fixed_ms=10.0, prefill_ms_per_token=1.0,
+                        prefill_ms_per_token_per_kctx=0.0, decode_fixed_ms=20.0,
+                        decode_ms_per_seq=1.0, transfer_tokens_per_ms=100.0,
+                        tier_tokens_per_ms=100.0, kv_capacity_tokens=capacity,
+                        block_size=BLOCK, kv_bytes_per_token=1)
+
+
+def session(sid: str, *turns: tuple[int, int, float], start_s: float = 0.0) -> SimSession:
+    return SimSession(sid, tuple(SimTurn(*t) for t in turns), start_s=start_s)
+
+
+def test_one_engine_one_session_computes_the_prompt_then_only_the_delta() -> None:
+    run = Fleet(FleetSpec("affinity", 1, costs())).run(
+        [session("a", (1000, 11, 0.0), (200, 11, 1.0))])
+    first, second = run.outcomes
+    assert first.computed == 1000
+    assert first.ttft_ms == pytest.approx(10 + 1000)
+    # 10 steps after the first token, a batch of one: 21 ms each.
+    assert first.decode_ms == pytest.approx(10 * 21)
+    # Turn 2's prompt: 1000 + 11 + 200 = 1211 tokens; the cache holds 1011 as 63 whole
+    # blocks (1008 tokens), so 203 are computed.
+    assert second.prompt == 1211
+    assert second.cached == 1008
+    assert second.computed == 203
+    assert second.ttft_ms == pytest.approx(10 + 203)
+
+
+def test_turnkv_pair_serves_one_session_whole_on_its_idle_home() -> None:
+    run = Fleet(FleetSpec("turnkv", 2, costs())).run(
+        [session("a", (1000, 11, 0.0), (200, 11, 1.0))])
+    assert [o.where for o in run.outcomes] == ["whole", "whole"]
+    assert run.outcomes[1].computed == 203
+    assert run.outcomes[1].ttft_ms == pytest.approx(10 + 203)
+
+
+def _cache(order: str) -> tuple[SessionKvCache, list[float]]:
+    now = [0.0]
+    return SessionKvCache(3 * 160, BLOCK, order, lambda: now[0], UNCAPPED), now  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("order", "evicted"), [("lru", "a"), ("lease", "b")])
+def test_a_full_cache_evicts_in_its_policys_order(order: str, evicted: str) -> None:
+    """a ends first and is back in 5 s; b ends later and is back in 100 s. Room for c takes a
+    under LRU (least recent), b under turnkv's leases (expected back last)."""
+    cache, now = _cache(order)
+    for sid, at, back in (("a", 1.0, 5.0), ("b", 2.0, 100.0)):
+        now[0] = at
+        cache.begin(sid)
+        assert cache.reserve(sid, 160)
+        cache.end(sid, 160, next_turn_in_s=back)
+    now[0] = 3.0
+    cache.begin("c")
+    assert cache.reserve("c", 320)  # a third block of room is free: one session must go
+    assert cache.held(evicted) == 0
+    assert {cache.held(s) for s in {"a", "b"} - {evicted}} == {160}
+
+
+@pytest.mark.parametrize(("order", "a_computes"), [("lru", 320), ("lease", 144)])
+def test_the_hit_rate_of_a_full_cache_follows_the_eviction_order(order: str,
+                                                                  a_computes: int) -> None:
+    """Room for 480 tokens: a and b hold 176 each (160 + 16 output), then c needs 304 (288 +
+    16): 176 must go. Under LRU a's history goes, and a's second turn (prompt 160 + 16 + 144
+    = 320) recomputes it all; under leases b's goes (back in 100 s, a in 10 s), and a
+    computes only 320 - 176 = 144."""
+    sessions = [
+        session("a", (160, 16, 0.0), (144, 16, 10.0)),
+        session("b", (160, 16, 0.0), (16, 16, 100.0), start_s=2.0),
+        session("c", (288, 16, 0.0), start_s=5.0),
+    ]
+    spec = FleetSpec("affinity", 1, costs(480), eviction=order,  # type: ignore[arg-type]
+                     lease_limits=UNCAPPED)
+    run = Fleet(spec).run(sessions)
+    by = {(o.session, o.turn): o for o in run.outcomes}
+    assert by[("a", 1)].computed == a_computes
+    # b's second turn aside (what it finds depends on c's history since): prompts of
+    # 160 + 160 + 288 + 320 = 928 tokens, of which the cache saved 320 - a_computes.
+    counted = [o for o in run.outcomes if (o.session, o.turn) != ("b", 1)]
+    hit_rate = 1 - sum(o.computed for o in counted) / sum(o.prompt for o in counted)
+    assert hit_rate == pytest.approx((320 - a_computes) / 928)
+
+
+@pytest.mark.parametrize("routing", ["affinity", "turnkv"])
+def test_a_lost_engines_sessions_recompute_elsewhere(routing: str) -> None:
+    spec = FleetSpec(routing, 2, costs(), lose=((0, 5.0),))  # type: ignore[arg-type]
+    run = Fleet(spec).run([session("a", (1000, 11, 0.0), (200, 11, 10.0))])
+    first, second = run.outcomes
+    assert first.home == "engine-0"
+    assert second.home == "engine-1"
+    assert second.computed == second.prompt  # the history is gone with engine-0
+    assert second.ttft_ms == pytest.approx(10 + 1211)
