@@ -1,5 +1,5 @@
-"""The `turnkv` command: models, a local cluster, the router alone, the benchmark and the
-estimate."""
+"""The `turnkv` command: models, a local cluster, the router alone, the benchmark, the
+estimate and the fleet simulator."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from turnkv_server.router.config import (
     help_for,
     itl_target_args,
 )
+from turnkv_server.sim.command import sim as sim_command
 
 # `turnkv up` and `turnkv bench` pass it to the router only when given.
 SHORT_DELTA_HELP = (help_for("short_delta_tokens")
@@ -290,6 +291,9 @@ def bench_report(
     (out if out.is_terminal else Console(width=200)).print(report.rich_table(result))
     for written in paths:
         out.print(f"wrote {written}")
+
+
+app.command("sim", short_help="Simulate a fleet serving multi-turn sessions.")(sim_command)
 
 
 @app.command(short_help="Estimate per-turn TTFT on an 8xH200 + EFA P/D pair.")

@@ -20,6 +20,7 @@ EXTRA_OF: dict[str, str] = {
         SERVING),
     "matplotlib": "bench",
     "numpy": "bench",
+    "simpy": "sim",
 }
 # What `turnkv up` starts: engines (vLLM), the launcher (psutil), the router (its server).
 CLUSTER_MODULES = ("vllm", "psutil", "fastapi", "uvicorn", "aiohttp")

@@ -116,7 +116,7 @@ class StandardRouting:
         d = self.decoders.pick()
         d.in_flight += 1
         d.cache.begin(sid)
-        yield from reserve(d, sid, prompt + out, self.traffic)
+        reserve(d, sid, prompt + out, self.traffic)
         yield env.timeout(d.costs.transfer_ms(prompt) / 1000)
         self.traffic.kv_moved_tokens += prompt
         yield d.decode(1)  # the decode engine's first step samples the first token

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from turnkv_server.bench.presets import build_workload
+from turnkv_server.bench.presets import build_workload, preset_params
 from turnkv_server.bench.sizing import MESSAGE_OVERHEAD_TOKENS, TokenCounter, approx_tokens
 from turnkv_server.bench.workloads import Workload
 from turnkv_server.sim.sessions import SimSession, SimTurn
@@ -36,6 +36,16 @@ def from_workload(workload: Workload,
     return out
 
 
+def preset_prefix(name: str) -> tuple[str | None, int]:
+    """(an ID, tokens) of preset `name`'s system prompt; (None, 0) for no preset of that
+    name."""
+    try:
+        params = preset_params(name)
+    except ValueError:
+        return None, 0
+    return f"{name}-system", params.system_tokens + MESSAGE_OVERHEAD_TOKENS
+
+
 def preset_sessions(name: str, seed: int = 0, sessions: int | None = None,
                     kv_cache_tokens: int | None = None) -> tuple[list[SimSession], int | None]:
     """Preset `name`'s sessions and its concurrency (None: open loop, by start times)."""
@@ -44,9 +54,11 @@ def preset_sessions(name: str, seed: int = 0, sessions: int | None = None,
     return from_workload(workload), workload.concurrency
 
 
-def replay_records(records: Iterable[Mapping[str, Any]]) -> list[SimSession]:
-    """The sessions of one bench run's turn records (`runs[i].records` of its results.json);
-    turns that failed end their session there."""
+def replay_records(records: Iterable[Mapping[str, Any]], prefix: str | None = None,
+                   prefix_tokens: int = 0) -> list[SimSession]:
+    """The sessions of one bench run's turn records (`runs[i].records` of its results.json),
+    all starting with the shared prefix `prefix` of `prefix_tokens` (the preset's system
+    prompt: the records do not say); turns that failed end their session there."""
     by_session: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for record in records:
         by_session[record["session_id"]].append(record)
@@ -70,7 +82,8 @@ def replay_records(records: Iterable[Mapping[str, Any]]) -> list[SimSession]:
             context = int(record["prompt_tokens"]) + out
             previous_end = record["ended_at"]
         if made:
-            sessions.append(SimSession(sid, tuple(made), round(turns[0]["started_at"] - origin,
-                                                               3)))
+            sessions.append(SimSession(sid, tuple(made),
+                                       round(turns[0]["started_at"] - origin, 3), prefix,
+                                       min(prefix_tokens, made[0].tokens_in)))
     sessions.sort(key=lambda s: (s.start_s, s.session_id))
     return sessions

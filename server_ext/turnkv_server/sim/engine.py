@@ -1,10 +1,12 @@
 """One simulated engine: a prefill lane, decoding by processor sharing, its KV cache and tier.
 
 Decoding is not one event per token: the engine keeps a clock of decode steps, advancing at
-one step per `decode_step_ms(batch)` while no prefill runs (a prefill holds the engine's steps:
-the calibrated prefill cost already includes the decode work that shares them). A turn that
-decodes n tokens finishes when the clock has advanced n steps from its start; only the next
-finish is scheduled, and rescheduled when the batch changes.
+one step per `decode_step_ms(batch)`. While a prefill runs, each step also computes one chunk
+of it (vLLM's chunked prefill: `prefill_chunk_tokens` per step), so a step takes the longer of
+a decode step and the prefill's time per chunk (a prefill's cost, calibrated, already includes
+the decode work that shares its steps). A turn that decodes n tokens finishes when the clock
+has advanced n steps from its start; only the next finish is scheduled, and rescheduled when
+the batch or the step changes.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class SimEngine:
         self._steps = 0.0  # decode steps taken since the start
         self._at = 0.0  # when `_steps` was last brought up to date
         self._prefilling = 0
+        self._chunk_ms = 0.0  # the running prefill's time per chunk
         self._decoding: list[tuple[float, int, simpy.Event]] = []
         self._seq = itertools.count()
         self._generation = 0
@@ -47,18 +50,24 @@ class SimEngine:
 
     # -- prefill ---------------------------------------------------------------------------
 
-    def prefill(self, ms: float) -> Generator[simpy.Event, Any, None]:
-        """Compute for `ms` on this engine, after the prefills queued before it."""
-        with self._lane.request() as turn:
-            yield turn
-            self._advance()
-            self._prefilling += 1
-            self._reschedule()
-            yield self.env.timeout(ms / 1000)
-            self._advance()
-            self._prefilling -= 1
-            self.prefill_busy_s += ms / 1000
-            self._reschedule()
+    def lane(self) -> simpy.resources.resource.Request:
+        """The engine's prefill lane, first come first served: hold it to `compute`."""
+        return self._lane.request()
+
+    def compute(self, ms: float, tokens: int) -> Generator[simpy.Event, Any, None]:
+        """Compute `tokens` of a prompt for `ms` (the lane held), in chunks that share the
+        engine's steps with its decoding turns."""
+        self._advance()
+        self._prefilling += 1
+        chunks = max(1, -(-tokens // self.costs.prefill_chunk_tokens))
+        self._chunk_ms = ms / chunks
+        self._reschedule()
+        yield self.env.timeout(ms / 1000)
+        self._advance()
+        self._prefilling -= 1
+        self._chunk_ms = 0.0
+        self.prefill_busy_s += ms / 1000
+        self._reschedule()
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -79,11 +88,12 @@ class SimEngine:
         return done
 
     def step_ms(self) -> float:
-        return self.costs.decode_step_ms(len(self._decoding))
+        step = self.costs.decode_step_ms(len(self._decoding))
+        return max(step, self._chunk_ms) if self._prefilling else step
 
     def _advance(self) -> None:
         now = self.env.now
-        if self._decoding and not self._prefilling and now > self._at:
+        if self._decoding and now > self._at:
             elapsed = now - self._at
             self._steps += elapsed * 1000 / self.step_ms()
             self.decode_busy_s += elapsed
@@ -91,7 +101,7 @@ class SimEngine:
 
     def _reschedule(self) -> None:
         self._generation += 1
-        if not self._decoding or self._prefilling:
+        if not self._decoding:
             return
         left = max(0.0, self._decoding[0][0] - self._steps)
         wake = self.env.timeout(left * self.step_ms() / 1000)
@@ -106,16 +116,14 @@ class SimEngine:
             heapq.heappop(self._decoding)[2].succeed()
         self._reschedule()
 
-    # -- room in the cache ---------------------------------------------------------------
-
-    def room_changed(self) -> simpy.Event:
-        """Fires when a turn here ends: room may have come free."""
-        return self._room
-
     def turn_ended(self) -> None:
         self.in_flight -= 1
         room, self._room = self._room, self.env.event()
         room.succeed()
+
+    def room_changed(self) -> simpy.Event:
+        """Fires when a turn here ends (its decode's blocks may have come free)."""
+        return self._room
 
     def lose(self) -> None:
         """The engine is gone: its cache and tier with it."""

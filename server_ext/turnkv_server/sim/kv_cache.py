@@ -74,14 +74,18 @@ class SessionKvCache:
         self._active[session] = tokens
         return tokens
 
-    def reserve(self, session: str, tokens: int) -> bool:
+    def reserve(self, session: str, tokens: int, force: bool = False) -> bool:
         """Grow the active session's hold to `tokens` (its prompt and output), evicting idle
-        sessions; False (nothing changed) if even all of them would not make room."""
+        sessions; False (nothing changed) if even all of them would not make room, unless
+        `force`: then it takes what room there is and goes over."""
         tokens = self._blocks(tokens)
         have = self._active.get(session, 0)
         need = tokens - have
         if need > 0 and not self._make_room(need):
-            return False
+            if not force:
+                return False
+            self._make_room(min(need, self.capacity - self.used
+                                + sum(self._idle.values())))
         self._active[session] = max(tokens, have)
         self.used += max(0, need)
         return True

@@ -34,4 +34,5 @@ class FleetTraffic:
     tier_written_tokens: int = 0
     tier_read_tokens: int = 0
     overcommits: int = 0  # turns let in over a full cache (vLLM would preempt)
+    preempted_tokens: int = 0  # recomputed for those preemptions
     admission_waits: int = 0

@@ -37,6 +37,9 @@ class ServiceCosts:
     block_size: int
     kv_bytes_per_token: int
     split_overhead_ms: float = 5.0
+    # vLLM's chunked prefill: a step computes at most this many prompt tokens beside its
+    # decodes (`max_num_batched_tokens`).
+    prefill_chunk_tokens: int = 2048
     source: str = ""
 
     def prefill_ms(self, computed: int, context: int) -> float:

@@ -49,10 +49,13 @@ def summarize(run: FleetRun) -> dict[str, Any]:
         "prompt_tokens": {"total": prompt, "computed": computed,
                           "cached": sum(o.cached for o in outcomes),
                           "from_tier": sum(o.from_tier for o in outcomes)},
+        "kv_moved_tokens": run.traffic.kv_moved_tokens,
+        "tier_read_tokens": run.traffic.tier_read_tokens,
         "kv_moved_bytes": run.traffic.kv_moved_tokens * kv_bytes,
         "tier_written_bytes": run.traffic.tier_written_tokens * kv_bytes,
         "tier_read_bytes": run.traffic.tier_read_tokens * kv_bytes,
         "overcommits": run.traffic.overcommits,
+        "preempted_tokens": run.traffic.preempted_tokens,
         "admission_waits": run.traffic.admission_waits,
         "placements": run.decisions or dict(Counter(o.where for o in outcomes)),
         "utilisation": {

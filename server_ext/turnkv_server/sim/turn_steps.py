@@ -14,11 +14,6 @@ from turnkv_server.sim.engine import SimEngine
 from turnkv_server.sim.outcomes import FleetTraffic
 from turnkv_server.sim.sessions import SimSession
 
-# A turn that finds no room waits for a turn on the engine to end, this long at most per try;
-# after `_ROOM_TRIES` tries it goes in anyway (vLLM would preempt a running request).
-_ROOM_WAIT_S = 1.0
-_ROOM_TRIES = 3
-
 
 @dataclass
 class PrefillDone:
@@ -39,43 +34,63 @@ def held_prefix(engine: SimEngine, session: SimSession) -> int:
     return held
 
 
-def reserve(engine: SimEngine, session: str, tokens: int,
-            traffic: FleetTraffic) -> Generator[simpy.Event, Any, None]:
-    """Room for the session's `tokens` in the engine's cache, waiting for turns to end."""
-    env = engine.env
+def reserve(engine: SimEngine, session: str, tokens: int, traffic: FleetTraffic) -> None:
+    """Room for the session's `tokens` in the engine's cache, now: where the turns running
+    there hold it all, the turn goes in anyway, counted (`overcommits`)."""
     tokens = min(tokens, engine.cache.capacity)
-    for _ in range(_ROOM_TRIES):
-        if engine.cache.reserve(session, tokens):
-            return
-        yield env.any_of([engine.room_changed(), env.timeout(_ROOM_WAIT_S)])
     if not engine.cache.reserve(session, tokens):
         traffic.overcommits += 1
+        engine.cache.reserve(session, tokens, force=True)
+
+
+def wait_for_room(engine: SimEngine, session: str, tokens: int, traffic: FleetTraffic
+                  ) -> Generator[simpy.Event, Any, int]:
+    """Room for the session's `tokens`, waiting (at the head of the engine's queue, as
+    vLLM's scheduler waits) for decoding turns there to end; returns the tokens recomputed
+    for want of room: where nothing decodes there and the room is still short, vLLM would
+    preempt, and what it lacks is computed again."""
+    tokens = min(tokens, engine.cache.capacity)
+    while not engine.cache.reserve(session, tokens):
+        if not engine.batch:
+            before = engine.cache.held(session)
+            reserve(engine, session, tokens, traffic)
+            short = min(tokens - before, max(0, engine.cache.used - engine.cache.capacity))
+            traffic.preempted_tokens += short
+            return short
+        yield engine.room_changed()
+    return 0
 
 
 def compute_prompt(engine: SimEngine, session: SimSession, turn: int, keep_tokens: int,
                    traffic: FleetTraffic, reuse: bool = True
                    ) -> Generator[simpy.Event, Any, PrefillDone]:
-    """The engine computes the turn's prompt, reusing what it holds (unless `reuse` is
-    False), with room reserved for `keep_tokens` of the session."""
+    """The engine computes the turn's prompt after the prefills queued before it, reusing
+    what it holds (unless `reuse` is False), with room reserved for `keep_tokens` of the
+    session."""
     sid, prompt = session.session_id, session.prompts[turn]
-    cached = engine.cache.begin(sid) if reuse else 0
-    if not reuse:
-        engine.cache.begin(sid)
-    tier = engine.tier.held(sid) if engine.tier is not None and reuse else 0
-    if reuse and session.prefix is not None and session.prefix in engine.prefixes:
-        cached = max(cached, session.prefix_tokens)
-    computed = tokens_to_compute(prompt, max(cached, tier), engine.costs.block_size)
-    from_tier = max(0, prompt - computed - cached)
-    yield from reserve(engine, sid, keep_tokens, traffic)
-    ms = engine.costs.tier_read_ms(from_tier)
-    if ms:
-        yield engine.env.timeout(ms / 1000)
-    traffic.tier_read_tokens += from_tier
-    compute_ms = engine.costs.prefill_ms(computed, prompt)
-    yield from engine.prefill(compute_ms)
+    # What the engine holds is read as the prefill starts (it may be evicted while the turn
+    # queues), and room is taken then: a queued request holds no blocks in vLLM.
+    with engine.lane() as lane:
+        yield lane
+        cached = engine.cache.begin(sid)
+        if not reuse:
+            cached = 0
+        tier = engine.tier.held(sid) if engine.tier is not None and reuse else 0
+        if reuse and session.prefix is not None and session.prefix in engine.prefixes:
+            cached = max(cached, session.prefix_tokens)
+        computed = tokens_to_compute(prompt, max(cached, tier), engine.costs.block_size)
+        from_tier = max(0, prompt - computed - cached)
+        ms = engine.costs.tier_read_ms(from_tier)
+        computed += yield from wait_for_room(engine, sid, keep_tokens, traffic)
+        compute_ms = engine.costs.prefill_ms(computed, prompt)
+        if ms:
+            yield engine.env.timeout(ms / 1000)
+        traffic.tier_read_tokens += from_tier
+        yield from engine.compute(compute_ms, computed)
     if session.prefix is not None:
         engine.prefixes.add(session.prefix)
-    return PrefillDone(min(cached, prompt - computed), from_tier, computed, ms + compute_ms)
+    return PrefillDone(max(0, min(cached, prompt - computed)), from_tier, computed,
+                       ms + compute_ms)
 
 
 def keep_history(engine: SimEngine, session: SimSession, turn: int, tokens: int,

@@ -130,7 +130,7 @@ class TurnkvRouting:
             done = yield from compute_prompt(prefill, session, turn, prompt, self.traffic)
             keep_history(prefill, session, turn, prompt, self.traffic)
             prefill.turn_ended()
-            yield from reserve(home, sid, keep, self.traffic)
+            reserve(home, sid, keep, self.traffic)
             received = max(0, prompt - held)
             yield env.timeout((home.costs.transfer_ms(received)
                                + home.costs.split_overhead_ms) / 1000)

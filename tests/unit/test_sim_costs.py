@@ -1,0 +1,96 @@
+"""The simulator's cost models: fitted from bench records, derived from GPU figures, and the
+policies the command line names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from turnkv_server.cli import app
+from turnkv_server.sim.calibration import calibrate, fit_prefill
+from turnkv_server.sim.fleet import FleetSpec
+from turnkv_server.sim.gpu_profiles import PROFILES
+from turnkv_server.sim.policy_specs import parse_policy
+from turnkv_server.sim.service_costs import ServiceCosts
+
+
+def _record(sid: str, turn: int, start: float, prompt: int, computed: int, ttft_ms: float,
+            itl: float = 50.0) -> dict[str, object]:
+    return {"session_id": sid, "turn": turn, "prompt_tokens": prompt, "prefill_cached": None,
+            "prefill_computed": None, "decode_computed": computed, "completion_tokens": 9,
+            "ttft_ms": ttft_ms, "prefill_phase_ms": 0.0, "itl_ms": [itl] * 8,
+            "started_at": start, "ended_at": start + ttft_ms / 1000 + 0.4, "error": None}
+
+
+def _result() -> dict[str, object]:
+    # Turns that ran alone, their TTFT exactly 100 + 0.5 x computed + 0.1 x computed x
+    # prompt / 1000 ms.
+    records = [_record("s", i, 10.0 * i, prompt, computed,
+                       100 + 0.5 * computed + 0.1 * computed * prompt / 1000)
+               for i, (prompt, computed) in enumerate(
+                   [(500, 500), (1200, 700), (2000, 800), (3000, 1000), (4000, 300)])]
+    run = {"mode": "affinity", "status": {"state": "ok"}, "records": records,
+           "kv_cache_tokens": 8192, "config": {"engines": [{"role": "engine"}] * 2,
+                                               "kv_cache_bytes": 8192 * 100}}
+    return {"workload": {"name": "agent", "concurrency": None}, "model": "m",
+            "runs": [run], "summaries": []}
+
+
+def test_the_prefill_fit_recovers_the_curve_that_made_the_turns() -> None:
+    fixed, per_token, per_kctx = fit_prefill(_result()["runs"])  # type: ignore[arg-type]
+    assert (fixed, per_token, per_kctx) == pytest.approx((100, 0.5, 0.1), rel=1e-6)
+
+
+def test_calibration_takes_the_runs_cache_and_bytes_per_token() -> None:
+    costs = calibrate(_result())
+    assert costs.kv_capacity_tokens == 8192
+    assert costs.kv_bytes_per_token == 100
+    # Every turn decoded alone at 50 ms a step.
+    assert costs.decode_step_ms(1) == pytest.approx(50)
+
+
+def test_a_gpu_profile_holds_the_published_shape() -> None:
+    costs = PROFILES["h200-qwen3-32b"].costs()
+    # 141 GB x 0.9 less 65.6 GB of bf16 weights, at 256 KiB a token.
+    assert costs.kv_capacity_tokens == int((141e9 * 0.9 - 32.8e9 * 2) / 262_144)
+    # A step reads the weights once: 65.6 GB at 70% of 4.8 TB/s.
+    assert costs.decode_fixed_ms == pytest.approx(65.6e9 / (4.8e12 * 0.7) * 1000)
+
+
+@pytest.mark.parametrize(("text", "routing", "order", "tier", "prefill"), [
+    ("affinity", "affinity", "lru", 0, 1),
+    ("turnkv", "turnkv", "lease", 0, 1),
+    ("turnkv:lru+tier", "turnkv", "lru", 500, 1),
+    ("standard", "standard", "lru", 0, 4),
+    ("standard@1:3", "standard", "lru", 0, 2),
+    ("standard@3:1", "standard", "lru", 0, 6),
+])
+def test_policies_are_read_as_the_command_line_names_them(
+        text: str, routing: str, order: str, tier: int, prefill: int) -> None:
+    base = FleetSpec("affinity", 8, ServiceCosts("c", 1, 1, 0, 1, 1, 1, 1, 1000, 16, 1))
+    spec = parse_policy(text, base, 500)
+    assert (spec.routing, spec.order, spec.tier_tokens, spec.prefill_engines) == (
+        routing, order, tier, prefill)
+
+
+def test_a_policy_the_simulator_cannot_run_is_refused() -> None:
+    base = FleetSpec("affinity", 8, ServiceCosts("c", 1, 1, 0, 1, 1, 1, 1, 1000, 16, 1))
+    with pytest.raises(ValueError, match="standard's only"):
+        parse_policy("turnkv@1:3", base, 0)
+    with pytest.raises(ValueError, match="--tier-tokens"):
+        parse_policy("affinity+tier", base, 0)
+
+
+def test_turnkv_sim_writes_results_a_table_and_plots(tmp_path: Path) -> None:
+    got = CliRunner().invoke(app, [
+        "sim", "--workload", "smoke", "--sessions", "6", "--engines", "2", "--policy",
+        "affinity", "--policy", "turnkv", "--out", str(tmp_path)])
+    assert got.exit_code == 0, got.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [p["label"] for p in results["policies"]] == ["affinity/lru", "turnkv/lease"]
+    assert all(p["turns"] == results["turns"] for p in results["policies"])
+    assert (tmp_path / "summary.md").read_text().count("\n") == 4
+    assert (tmp_path / "ttft_cdf.png").stat().st_size > 0
