@@ -28,7 +28,7 @@ from turnkv_server.connector.leases import LeaseLimits, LeaseTable
 EvictionOrder = Literal["lru", "lease"]
 EVICTION_ORDERS: tuple[EvictionOrder, ...] = ("lru", "lease")
 # At most this many lease units per cache.
-_MAX_UNITS = 512
+_MAX_UNITS = 64
 
 
 class SessionKvCache:
@@ -91,14 +91,16 @@ class SessionKvCache:
         return True
 
     def end(self, session: str, tokens: int, next_turn_in_s: float | None,
-            final: bool = False) -> None:
-        """The turn ended: the session keeps `tokens` (at most what it reserved) idle here."""
+            final: bool = False, lease: bool = True) -> None:
+        """The turn ended: the session keeps `tokens` (at most what it reserved) idle here,
+        under a lease unless `lease` is False (the blocks of a prompt computed for another
+        engine: in vLLM's free blocks, still cached, first to go)."""
         have = self._active.pop(session, 0)
         keep = min(self._blocks_down(tokens), have)
         self.used -= have - keep
         if keep:
             self._idle[session] = keep
-            self._order(session, next_turn_in_s, final)
+            self._order(session, next_turn_in_s, final or not lease)
 
     def put(self, session: str, tokens: int, next_turn_in_s: float | None,
             final: bool = False) -> int:

@@ -94,11 +94,12 @@ def compute_prompt(engine: SimEngine, session: SimSession, turn: int, keep_token
 
 
 def keep_history(engine: SimEngine, session: SimSession, turn: int, tokens: int,
-                 traffic: FleetTraffic) -> None:
-    """The turn on `engine` ended: the session's first `tokens` stay in its cache, and go to
-    its tier (written as the turn's blocks complete, as vLLM's offloading does)."""
+                 traffic: FleetTraffic, lease: bool = True) -> None:
+    """The turn on `engine` ended: the session's first `tokens` stay in its cache (under a
+    lease unless `lease` is False: see `SessionKvCache.end`), and go to its tier (written as
+    the turn's blocks complete, as vLLM's offloading does)."""
     sid, hint = session.session_id, session.next_gap(turn)
     final = hint is None
-    engine.cache.end(sid, tokens, hint, final)
+    engine.cache.end(sid, tokens, hint, final, lease)
     if engine.tier is not None:
         traffic.tier_written_tokens += engine.tier.put(sid, tokens, hint, final)

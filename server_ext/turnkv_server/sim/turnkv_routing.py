@@ -128,7 +128,8 @@ class TurnkvRouting:
             prefill.in_flight += 1
             held = home.cache.begin(sid)
             done = yield from compute_prompt(prefill, session, turn, prompt, self.traffic)
-            keep_history(prefill, session, turn, prompt, self.traffic)
+            # The helper's blocks are not the session's lease: only a push back keeps a copy.
+            keep_history(prefill, session, turn, prompt, self.traffic, lease=False)
             prefill.turn_ended()
             reserve(home, sid, keep, self.traffic)
             received = max(0, prompt - held)
