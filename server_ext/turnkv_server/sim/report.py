@@ -28,8 +28,10 @@ def summary_table(summaries: Sequence[Mapping[str, Any]]) -> str:
             "| ITL p99 | KV moved Mtok | tier read Mtok | prefill util | decode util |")
     lines = [head, "|" + "---|" * 12]
     for s in summaries:
+        load = s.get("sessions_per_engine")
+        label = s["label"] if load is None else f"{s['label']}, {load}/engine"
         lines.append(
-            f"| {s['label']} | {s['turns']} | {_pct(s['hit_rate'])} "
+            f"| {label} | {s['turns']} | {_pct(s['hit_rate'])} "
             f"| {_ms(s['ttft_ms']['p50'])} | {_ms(s['ttft_ms_later']['p50'])} "
             f"| {_ms(s['ttft_ms']['p99'])} | {_ms(s['itl_ms']['p50'])} "
             f"| {_ms(s['itl_ms']['p99'])} | {s['kv_moved_tokens'] / 1e6:.2f} "

@@ -28,6 +28,7 @@ from turnkv_server.sim.traces import read_trace
 from turnkv_server.sim.validation import validate
 
 VALIDATED_MODES = ("affinity", "standard", "turnkv")
+SIZING_JOIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,11 @@ def load_costs(profile: str, kv_cache_tokens: int | None = None) -> ServiceCosts
     return replace(costs, kv_capacity_tokens=kv_cache_tokens) if kv_cache_tokens else costs
 
 
-def load_sessions(o: SimOptions, n: int | None = None) -> tuple[list[SimSession], int | None]:
+def load_sessions(o: SimOptions, n: int | None = None, stagger_s: float = 10.0
+                  ) -> tuple[list[SimSession], int | None]:
     """The sessions the options name, `n` of them (default: `--sessions`, else the source's
-    own), and the closed loop's concurrency (None: open)."""
+    own; starting within `stagger_s` without `--rate`), and the closed loop's concurrency
+    (None: open)."""
     n = n or o.sessions
     concurrency = None
     if o.trace is not None:
@@ -82,11 +85,11 @@ def load_sessions(o: SimOptions, n: int | None = None) -> tuple[list[SimSession]
         found = replay_records(runs[0]["records"])
         concurrency = result.get("workload", {}).get("concurrency")
     elif o.workload == "blog":
-        return blog_sessions(n or 10, o.context, o.seed, o.rate), None
+        return blog_sessions(n or 10, o.context, o.seed, o.rate, stagger_s), None
     else:
         found, concurrency = preset_sessions(o.workload, o.seed)
     if n is not None:
-        return tile(found, n, o.seed, o.rate), None
+        return tile(found, n, o.seed, o.rate, stagger_s), None
     return found, concurrency
 
 
@@ -139,7 +142,10 @@ def run_sim(o: SimOptions, console: Console | None = None) -> dict[str, Any]:
 def _sizing(o: SimOptions, costs: ServiceCosts, console: Console) -> dict[str, Any]:
     loads = [int(x) for x in (o.per_engine or "").split(",") if x.strip()]
     specs = _specs(o, costs, None)
-    points = sizing_curve(specs, loads, lambda n: load_sessions(o, n)[0],
+    # Sessions join one per engine every 10 s on average: at every load the cold first
+    # prompts arrive at one rate, and the curve shows what holding them costs.
+    points = sizing_curve(specs, loads,
+                          lambda n: load_sessions(o, n, SIZING_JOIN_S * n / o.engines)[0],
                           lambda line: console.print(line))
     payload = {"command": "turnkv sim --per-engine", "options": _jsonable(o),
                "costs": costs.to_json(), "points": points}

@@ -31,8 +31,9 @@ from turnkv_server.sim.turn_steps import (
     reserve,
 )
 
-# An engine that lost a leased history for room this recently is under memory pressure (the
-# planner then keeps no copies on both engines).
+# An engine that lost a held history for room this recently is under memory pressure (the
+# planner then keeps no copies on both engines): a lease ended for room (the connector's own
+# signal), or under LRU, where nothing is leased, any history evicted.
 PRESSURE_WINDOW_S = 30.0
 
 
@@ -81,7 +82,8 @@ class TurnkvRouting:
                           pressure=self._under_pressure(engine))
 
     def _under_pressure(self, engine: SimEngine) -> bool:
-        count = engine.cache.lease_evictions
+        cache = engine.cache
+        count = cache.lease_evictions if cache.order == "lease" else cache.evicted_tokens
         seen, since = self._pressure.get(engine.name, (0, -PRESSURE_WINDOW_S))
         if count != seen:
             self._pressure[engine.name] = (count, self.env.now)
