@@ -109,3 +109,20 @@ def test_a_lost_engines_sessions_recompute_elsewhere(routing: str) -> None:
     assert second.home == "engine-1"
     assert second.computed == second.prompt  # the history is gone with engine-0
     assert second.ttft_ms == pytest.approx(10 + 1211)
+
+
+def test_admission_holds_a_new_session_while_the_live_ones_fill_the_budget() -> None:
+    """After a's first turn a holds 1,011 tokens; b, new at 5 s, would double that past a
+    1,500-token budget (`router.admission.fits`), so it waits for a to end (its second turn
+    at 10 s onward); without a budget it starts at 5 s."""
+    sessions = [session("a", (1000, 11, 0.0), (200, 11, 10.0)),
+                session("b", (500, 11, 0.0), start_s=5.0)]
+    free = Fleet(FleetSpec("affinity", 1, costs())).run(sessions)
+    held = Fleet(FleetSpec("affinity", 1, costs(), admission_tokens=1500)).run(sessions)
+    b_free = next(o for o in free.outcomes if o.session == "b")
+    b_held = next(o for o in held.outcomes if o.session == "b")
+    a_last = next(o for o in held.outcomes if (o.session, o.turn) == ("a", 1))
+    assert b_free.arrived_s == pytest.approx(5.0)
+    assert b_held.arrived_s == pytest.approx(
+        a_last.arrived_s + (a_last.ttft_ms + a_last.decode_ms) / 1000)
+    assert held.traffic.admission_waits == 1
