@@ -194,6 +194,25 @@ def test_a_home_far_slower_at_decoding_moves_the_session() -> None:
     assert (decision.where, decision.home, decision.pull) == ("move", HELPER, True)
 
 
+def test_a_session_never_moves_to_a_busier_engine() -> None:
+    """A decode step measured at a small batch includes the steps prefills held, so an
+    engine measured only while it started its first prompts reads slower per step than a
+    busy one: by the costs alone, sessions would move to the crowded engine and drain the
+    other, which then never measures again. A move goes only to a less busy engine."""
+    costs = measured()
+    for _ in range(5):
+        costs.observe_decode(HOME, 1, first_token_ms=0.0, total_ms=13_000.0,
+                             completion_tokens=100)
+        costs.observe_decode(HELPER, 16, first_token_ms=0.0, total_ms=3_500.0,
+                             completion_tokens=100)
+    facts = TurnFacts(prompt_tokens=1000, home_holds=990, helper_holds=0, block_size=16,
+                      expected_output=500)
+    assert Planner(costs).decide(EngineLoad(HOME, in_flight=1), EngineLoad(HELPER, in_flight=16),
+                                 facts).where != "move"
+    assert Planner(costs).decide(EngineLoad(HOME, in_flight=1), EngineLoad(HELPER),
+                                 facts).where == "move"
+
+
 def test_without_another_engine_the_turn_stays_whole() -> None:
     planner = Planner(measured())
     facts = history_turn()

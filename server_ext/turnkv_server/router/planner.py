@@ -26,7 +26,8 @@ room for (`EngineLoad.room_tokens`: its cache less what the sessions' leases hol
 router counts them) is not taken, for it would end other sessions' leases and cost them their
 histories: a split needs room on the helper for what it computes, a move room on the new home
 for the whole history. Under pressure the turn so stays whole on its home, as on an
-aggregated engine.
+aggregated engine. And a session moves only to an engine with fewer requests in flight than
+its home.
 
 After the turn, the home's copy of the history is pushed to the helper (`push_back`) only when
 splits are expected for the session (this turn split, or one of its last turns did) and no
@@ -194,9 +195,12 @@ class Planner:
         # the other engine, which decodes there from now on, at its own batch.
         move_ms = whole_ms + costs.transfer_ms(prompt) + costs.priors.split_overhead_ms
         moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
+        # Only to a less busy engine: a decode step measured at a small batch includes the
+        # steps that prefills held, so by its costs alone an engine measured while it started
+        # its first prompts reads slower than a crowded one, and sessions would drain to it.
         move = _Option("move", home, other, move_ms, _stall(whole_ms, home),
                        move_ms + whole_ms * home.in_flight + moved_decode,
-                       fits=other.fits(prompt + out))
+                       fits=other.fits(prompt + out) and other.in_flight < home.in_flight)
         return {"whole": whole, "split": split, "move": move}
 
     def _choose(self, options: dict[Where, _Option]) -> tuple[_Option, str]:
