@@ -75,8 +75,8 @@ TURNKV_BENCH_MODES: dict[str, BenchMode] = {
         "turnkv", "turnkv sending a prefill's KV in one write when it ends, not layer by "
         "layer"),
     "turnkv-tier": BenchMode(
-        "turnkv", "turnkv with a host-memory tier below each engine's cache, as big as "
-        "bound's cache, its evictions ordered by the sessions' hints", host_tier=True),
+        "turnkv", "turnkv's P/D form (--fixed-pools: one prefill and one decode engine) with "
+        "turnkv's host tier", host_tier=True),
     "turnkv-pool": BenchMode(
         "turnkv", "turnkv whose router keeps each session on one engine of the pair, every "
         "turn whole (--pair-pool)", host_tier=True),

@@ -72,6 +72,9 @@ def test_cluster_config_is_the_same_for_every_mode_but_the_mode(tmp_path: Path) 
     assert cluster_config("turnkv", settings, tmp_path).connector_settings == {}
     tiered = replace(settings, tier_host_blocks=96)
     assert cluster_config("turnkv-tier", tiered, tmp_path).tier_host_blocks == 96
+    # The P/D form with the tier; plain turnkv is the planner.
+    assert "--fixed-pools" in cluster_config("turnkv-tier", tiered, tmp_path).router_args
+    assert "--fixed-pools" not in cluster_config("turnkv", tiered, tmp_path).router_args
     assert cluster_config("turnkv", tiered, tmp_path).tier_host_blocks == 96
     assert cluster_config("affinity", tiered, tmp_path).tier_host_blocks is None
     for mode in ("single", "standard", "bidirectional", "push", "turnkv"):
