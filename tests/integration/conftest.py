@@ -37,12 +37,12 @@ from turnkv_server.models import build_tiny
 # - SmolLM2 turnkv engines (after the single SmolLM2 engine played its references): the demo
 #   agent's test and test_turnkv_connector.py's turns, then its tests of the launcher, the last
 #   of which stops the cluster through `turnkv down`.
-SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "tier-pool",
+SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "tier-pool", "tier-planner",
             "tier-admission", "security",
             "load", "shared-sessions",
             "usage-turnkv", "stock-clients", "api-routes", "api-routes-affinity", "faults",
             "planner-whole-split-move-split-whole", "planner-whole-split-whole",
-            "planner-whole-split-split", "planner-whole-split-move",
+            "planner-whole-split-split", "planner-whole-split-move", "planner-home-down",
             "router-turnkv", "router-affinity", "api-routes-standard", "router-standard",
             "router-cluster", "api-routes-bidirectional", "router-bidirectional",
             "api-routes-push", "router-push", "connector", "connector-launcher")

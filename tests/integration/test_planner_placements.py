@@ -4,13 +4,15 @@ turn's greedy output equals a single engine's, turn by turn.
 The placements are pinned (`--pin-placement`, a diagnostic option) so that each is played
 where it should be: `whole` on the session's home, `split` (the other engine computes, the
 home receives the KV it lacks), `move` (the session's new home pulls its history from the
-old one), one after another in one conversation and at an edited history. A move that
-recomputes (its old home down) is the path of any turn that lost its engine, which
-test_faults.py covers on this same pair in fixed pools.
+old one), one after another in one conversation and at an edited history; and unpinned, a
+move that recomputes because the session's home is down. (A whole turn that restores its
+history from the home's tier: test_tier.py.)
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +23,7 @@ from tests.support.cluster_pool import ClusterPool
 from tests.support.clusters import TINY_ENGINES, ClusterSpec, RouterView
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
 from tests.support.reference import ROUTER_SCRIPT, Reference, References
+from tests.support.waiting import wait_for
 from turnkv_server.launcher import ClusterState
 
 SCRIPT = ROUTER_SCRIPT
@@ -42,6 +45,9 @@ def planner_view(pins: tuple[str, ...]) -> ClusterSpec:
 CLUSTER = planner_view(PINS)
 # At the edited turn (the third: session turn index 2), each placement in turn.
 EDITED = {where: planner_view(("whole", "split", where)) for where in ("whole", "split", "move")}
+# Unpinned, probing the engines' health every second: a home that stops answering is seen down.
+HOME_DOWN = ClusterSpec("planner-home-down", TINY_ENGINES["turnkv"], RouterView(
+    prefill=1, decode=1, args=("--health-interval", "1")))
 
 
 @pytest.fixture(scope="module")
@@ -118,4 +124,49 @@ def test_an_edited_history_stays_exact_in_every_placement(
     out = _turn(state, client, reference.edited_messages, session_id, stream=False)
     _check(reference.edited_turn, out, EDITED_AT, where, home)
     assert out.stats["prefix_break_at"] is not None
+    assert client.delete(f"{state.router}/v1/turnkv/sessions/{session_id}").status_code == 200
+
+
+def _healthy(state: ClusterState, client: httpx.Client) -> dict[str, bool]:
+    engines = client.get(f"{state.router}/v1/turnkv/stats").json()["engines"]
+    return {e["name"]: e["healthy"] for e in engines}
+
+
+@pytest.mark.cluster(HOME_DOWN)
+def test_a_session_whose_home_is_down_moves_and_recomputes_exactly(
+    reference: Reference, clusters: ClusterPool, client: httpx.Client,
+) -> None:
+    """The planner, unpinned: the session's home stops answering (SIGSTOP, as a hung host),
+    the router's health probe sees it down, and the next turn moves the session to the other
+    engine, which recomputes the history; every turn equals a single engine's, and the
+    session stays on its new home once the old one is back."""
+    launched, state = clusters.get(HOME_DOWN)
+    session_id = "home-down"
+    home: str | None = None
+    for turn in (1, 2):
+        out = _turn(state, client, reference.messages[turn - 1], session_id, stream=False)
+        assert compare(reference.turns[turn - 1], out.completion).acceptable
+        assert out.stats["placement"]["where"] == "whole", out.stats
+        home = home or out.stats["decode_node"]
+        assert out.stats["decode_node"] == home
+    victim = next(e for e in launched.engines if e.spec.name == home)
+    os.killpg(victim.ref.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: not _healthy(state, client)[str(home)], f"{home} seen down",
+                 timeout=60)
+        out = _turn(state, client, reference.messages[2], session_id, stream=True)
+        verdict = compare(reference.turns[2], out.completion)
+        placement = out.stats["placement"]
+        print(f"turn 3: {verdict.describe()}; {placement}; {out.stats['prompt_tokens']}")
+        assert verdict.acceptable, verdict.describe()
+        assert placement["where"] == "move" and not placement["pulled"], placement
+        assert placement["home"] != home and out.stats["decode_node"] == placement["home"]
+        new_home = placement["home"]
+    finally:
+        os.killpg(victim.ref.pid, signal.SIGCONT)
+    wait_for(lambda: all(_healthy(state, client).values()), "both engines healthy again",
+             timeout=120)
+    out = _turn(state, client, reference.messages[3], session_id, stream=False)
+    assert compare(reference.turns[3], out.completion).acceptable
+    assert out.stats["decode_node"] == new_home, out.stats
     assert client.delete(f"{state.router}/v1/turnkv/sessions/{session_id}").status_code == 200

@@ -37,6 +37,7 @@ from tests.support.clusters import (
     TIER_ADMISSION,
     TIER_AFFINITY,
     TIER_DISK_BLOCKS,
+    TIER_PLANNER,
     TIER_POOL,
     TINY_BLOCK_BYTES,
 )
@@ -359,6 +360,47 @@ def test_the_pair_as_one_pool_serves_each_session_whole_on_one_engine(
             assert client.delete(f"{state.router}/v1/turnkv/sessions/{session}"
                                  ).status_code == 200
         wait_for(lambda: no_leases(urls), "both sessions' leases released")
+
+
+@pytest.mark.cluster(TIER_PLANNER)
+def test_the_planner_restores_an_evicted_history_from_the_homes_tier(
+    reference: Reference, clusters: ClusterPool
+) -> None:
+    """The default router (the planner) serves an idle home's turns whole there. When the home
+    ends the session's lease for room (a long prompt sent to it directly takes every block),
+    the next turn is still whole on that home, which restores the history from its tier:
+    the planner's `tier restore`, its output equal to a single engine's."""
+    _, state = clusters.clean(TIER_PLANNER)
+    urls = engine_urls(state)
+    session = "planner-tier"
+    with httpx.Client(timeout=600) as client:
+        homes = set()
+        for number in (1, 2, 3):
+            out = turn(state, client, number, reference.messages[number - 1],
+                       reference.turns[number - 1], session, side="decode")
+            assert out.stats["placement"]["where"] == "whole", out.stats
+            homes.add(out.stats["decode_node"])
+        [home] = homes
+        home_url = urls[home.split("-")[0]]
+        text = " ".join(WORDS)
+        for k in range(2):
+            reply = client.post(f"{home_url}/v1/chat/completions", json={
+                "model": state.served_model_name, "max_tokens": 4, "cache_salt": f"fill-{k}",
+                "messages": [{"role": "system", "content": SYSTEM},
+                             {"role": "user", "content": text}]})
+            assert reply.status_code == 200, reply.text
+        wait_for(lambda: fetch_connector_counters(home_url).get("leases", 0.0) == 0,
+                 "the session's lease ended for room")
+        before = restored_bytes(home_url)
+        out = turn(state, client, 4, reference.messages[3], reference.turns[3], session,
+                   side="decode")
+        placement, tokens = out.stats["placement"], out.stats["prompt_tokens"]
+        assert placement["where"] == "whole" and placement["home"] == home, out.stats
+        assert tokens["decode_restored"] >= BLOCK, tokens
+        assert tokens["decode_computed"] < tokens["total"] - BLOCK, tokens
+        wait_for(lambda: restored_bytes(home_url) > before, "the tier's load counted")
+        assert client.delete(f"{state.router}/v1/turnkv/sessions/{session}").status_code == 200
+        wait_for(lambda: no_leases(urls), "the session's leases released")
 
 
 def own_client_turn(state: ClusterState, *args: Any) -> RoutedCompletion:

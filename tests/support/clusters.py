@@ -208,6 +208,8 @@ TIER_AFFINITY = ClusterSpec("tier-affinity", TIER.engines, RouterView(
 # The pair as one pool on the same engines: a turnkv router with `--pair-pool` in front of both,
 # each session served whole by one of them.
 TIER_POOL = ClusterSpec("tier-pool", TIER.engines, RouterView(args=("--pair-pool",)))
+# The default router (the planner) on the same engines: each turn of an idle home whole there.
+TIER_PLANNER = ClusterSpec("tier-planner", TIER.engines, RouterView())
 # Admission on the same engines: a turnkv router whose budget of session history
 # (ADMISSION_TOKENS) holds one session of test_tier.py's conversation, not two; every turn
 # through the prefill engine, as with `TIER`'s router.
