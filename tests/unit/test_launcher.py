@@ -383,3 +383,15 @@ def test_a_clusters_engines_share_one_vllm_cache(tmp_path: Path,
     assert caches(vllm_cache_dir=tmp_path / "mine") == {str(tmp_path / "mine")}
     monkeypatch.setenv("TURNKV_VLLM_CACHE_DIR", str(tmp_path / "session"))
     assert caches() == {str(tmp_path / "session")}
+
+
+def test_a_clusters_engines_share_one_inductor_cache_in_the_vllm_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM compiles its logprob kernels with torch.compile even on eager engines, at an
+    engine's first request that asks for logprobs: engines that share the compiled code
+    compile them once."""
+    monkeypatch.setenv("TURNKV_VLLM_CACHE_DIR", str(tmp_path / "session"))
+    cluster = Cluster(ClusterConfig(mode="turnkv", run_dir=tmp_path / "run"))
+    caches = {spec.environment(tmp_path / spec.name, tmp_path)["TORCHINDUCTOR_CACHE_DIR"]
+              for spec in cluster._engine_specs(Path("/m"), "m")}
+    assert caches == {str(tmp_path / "session" / "inductor")}

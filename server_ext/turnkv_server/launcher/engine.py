@@ -111,7 +111,8 @@ class EngineSpec:
             "--host", self.host,
             "--port", str(self.port),
             "--dtype", self.dtype,
-            # Eager mode: healthy sooner (docs/deploy.md), and no compile caches to share.
+            # Eager mode: healthy sooner (docs/deploy.md), and no model to compile (only
+            # vLLM's logprob kernels: see `environment`).
             "--enforce-eager",
             # Without it `usage.prompt_tokens_details.cached_tokens` is null.
             "--enable-prompt-tokens-details",
@@ -143,7 +144,13 @@ class EngineSpec:
                 "TMPDIR": str(tmp),
                 "VLLM_RPC_BASE_PATH": str(tmp),
                 "VLLM_CACHE_ROOT": str(self.vllm_cache_dir or workdir / "vllm-cache"),
-                "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache"),
+                # Eager engines still compile vLLM's logprob kernels (torch.compile, at the
+                # first request asking for logprobs: seconds of a core each): engines sharing
+                # a vLLM cache share the compiled code too. Inductor's cache is made for
+                # processes sharing it (its default is one folder per user).
+                "TORCHINDUCTOR_CACHE_DIR": str(self.vllm_cache_dir / "inductor"
+                                               if self.vllm_cache_dir
+                                               else workdir / "inductor-cache"),
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1",
