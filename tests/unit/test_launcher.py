@@ -395,3 +395,14 @@ def test_a_clusters_engines_share_one_inductor_cache_in_the_vllm_cache(
     caches = {spec.environment(tmp_path / spec.name, tmp_path)["TORCHINDUCTOR_CACHE_DIR"]
               for spec in cluster._engine_specs(Path("/m"), "m")}
     assert caches == {str(tmp_path / "session" / "inductor")}
+
+
+def test_engines_build_no_precompiled_header_of_their_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor precompiles its C++ header into the temp folder (each engine's own) at every
+    process's first kernel, even one its cache holds: off, a cached kernel loads at once."""
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", raising=False)
+    cluster = Cluster(ClusterConfig(mode="turnkv", run_dir=tmp_path / "run"))
+    for spec in cluster._engine_specs(Path("/m"), "m"):
+        environment = spec.environment(tmp_path / spec.name, tmp_path)
+        assert environment.get("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS") == "0", spec.name

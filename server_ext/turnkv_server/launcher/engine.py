@@ -151,6 +151,10 @@ class EngineSpec:
                 "TORCHINDUCTOR_CACHE_DIR": str(self.vllm_cache_dir / "inductor"
                                                if self.vllm_cache_dir
                                                else workdir / "inductor-cache"),
+                # Else inductor precompiles its C++ header (150 MB, seconds of a core) in the
+                # engine's own temp folder at its first kernel, even one loaded from the
+                # cache above.
+                "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1",
