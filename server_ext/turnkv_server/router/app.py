@@ -21,9 +21,10 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
 
 from turnkv import protocol as p
 from turnkv_server.router.admission import Admission, ClientLeft
@@ -46,7 +47,7 @@ from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey, Sess
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tags import BadRequest, Headers, check_supported, read_keys
 from turnkv_server.router.tenants import Tenants
-from turnkv_server.router.turn import TurnFailed, Turns
+from turnkv_server.router.turn import Relayed, TurnFailed, Turns
 from turnkv_server.router.upstream import EngineConnectionError, EngineRejected, Upstream
 
 RETRY_AFTER_S = "2"
@@ -140,11 +141,11 @@ class Router:
         if self.tenants.enforced:
             body["cache_salt"] = self.tenants.cache_salt(tenant, body.get("cache_salt"))
         try:
-            return await self.turns.serve(prepared.api, body, prepared.tag, tenant,
-                                          prepared.prefix_id, gone=lambda: disconnected(request),
-                                          home=prepared.home, source=source,
-                                          inferred_ticket=ticket,
-                                          stats_in_stream=keys.native)
+            answer = await self.turns.serve(prepared.api, body, prepared.tag, tenant,
+                                            prepared.prefix_id, gone=lambda: disconnected(request),
+                                            home=prepared.home, source=source,
+                                            inferred_ticket=ticket, stats_in_stream=keys.native)
+            return answer if isinstance(answer, Response) else RelayResponse(answer)
         except ClientLeft:
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except TurnFailed as exc:
@@ -173,6 +174,20 @@ class Router:
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
         return body
+
+
+class RelayResponse(StreamingResponse):
+    """A streamed turn's response, which ends its relay (`Relayed.on_end`) however it ends."""
+
+    def __init__(self, relayed: Relayed) -> None:
+        super().__init__(relayed.body, media_type="text/event-stream", headers=relayed.headers)
+        self._on_end = relayed.on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
 
 
 async def disconnected(request: Request) -> None:

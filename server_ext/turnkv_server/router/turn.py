@@ -1,48 +1,38 @@
 """One turn through the router, top to bottom.
 
-`Turns.serve` takes a request the app has authenticated and read (`app`), and the
-description of the API it came in on (`apis`: how its requests and answers are written, which
-is all that differs between chat, completions, Responses and Messages turns), and:
-1. opens its session (`sessions`), in flight until the turn ends, and admits it (`admission`);
-2. places it on a prefill/decode pair (`placement`), by its session, else by its prefix;
-3. asks the mode for the attempt's plan (`modes`): whether the decode engine serves alone, each
-   engine's `kv_transfer_params`, whether both requests go out together (the mode's `begin`
-   came once before, for what belongs to the turn and not to one attempt);
-4. sends the prefill request (unless the decode engine serves alone) and the decode request,
-   and begins the turn's stats (`stats`) once the prefill is over;
-5. relays the decode engine's answer, whole or streamed (event by event: the API's `Relay`),
-   with the stats (a chat stream's stats chunk only where the client asked for it:
-   `Turn.stats_in_stream`, `Turn.usage_in_stream`);
-6. tells the mode how the decode request ended (`Mode.finish`), and remembers the turn (for
-   a session inferred from its conversation, with the reply: `inferred_sessions`).
+`Turns.serve` takes a request the app has read (`app`) and the API it came in on (`apis`: how
+its requests and answers are written): opens its session (`sessions`) and admits it
+(`admission`); lets the mode `begin` it; places it (`placement`) and asks the mode for the
+attempt's plan (`modes`); sends the prefill request (unless the decode engine serves alone)
+and the decode request; relays the answer, whole or streamed, with the turn's stats (`stats`);
+tells the mode how the decode request ended (`Mode.finish`) and remembers the turn.
 
-Engine trouble before the client has received a byte (connection refused, reset, a 5xx) marks
-the engine unhealthy and replays the turn on another pair, which recomputes whatever it lacks;
-a failed read-back of the session's KV is replayed without reuse. Every engine request is
-owned from its sending until it is closed (`upstream.Stream`); the decode request by a
-`Decode` (`decode`), which ends exactly once, on every path.
+Engine trouble before the client has a byte (refused, reset, a 5xx) marks the engine unhealthy
+and replays the turn on another pair; a failed read-back of held KV is replayed without reuse.
+Every engine request is owned from its sending until it is closed (`upstream.Stream`), the
+decode request by a `Decode`, which ends exactly once on every path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from turnkv import protocol as p
 from turnkv_server.router import stats
 from turnkv_server.router.admission import Admission, ClientGone
 from turnkv_server.router.apis.base import Api
-from turnkv_server.router.chunks import ask_usage
+from turnkv_server.router.apis.chat import ask_usage
 from turnkv_server.router.conversations import RelayedReply
-from turnkv_server.router.decode import Decode, RelayResponse, drop_decode
 from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.placement import EnginePool, Placement
@@ -52,6 +42,7 @@ from turnkv_server.router.upstream import (
     EngineConnectionError,
     EngineRejected,
     EngineUnavailable,
+    Stream,
     Upstream,
 )
 
@@ -84,13 +75,12 @@ class Turns:
                     home: tuple[str | None, str] | None = None,
                     source: p.SessionSource | None = "tag",
                     inferred_ticket: int | None = None,
-                    stats_in_stream: bool = True) -> Response:
+                    stats_in_stream: bool = True) -> Response | Relayed:
         """The turn's response (`api`: the API it came in on; `prefix_id`: a sessionless
         turn's; `home`: the (prefill, decode) engines a session the turn opens starts on;
         `source`: which key named the session; `inferred_ticket`: an inferred session's turn
-        (`InferredSessions.infer_turn`); `stats_in_stream`: the client reads a stats
-        chunk); raises `TurnFailed`, `EngineRejected` (the engine's 4xx, for the client as it
-        is) or `ClientLeft`."""
+        (`InferredSessions.infer_turn`); `stats_in_stream`: the client reads a stats chunk);
+        raises `TurnFailed`, `EngineRejected` (the engine's 4xx, passed on) or `ClientLeft`."""
         session, opened = None, False
         if tag is not None:
             session, opened = await self.sessions.begin_turn(SessionKey(tenant, tag.session_id))
@@ -105,7 +95,7 @@ class Turns:
         if turn.stream:
             turn.usage_in_stream = ask_usage(api.path, body)
             turn.stats_in_stream = stats_in_stream or turn.usage_in_stream
-        response: Response | None = None
+        response: Response | Relayed | None = None
         try:
             turn.queued_ms = await self.admission.admit(session, gone)
             await self.mode.begin(turn)  # once: a replayed attempt plans again, not this
@@ -113,12 +103,12 @@ class Turns:
             return response
         finally:
             # A streamed turn stays in flight until its relay ends.
-            if session is not None and not isinstance(response, StreamingResponse):
+            if session is not None and not isinstance(response, Relayed):
                 self._inferred_turn_over(turn)
                 failed = response is None or response.status_code >= 400
                 await self.sessions.end_turn(session, opened, failed)
 
-    async def _attempts(self, turn: Turn) -> Response:
+    async def _attempts(self, turn: Turn) -> Response | Relayed:
         # A session whose engines are down must move: name the fallback before routing.
         lost = self.pool.unhealthy(turn.session.prefill, turn.session.decode) \
             if turn.session else []
@@ -155,7 +145,7 @@ class Turns:
         return placement
 
     async def _attempt(self, turn: Turn, placement: Placement, fallback: p.FallbackReason | None,
-                       detail: str | None) -> Response:
+                       detail: str | None) -> Response | Relayed:
         try:
             plan = await self.mode.plan(turn, placement)
         except EngineConnectionError as exc:
@@ -169,10 +159,9 @@ class Turns:
             decode, turn_stats = await self._prefill_then_decode(turn, plan, fallback, detail)
         if turn.stream:
             try:
-                return RelayResponse(self._relay(turn, decode, turn_stats),
-                                     on_end=lambda: self._end_relay(decode),
-                                     media_type="text/event-stream",
-                                     headers=stats.headers(turn_stats))
+                return Relayed(self._relay(turn, decode, turn_stats),
+                               on_end=lambda: self._end_relay(decode),
+                               headers=stats.headers(turn_stats))
             except BaseException:
                 self._end_relay(decode)
                 raise
@@ -302,8 +291,7 @@ class Turns:
             self._end_relay(decode)
 
     def _end_relay(self, decode: Decode) -> None:
-        """The end of a streamed turn, however it came: idempotent (the relay's `finally` and
-        the response's `on_end` both call it)."""
+        """The end of a streamed turn, however it came; idempotent (the relay and `on_end`)."""
         self._inferred_turn_over(decode.turn)
         if decode.stream.closed:
             return
@@ -338,6 +326,65 @@ class Turns:
         if self._infers(turn) and turn.session is not None:
             assert self.inferred is not None
             self.inferred.abandon(turn.session.key, turn.inferred_ticket)
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """A streamed turn's answer, which the app streams: `on_end` must run as soon as the
+    response is over, however it ended (a relay that never started runs no `finally`, and one
+    left at a `yield` runs it only when it is collected)."""
+
+    body: AsyncIterator[bytes]
+    on_end: Callable[[], None]
+    headers: dict[str, str]
+
+
+@dataclass
+class Decode:
+    """One attempt's decode request once its headers are in. It ends exactly once: `complete`
+    (the reply was read whole) or `cut` (anything else), and the mode's `finish` learns which.
+    `close` (or `cut`) closes the response and gives back the engine's in-flight count; both
+    are idempotent, so every path may call them."""
+
+    turn: Turn
+    plan: TurnPlan
+    stream: Stream
+    mode: Mode
+    state: Literal["open", "complete", "cut"] = "open"
+
+    def complete(self, reply: dict[str, Any] | None, turn_stats: p.RouterTurnStats) -> None:
+        if self.state == "open":
+            self.state = "complete"
+            self.mode.finish(self.turn, self.plan, TurnEnd("complete", reply, turn_stats))
+
+    def cut(self) -> None:
+        self.stream.close()
+        if self.state == "open":
+            self.state = "cut"
+            self.mode.finish(self.turn, self.plan, TurnEnd("cut"))
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+async def drop_decode(task: asyncio.Task[Decode]) -> None:
+    """Cancel a decode request the turn no longer wants (its prefill failed, or the turn was
+    cancelled). A streamed response's headers come at once, so the task may be done already,
+    and cancelling it closes nothing (the engine would keep the request, waiting for KV that
+    never comes, and its in-flight count): cut what it returned."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    if task.done():
+        _cut_result(task)
+    else:
+        # This task was cancelled while awaiting: cut the request whenever it opens.
+        task.add_done_callback(_cut_result)
+
+
+def _cut_result(task: asyncio.Task[Decode]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().cut()
 
 
 def api_of(turn: Turn) -> Api:
