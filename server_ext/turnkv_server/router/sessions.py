@@ -11,6 +11,13 @@ are exactly those tokens: an edited or stripped history, compacted context or as
 that re-tokenises differently breaks the match, and reuse must stop there
 (`token_history.prefix_break`).
 
+What the live sessions add up to is kept as they change (`SessionCounts`): the history the
+engines hold for them and how many hold any (admission's rule), how many admitted newcomers
+hold nothing yet (likewise), and how many sessions each engine is home to (placement balances
+new sessions by it). Summing the table for each admission re-check or new session would cost
+O(sessions); instead each session's share is recorded when it enters the table, updated
+whenever a field it depends on is set (`Session.__setattr__`) and taken back when it leaves.
+
 Each life of a session (opened again after it ended, it is a later one) has an epoch that its
 requests carry: engines ignore the holds and renewals of a released life (`engine.protocol`).
 It is the wall clock when the life began (`new_epoch`), so it grows across router restarts and
@@ -21,13 +28,12 @@ routers sharing a store, as far as their clocks agree (docs/protocol.md says wha
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.protocol import CacheHints, RouterTurnStats
-from turnkv_server.router.session_counts import COUNTED_FIELDS, SessionCounts
 
 _last_epoch = 0
 
@@ -98,7 +104,7 @@ class Session:
     epoch: int = field(default_factory=new_epoch)  # which life of the session this is
     # Turns of it waiting for admission (`admission`).
     queued: int = 0
-    # The counts of the table it is in (`session_counts`), kept as its fields are set.
+    # The counts of the table it is in (`SessionCounts`), kept as its fields are set.
     counted_in: SessionCounts | None = field(default=None, init=False, repr=False,
                                              compare=False)
 
@@ -108,6 +114,83 @@ class Session:
             counts = self.__dict__.get("counted_in")
             if counts is not None:
                 counts.update(self)
+
+
+# -- the counts ---------------------------------------------------------------------------
+
+# The session fields a share depends on: setting any of them updates the counts.
+COUNTED_FIELDS = frozenset({"tokens", "last_stats", "in_flight", "queued", "decode", "placed"})
+
+
+def held_tokens(session: Session) -> int:
+    """The history the engines hold for a session: its token IDs, or, where the mode keeps
+    none (affinity does not tokenize), its last turn's prompt and output, which add up to it."""
+    if session.tokens:
+        return len(session.tokens)
+    last = session.last_stats or {}
+    return int((last.get("prompt_tokens") or {}).get("total") or 0) \
+        + int(last.get("completion_tokens") or 0)
+
+
+@dataclass(frozen=True)
+class Share:
+    """One session's part of the counts."""
+
+    tokens: int  # the history held for it
+    # Admitted, its first turn under way: it holds nothing yet, but will. (A session whose
+    # turn is still queued for admission is not admitted.)
+    starting: bool
+    home: str | None  # its decode engine, or where its first turn was placed
+
+    @classmethod
+    def of(cls, session: Session) -> Share:
+        tokens = held_tokens(session)
+        return cls(tokens, starting=not tokens and session.in_flight and not session.queued,
+                   home=session.decode or session.placed)
+
+
+class SessionCounts:
+    """The counts over the sessions of one table; `SessionTable` calls `add` and `remove`, and a
+    session in the table calls `update` whenever a counted field is set."""
+
+    def __init__(self) -> None:
+        self.tokens = 0  # history held by all the sessions together
+        self.holding = 0  # sessions holding any history
+        self.starting = 0  # sessions admitted that hold none yet
+        self.homes: Counter[str] = Counter()  # engine name -> sessions home there
+        self._shares: dict[SessionKey, Share] = {}
+
+    def __len__(self) -> int:
+        return len(self._shares)
+
+    def add(self, session: Session) -> None:
+        self.remove(session)
+        share = self._shares[session.key] = Share.of(session)
+        self._count(share, 1)
+
+    def remove(self, session: Session) -> None:
+        share = self._shares.pop(session.key, None)
+        if share is not None:
+            self._count(share, -1)
+
+    def update(self, session: Session) -> None:
+        old = self._shares.get(session.key)
+        if old is None:
+            return
+        new = Share.of(session)
+        if new != old:
+            self._count(old, -1)
+            self._count(new, 1)
+            self._shares[session.key] = new
+
+    def _count(self, share: Share, sign: int) -> None:
+        self.tokens += sign * share.tokens
+        self.holding += sign * (share.tokens > 0)
+        self.starting += sign * share.starting
+        if share.home is not None:
+            self.homes[share.home] += sign
+            if not self.homes[share.home]:
+                del self.homes[share.home]
 
 
 @dataclass(frozen=True)
