@@ -419,7 +419,7 @@ def test_a_hinted_pause_prefetches_the_history_before_the_session_is_back(
     token IDs, the turn's cache salt) under the session's lease; the next turn says whether it
     was in time, waited for it, or came first (and called it off)."""
     from turnkv_server.engine.protocol import parse
-    from turnkv_server.router.modes import prefetch
+    from turnkv_server.router.modes import leases as prefetch
 
     monkeypatch.setattr(prefetch, "LEAD_S", 0.3)
     monkeypatch.setattr(prefetch, "MIN_PAUSE_S", 0.5)

@@ -2,7 +2,7 @@
 
 A turn whose first attempt fails on an engine is replayed on another (`Turns._attempts`), and
 the mode plans each attempt afresh; what happened before the turn (whether a prefetch of the
-session's history was in time, `modes.prefetch`) happened once, and the turn's stats say it
+session's history was in time, `modes.leases`) happened once, and the turn's stats say it
 whatever attempt served it. Through the router, under uvicorn, in front of the stand-in
 engines of `test_router_affinity`.
 """
@@ -53,7 +53,7 @@ def test_a_replayed_turn_still_says_its_prefetch_was_in_time(
     """The session's engine made its history resident before the hinted return, then went
     down: the next turn's first attempt fails there, the replay is served by the other
     engine, and the stats still say the prefetch was in time."""
-    from turnkv_server.router.modes import prefetch
+    from turnkv_server.router.modes import leases as prefetch
 
     monkeypatch.setattr(prefetch, "LEAD_S", 0.3)
     monkeypatch.setattr(prefetch, "MIN_PAUSE_S", 0.5)

@@ -21,7 +21,7 @@ from turnkv_server.router.modes.base import (
     TurnEnd,
     TurnPlan,
 )
-from turnkv_server.router.modes.prefetch import prefetch_lease
+from turnkv_server.router.modes.leases import prefetch_lease
 from turnkv_server.router.modes.turnkv import (
     PRESSURE_BACKOFF_S,
     PUSH_BACK,

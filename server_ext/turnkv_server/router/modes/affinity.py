@@ -36,8 +36,13 @@ from turnkv_server.router.modes.base import (
     TurnPlan,
 )
 from turnkv_server.router.modes.engine_orders import EngineOrders
-from turnkv_server.router.modes.leases import lease_key, lease_params, turn_hints
-from turnkv_server.router.modes.prefetch import Prefetches, prefetch_lease
+from turnkv_server.router.modes.leases import (
+    Prefetches,
+    lease_key,
+    lease_params,
+    prefetch_lease,
+    turn_hints,
+)
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session
 

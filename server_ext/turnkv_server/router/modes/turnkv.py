@@ -72,9 +72,14 @@ from turnkv_server.router.modes.base import (
 )
 from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
-from turnkv_server.router.modes.leases import lease_key, lease_params, turn_hints
+from turnkv_server.router.modes.leases import (
+    Prefetches,
+    lease_key,
+    lease_params,
+    prefetch_lease,
+    turn_hints,
+)
 from turnkv_server.router.modes.pair_pool import PairPool
-from turnkv_server.router.modes.prefetch import Prefetches, prefetch_lease
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session
 from turnkv_server.router.token_history import common_prefix_len
