@@ -103,6 +103,8 @@ class Tenants:
         self._admin_key = admin_key
         default = TenantCaps(default_max_priority(bool(self._keys)))
         self._caps_for = caps_for or (lambda tenant: default)
+        # Each tenant's caps, as `caps_for` made them on its first hint (they never change).
+        self._caps: dict[str, TenantCaps] = {}
         # Salts are not derivable from tenant names by a client. Per process, unless routers
         # share one (`use_secret`, from the session store).
         self._secret = secrets.token_bytes(32)
@@ -140,7 +142,10 @@ class Tenants:
 
     def capped(self, tenant: str, hints: CacheHints) -> CacheHints:
         """`hints` from one of `tenant`'s clients, held to its caps."""
-        return self._caps_for(tenant).apply(hints)
+        caps = self._caps.get(tenant)
+        if caps is None:
+            caps = self._caps[tenant] = self._caps_for(tenant)
+        return caps.apply(hints)
 
     def capped_tag(self, tenant: str, tag: TurnTag | None) -> TurnTag | None:
         if tag is None:
