@@ -31,11 +31,12 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from turnkv.protocol import CacheHints, RouterTurnStats
 
 _last_epoch = 0
+_UNSET = object()
 
 
 def new_epoch() -> int:
@@ -109,16 +110,20 @@ class Session:
                                              compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        if name in COUNTED_FIELDS:
-            counts = self.__dict__.get("counted_in")
+        fields = self.__dict__
+        if name in COUNTED_FIELDS and fields.get(name, _UNSET) is not value:
+            fields[name] = value
+            counts = fields.get("counted_in")
             if counts is not None:
                 counts.update(self)
+        else:
+            fields[name] = value
 
 
 # -- the counts ---------------------------------------------------------------------------
 
-# The session fields a share depends on: setting any of them updates the counts.
+# The session fields a share depends on: setting any of them (to another value) updates the
+# counts.
 COUNTED_FIELDS = frozenset({"tokens", "last_stats", "in_flight", "queued", "decode", "placed"})
 
 
@@ -132,9 +137,9 @@ def held_tokens(session: Session) -> int:
         + int(last.get("completion_tokens") or 0)
 
 
-@dataclass(frozen=True)
-class Share:
-    """One session's part of the counts."""
+class Share(NamedTuple):
+    """One session's part of the counts. (A tuple: made and compared on every counted field
+    set, which a frozen dataclass made several times dearer.)"""
 
     tokens: int  # the history held for it
     # Admitted, its first turn under way: it holds nothing yet, but will. (A session whose
@@ -142,11 +147,11 @@ class Share:
     starting: bool
     home: str | None  # its decode engine, or where its first turn was placed
 
-    @classmethod
-    def of(cls, session: Session) -> Share:
-        tokens = held_tokens(session)
-        return cls(tokens, starting=not tokens and session.in_flight and not session.queued,
-                   home=session.decode or session.placed)
+
+def share_of(session: Session) -> Share:
+    tokens = held_tokens(session)
+    return Share(tokens, not tokens and session.in_flight and not session.queued,
+                 session.decode or session.placed)
 
 
 class SessionCounts:
@@ -165,7 +170,7 @@ class SessionCounts:
 
     def add(self, session: Session) -> None:
         self.remove(session)
-        share = self._shares[session.key] = Share.of(session)
+        share = self._shares[session.key] = share_of(session)
         self._count(share, 1)
 
     def remove(self, session: Session) -> None:
@@ -177,7 +182,7 @@ class SessionCounts:
         old = self._shares.get(session.key)
         if old is None:
             return
-        new = Share.of(session)
+        new = share_of(session)
         if new != old:
             self._count(old, -1)
             self._count(new, 1)
