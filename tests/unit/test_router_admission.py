@@ -19,10 +19,16 @@ from hypothesis import strategies as st
 
 from tests.unit.test_router_affinity import StandIn, affinity_router, stats_of, turn
 from turnkv.protocol import PromptTokens, RouterTurnStats, TurnTag, TurnTimes
-from turnkv_server.router.admission import Admission, ClientGone, ClientLeft, fits, is_cold
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.placement import EnginePool
-from turnkv_server.router.session_service import SessionService
+from turnkv_server.router.session_service import (
+    Admission,
+    ClientGone,
+    ClientLeft,
+    SessionService,
+    fits,
+    is_cold,
+)
 from turnkv_server.router.sessions import Session, SessionKey, SessionTable, held_tokens
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tags import DEFAULT_TENANT

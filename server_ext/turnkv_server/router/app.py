@@ -27,7 +27,6 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from turnkv import protocol as p
-from turnkv_server.router.admission import Admission, ClientLeft
 from turnkv_server.router.apis.base import Api, Prepared, Resolve
 from turnkv_server.router.apis.chat import CHAT, COMPLETIONS
 from turnkv_server.router.apis.messages import MESSAGES
@@ -41,7 +40,7 @@ from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
 from turnkv_server.router.placement import Engine, EnginePool
 from turnkv_server.router.responses_store import ResponsesGauges, responses_store
-from turnkv_server.router.session_service import SessionService
+from turnkv_server.router.session_service import Admission, ClientLeft, SessionService
 from turnkv_server.router.session_store import RedisStore, StoreUnavailable
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey, SessionTable
 from turnkv_server.router.stats import RouterMetrics

@@ -103,7 +103,7 @@ class Session:
     # as home there: sessions that start together would otherwise all look homeless).
     placed: str | None = None
     epoch: int = field(default_factory=new_epoch)  # which life of the session this is
-    # Turns of it waiting for admission (`admission`).
+    # Turns of it waiting for admission (`session_service.Admission`).
     queued: int = 0
     # The counts of the table it is in (`SessionCounts`), kept as its fields are set.
     counted_in: SessionCounts | None = field(default=None, init=False, repr=False,

@@ -2,7 +2,7 @@
 
 `Turns.serve` takes a request the app has read (`app`) and the API it came in on (`apis`: how
 its requests and answers are written): opens its session (`sessions`) and admits it
-(`admission`); lets the mode `begin` it; places it (`placement`) and asks the mode for the
+(`Admission`); lets the mode `begin` it; places it (`placement`) and asks the mode for the
 attempt's plan (`modes`); sends the prefill request (unless the decode engine serves alone)
 and the decode request; relays the answer, whole or streamed, with the turn's stats (`stats`);
 tells the mode how the decode request ended (`Mode.finish`) and remembers the turn.
@@ -29,14 +29,13 @@ from fastapi.responses import Response
 
 from turnkv import protocol as p
 from turnkv_server.router import stats
-from turnkv_server.router.admission import Admission, ClientGone
 from turnkv_server.router.apis.base import Api
 from turnkv_server.router.apis.chat import ask_usage
 from turnkv_server.router.conversations import RelayedReply
 from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.placement import EnginePool, Placement
-from turnkv_server.router.session_service import SessionService
+from turnkv_server.router.session_service import Admission, ClientGone, SessionService
 from turnkv_server.router.sessions import SessionKey
 from turnkv_server.router.upstream import (
     EngineConnectionError,

@@ -65,7 +65,7 @@ class Turn:
     # Whether a prefetch of its history had finished when it arrived (`modes.leases`): the
     # turn's, set once by `Mode.begin`, whichever attempt serves it.
     prefetch: PrefetchOutcome | None = None
-    # How long it waited for admission, in ms (`router.admission`).
+    # How long it waited for admission, in ms (`session_service.Admission`).
     queued_ms: float = 0.0
     # Which key named its session (`router.tags.read_keys`), or "inferred".
     session_source: str | None = None
