@@ -109,7 +109,7 @@ class Router:
         state before the request's keys are read (the session its lineage names is one of
         them) and makes the request one turn of its API after. Errors come in the API's
         shape."""
-        headers = Headers(request.headers.raw)
+        headers = Headers.of_raw(request.headers.raw)
         tenant = self.tenants.tenant_for(api.authorization(headers))
         if tenant is None:
             return api.error_response(401, "missing or unknown API key")

@@ -29,6 +29,8 @@ from turnkv import protocol as p
 
 HEADER_DYNAMO_SESSION = "X-Dynamo-Session-ID"
 HEADER_DYNAMO_FINAL = "X-Dynamo-Session-Final"
+# As `tags.Headers` keeps the names.
+_DYNAMO_SESSION, _DYNAMO_FINAL = HEADER_DYNAMO_SESSION.lower(), HEADER_DYNAMO_FINAL.lower()
 # Prefix IDs made from a prompt cache key start with this, so that they read as such.
 PROMPT_CACHE_PREFIX = "pck-"
 
@@ -85,7 +87,8 @@ class Dialects:
 
 
 def read_dialects(body: dict[str, Any], headers: Mapping[str, str], tenant: str) -> Dialects:
-    """Pop the dialect fields from `body` (mutates it) and read them with the headers'."""
+    """Pop the dialect fields from `body` (mutates it) and read them with the headers'
+    (`tags.Headers`: names in lower case)."""
     control, agent_hints = None, None
     nvext = body.get("nvext")
     if nvext is not None:
@@ -101,8 +104,8 @@ def read_dialects(body: dict[str, Any], headers: Mapping[str, str], tenant: str)
     prefix_id = _prefix_id(cache_key, tenant)
     priority = _priority(agent_hints)
     controlled = _session_control(control)
-    header_id = _header_session(headers.get(HEADER_DYNAMO_SESSION))
-    final = _header_final(headers.get(HEADER_DYNAMO_FINAL))
+    header_id = _header_session(headers.get(_DYNAMO_SESSION))
+    final = _header_final(headers.get(_DYNAMO_FINAL))
     bound: list[tuple[str, dict[str, Any]]] = []
     if controlled is not None and controlled[1]:
         bound.append(controlled)

@@ -37,6 +37,7 @@ from turnkv_server.router.dialects import DialectError
 HEADER_VLLM_SESSION = "X-Session-ID"
 HEADER_CLAUDE_CODE_SESSION = "x-claude-code-session-id"
 HEADERS_CODEX_SESSION = ("session_id", "session-id")
+_VLLM_SESSION = HEADER_VLLM_SESSION.lower()  # as `tags.Headers` keeps the names
 # A foreign ID outside turnkv's alphabet is named by this and its hash.
 FOREIGN_PREFIX = "h-"
 # OpenAI's values; `24h` asks for the longest lease the router allows.
@@ -55,10 +56,11 @@ class PeerSessions:
 
 
 def read_peer_sessions(body: dict[str, Any], headers: Mapping[str, str]) -> PeerSessions:
-    """Pop the peers' fields from `body` (mutates it) and read them with the headers."""
+    """Pop the peers' fields from `body` (mutates it) and read them with the headers
+    (`tags.Headers`: names in lower case)."""
     vllm = _first(
         _body_id(body, "session_id"),
-        _header_id(headers.get(HEADER_VLLM_SESSION)),
+        _header_id(headers.get(_VLLM_SESSION)),
         _xargs_id(body),
         _body_id(body, "conversation_id"),
     )

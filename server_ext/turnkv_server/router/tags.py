@@ -11,7 +11,7 @@ the SDK uses, and every key is removed before the request reaches an engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ class BadRequest(Exception):
 
 
 
-_HEADER_FIELDS: dict[str, tuple[str, ...]] = {
+_HEADER_FIELDS: dict[str, tuple[str, ...]] = {name.lower(): path for name, path in {
     p.HEADER_SESSION: ("session_id",),
     p.HEADER_TURN: ("turn",),
     p.HEADER_PREFIX: ("prefix_id",),
@@ -41,30 +41,26 @@ _HEADER_FIELDS: dict[str, tuple[str, ...]] = {
     p.HEADER_NEXT_TURN_IN: ("hints", "next_turn_in"),
     p.HEADER_FINAL: ("hints", "final"),
     p.HEADER_PRIORITY: ("hints", "priority"),
-}
+}.items()}
 
 
-class Headers(Mapping[str, str]):
-    """A request's headers, read once: a name's first value, by name in any case. (A turn
-    looks up a dozen names among its keys; Starlette's own mapping scans every header for
-    each.)"""
+class Headers(dict[str, str]):
+    """A request's headers, read once: each name's first value, under the name in lower case,
+    where its readers look it up (`dict.get`, in C: a turn looks up a dozen names among its
+    keys, and Starlette's own mapping scans every header for each)."""
 
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+    @classmethod
+    def of_raw(cls, raw: list[tuple[bytes, bytes]]) -> Headers:
         # Reversed: a name sent twice keeps its first value, as Starlette's `get` does.
-        self._values = {name.decode("latin-1").lower(): value.decode("latin-1")
-                        for name, value in reversed(raw)}
+        return cls({name.decode("latin-1").lower(): value.decode("latin-1")
+                    for name, value in reversed(raw)})
 
-    def __getitem__(self, name: str) -> str:
-        return self._values[name.lower()]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self._values.get(name.lower(), default)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
+    @classmethod
+    def of(cls, headers: Mapping[str, str]) -> Headers:
+        """`headers` under lower-case names (a caller's mapping of any case)."""
+        if isinstance(headers, Headers):
+            return headers
+        return cls({name.lower(): value for name, value in headers.items()})
 
 
 @dataclass(frozen=True)
@@ -102,6 +98,7 @@ def read_keys(body: dict[str, Any], headers: Mapping[str, str],
     """The request's keys, in the documented order (docs/protocol.md, "Session keys"); pops
     every one from `body` (mutates it). `lineage`: the session a chain of Responses names (its
     root response's ID, or its `conversation`), from the Responses route; None elsewhere."""
+    headers = Headers.of(headers)
     raw = body.pop("turnkv", None)
     if raw is not None and not isinstance(raw, dict):
         raise BadRequest("'turnkv' must be an object", param="turnkv")
