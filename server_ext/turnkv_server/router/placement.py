@@ -65,6 +65,8 @@ class EnginePool:
             raise ValueError("the router needs at least one prefill and one decode engine, "
                              "or aggregated engines")
         self._prefill_rr = itertools.cycle(self.prefill)
+        # Every engine by name, prefill engines first (the pool's engines never change).
+        self.named: dict[str, Engine] = {e.name: e for e in (*self.prefill, *self.decode)}
         self._decode_rr = itertools.cycle(self.decode)
         # Ties of least loaded aggregated engines go round: sessions that arrive while every
         # engine is idle spread instead of piling onto the first (a session stays for good).
@@ -98,7 +100,7 @@ class EnginePool:
         return [*self.prefill, *self.decode]
 
     def by_name(self, name: str | None) -> Engine | None:
-        return next((e for e in self.engines() if e.name == name), None)
+        return self.named.get(name) if name is not None else None
 
     def round_robin(self) -> Placement:
         if self.aggregated:

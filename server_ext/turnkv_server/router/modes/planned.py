@@ -86,6 +86,11 @@ class Turnkv(PdTurnkv):
 
     # -- before the turn ---------------------------------------------------------------------
 
+    async def begin(self, turn: Turn) -> None:
+        # Named here, as every hook the turn pipeline calls, so that a turn reads this class
+        # and what it calls, not its bases too: the wait for a prefetch is the P/D form's.
+        await super().begin(turn)
+
     async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
         if not self.planned:
             return await super().plan(turn, placement)
@@ -116,7 +121,7 @@ class Turnkv(PdTurnkv):
         """The session's home (even down: the planner moves it), else the engine of the
         placement's pair home to fewer sessions (then with fewer requests in flight)."""
         if session is not None and session.decode is not None:
-            home = self.ctx.pool.by_name(session.decode) if self.ctx.pool else None
+            home = self.ctx.pool.named.get(session.decode) if self.ctx.pool else None
             if home is not None:
                 return home
         pair = [e for e in (placement.prefill, placement.decode) if e.healthy]
@@ -125,12 +130,12 @@ class Turnkv(PdTurnkv):
 
     def _other(self, home: Engine) -> Engine | None:
         """The pair's other engine: the least busy healthy engine that is not the home."""
-        others = [e for e in (self.ctx.pool.engines() if self.ctx.pool else [])
+        others = [e for e in (self.ctx.pool.named.values() if self.ctx.pool else [])
                   if e is not home and e.healthy]
         return min(others, key=lambda e: e.in_flight) if others else None
 
     def _engine(self, name: str) -> Engine:
-        engine = self.ctx.pool.by_name(name) if self.ctx.pool else None
+        engine = self.ctx.pool.named.get(name) if self.ctx.pool else None
         assert engine is not None, name
         return engine
 
