@@ -10,6 +10,7 @@ import pytest
 
 from turnkv import protocol as p
 from turnkv_server.router import stats
+from turnkv_server.router.apis.chat import correct_usage
 from turnkv_server.router.modes.base import DecodeAlone, Turn, TurnPlan
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session, SessionKey
@@ -51,27 +52,27 @@ def test_a_first_pd_turn_reports_nothing_cached() -> None:
     """vLLM counts what the decode engine received from the prefill engine as cached: on a
     first turn that reused nothing, nearly the whole prompt."""
     body = usage(cached=299)
-    stats.correct_usage(body, pd_plan(), pd_stats(300, 0))
+    correct_usage(body, pd_plan(), pd_stats(300, 0))
     assert body["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_a_later_pd_turn_reports_the_prefill_sides_reuse() -> None:
     body = usage(cached=299, total=300)
-    stats.correct_usage(body, pd_plan(), pd_stats(300, 256))
+    correct_usage(body, pd_plan(), pd_stats(300, 256))
     assert body["prompt_tokens_details"]["cached_tokens"] == 256
 
 
 def test_a_short_delta_keeps_the_decode_engines_own_hits() -> None:
     body = usage(cached=256)
     tokens = p.RouterTurnStats(mode="turnkv", prompt_tokens=p.PromptTokens(total=300))
-    stats.correct_usage(body, alone_plan(list(range(300)), 20), tokens)
+    correct_usage(body, alone_plan(list(range(300)), 20), tokens)
     assert body["prompt_tokens_details"]["cached_tokens"] == 256
 
 
 @pytest.mark.parametrize("details", [None, {}, {"cached_tokens": None}])
 def test_no_figure_is_invented_where_the_engine_reported_none(details: Any) -> None:
     body = {"prompt_tokens": 300, "prompt_tokens_details": details}
-    stats.correct_usage(body, pd_plan(), pd_stats(300, 256))
+    correct_usage(body, pd_plan(), pd_stats(300, 256))
     assert body["prompt_tokens_details"] == details
 
 

@@ -1,6 +1,6 @@
 """A turn's stats: the one place that fills `TurnStats`, from what the engines answered, plus the
-forms they reach the client in (a body field, a last SSE chunk, headers known before the first
-token) and the router's Prometheus metrics of them.
+headers they reach the client in before the first token (each API writes them into its answer,
+`apis`: a body field, a last SSE chunk) and the router's Prometheus metrics of them.
 
 The prompt's tokens are split by where each engine got them (`PromptTokens`): the prefill
 engine's from its response's usage (its own prefix hits, or in `bidirectional` its hits and
@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from turnkv import protocol as p
@@ -202,44 +201,6 @@ def block_note(turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats) -> str | No
         return None
     return (f"reuse counts whole KV blocks of {block} tokens: the {shared} tokens this turn "
             f"shares with the session's history are under one block, so none were reused")
-
-
-def correct_usage(usage: dict[str, Any], plan: TurnPlan, stats: p.RouterTurnStats) -> None:
-    """Make the decode engine's `usage.prompt_tokens_details.cached_tokens` (in place) what this
-    turn did not compute: the turn's `reused_tokens`, as the SDK counts them.
-
-    vLLM counts what a decode engine received over KV transfer as cached, so in P/D its
-    figure includes the tokens the prefill engine has just computed for this very turn (a
-    first turn that reused nothing showed 36). Stock openai and LangChain users read that
-    field: the router returns the prefill side's reuse instead. A decode engine serving a
-    short delta alone reports its own prefix hits, which are right as they are. A usage
-    without `prompt_tokens_details` (an engine without `--enable-prompt-tokens-details`) is
-    left without it rather than given a figure the engines did not report.
-    """
-    details = usage.get("prompt_tokens_details")
-    if plan.alone is not None or not isinstance(details, dict) \
-            or details.get("cached_tokens") is None:
-        return
-    reused = stats.prompt_tokens.prefill_reused
-    if reused is not None:
-        details["cached_tokens"] = reused
-
-
-def chunk(turn: Turn, stats: p.RouterTurnStats, template: dict[str, Any] | None) -> bytes:
-    """The stats as a streamed turn's last chunk, shaped like the stream's own."""
-    template = template or {}
-    return sse({
-        "id": template.get("id", turn.request_id),
-        "object": template.get("object", "chat.completion.chunk"),
-        "created": template.get("created", int(time.time())),
-        "model": template.get("model", turn.body.get("model")),
-        "choices": [],
-        "turnkv": stats.model_dump(),
-    })
-
-
-def sse(event: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
 def headers(stats: p.RouterTurnStats) -> dict[str, str]:

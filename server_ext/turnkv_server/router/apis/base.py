@@ -208,7 +208,7 @@ Resolve = Callable[[dict[str, Any], str], Awaitable[Resolved]]
 
 def corrected_cached(plan: TurnPlan, stats: p.RouterTurnStats, cached: int | None) -> int | None:
     """The cached-token figure the client is told, given the decode engine's (`cached`): what
-    the turn did not compute (`stats.correct_usage` says why); None: leave it as it is."""
+    the turn did not compute (`chat.correct_usage` says why); None: leave it as it is."""
     if plan.alone is not None or cached is None:
         return None
     return stats.prompt_tokens.prefill_reused

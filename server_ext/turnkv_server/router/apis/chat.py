@@ -6,13 +6,13 @@ nowhere but the headers (a stock client reads `choices[0]` of every chunk)."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from turnkv import protocol as p
 from turnkv_server.engine.requests import decode_request, prefill_request, tokenize_request
-from turnkv_server.router import stats as turn_stats
 from turnkv_server.router.apis.base import Answer, Api, Relay, Seen, SseEvent
 from turnkv_server.router.conversations import RelayedReply
 
@@ -47,6 +47,44 @@ def has_output(chunk: dict[str, Any]) -> bool:
         for choice in chunk.get("choices") or [])
 
 
+def correct_usage(usage: dict[str, Any], plan: TurnPlan, stats: p.RouterTurnStats) -> None:
+    """Make the decode engine's `usage.prompt_tokens_details.cached_tokens` (in place) what this
+    turn did not compute: the turn's `reused_tokens`, as the SDK counts them.
+
+    vLLM counts what a decode engine received over KV transfer as cached, so in P/D its
+    figure includes the tokens the prefill engine has just computed for this very turn (a
+    first turn that reused nothing showed 36). Stock openai and LangChain users read that
+    field: the router returns the prefill side's reuse instead. A decode engine serving a
+    short delta alone reports its own prefix hits, which are right as they are. A usage
+    without `prompt_tokens_details` (an engine without `--enable-prompt-tokens-details`) is
+    left without it rather than given a figure the engines did not report.
+    """
+    details = usage.get("prompt_tokens_details")
+    if plan.alone is not None or not isinstance(details, dict) \
+            or details.get("cached_tokens") is None:
+        return
+    reused = stats.prompt_tokens.prefill_reused
+    if reused is not None:
+        details["cached_tokens"] = reused
+
+
+def stats_chunk(turn: Turn, stats: p.RouterTurnStats, template: dict[str, Any] | None) -> bytes:
+    """The stats as a streamed turn's last chunk, shaped like the stream's own."""
+    template = template or {}
+    return sse({
+        "id": template.get("id", turn.request_id),
+        "object": template.get("object", "chat.completion.chunk"),
+        "created": template.get("created", int(time.time())),
+        "model": template.get("model", turn.body.get("model")),
+        "choices": [],
+        "turnkv": stats.model_dump(),
+    })
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
 class Chat(Api):
     def __init__(self, path: str) -> None:
         self.path = path
@@ -76,7 +114,7 @@ class Chat(Api):
     def write_whole(self, data: dict[str, Any], turn: Turn, plan: TurnPlan,
                     stats: p.RouterTurnStats) -> None:
         data.pop("kv_transfer_params", None)
-        turn_stats.correct_usage(data.get("usage") or {}, plan, stats)
+        correct_usage(data.get("usage") or {}, plan, stats)
         if not turn.want_token_ids:
             strip_token_ids(data)
         data["turnkv"] = stats.model_dump()
@@ -130,7 +168,7 @@ class ChatRelay(Relay):
             self.answer.usage = chunk["usage"]
             self.answer.metrics = chunk.get("metrics")
             # (A P/D turn's reuse is known since its prefill.)
-            turn_stats.correct_usage(chunk["usage"], self._plan, self._stats)
+            correct_usage(chunk["usage"], self._plan, self._stats)
         return Seen(output=has_output(chunk))
 
     def write(self, stats: p.RouterTurnStats) -> list[bytes]:
@@ -140,9 +178,9 @@ class ChatRelay(Relay):
                 # One last chunk with no choices, as vLLM's own: its usage and the stats
                 # together.
                 self._usage_chunk["turnkv"] = stats.model_dump()
-                out.append(turn_stats.sse(self._usage_chunk))
+                out.append(sse(self._usage_chunk))
             elif self._turn.stats_in_stream:
-                out.append(turn_stats.chunk(self._turn, stats, self._template))
+                out.append(stats_chunk(self._turn, stats, self._template))
             return [*out, b"data: [DONE]\n\n"]
         chunk = self._chunk
         if chunk is None:
@@ -155,8 +193,8 @@ class ChatRelay(Relay):
         if chunk.get("usage") and not chunk.get("choices") and "error" not in chunk:
             self._usage_chunk = chunk  # sent, if asked for, with the stats at the end
             return []
-        return [turn_stats.sse(chunk)]
+        return [sse(chunk)]
 
     def error(self, message: str) -> bytes:
-        return turn_stats.sse({"error": {"message": message, "type": "service_unavailable",
+        return sse({"error": {"message": message, "type": "service_unavailable",
                                          "code": 503}})

@@ -9,7 +9,7 @@ back (the prefill engine computes the last reply again with the next turn's new 
 
 Usage is Anthropic's: `input_tokens` are what was neither read from nor written to the cache,
 `cache_read_input_tokens` what was read. The router makes the latter what the turn did not
-compute (`stats.correct_usage` says why), moving the rest into `input_tokens`, so that their
+compute (`chat.correct_usage` says why), moving the rest into `input_tokens`, so that their
 sum stays the prompt. Errors are Anthropic's shape (`router.errors`), a stream's error event
 too.
 """

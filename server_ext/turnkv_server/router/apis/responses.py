@@ -190,7 +190,7 @@ def chat_usage(usage: Any) -> dict[str, Any]:
 
 def correct_usage(usage: Any, plan: TurnPlan, stats: p.RouterTurnStats) -> None:
     """`usage.input_tokens_details.cached_tokens` (in place): what the turn did not compute, as
-    for chat (`stats.correct_usage`)."""
+    for chat (`chat.correct_usage`)."""
     details = usage.get("input_tokens_details") if isinstance(usage, dict) else None
     if not isinstance(details, dict):
         return
