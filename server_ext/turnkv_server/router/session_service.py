@@ -62,14 +62,27 @@ class SessionService:
         self._on_forget = on_forget
         table.on_drop = self._forget
 
-    async def begin_turn(self, key: SessionKey) -> tuple[Session, bool]:
+    async def begin_turn(self, key: SessionKey, home: tuple[str | None, str] | None = None
+                         ) -> tuple[Session, bool]:
         """The session a tagged turn belongs to, in flight from now on; and whether the turn
-        opened it."""
+        opened it (on `home`, its (prefill, decode) engines, where one is given)."""
         await self.sync(key)
         opened = self.table.get(key) is None
         session = self.table.open(key)
         session.in_flight = True
+        if opened and home is not None and session.decode is None:
+            session.prefill, session.decode = home
         return session, opened
+
+    def placed(self, session: Session, decode: str) -> None:
+        """The turn goes to `decode`: for a new session, where the table counts it home until
+        its first turn ends (sessions that start together would all look homeless)."""
+        session.placed = decode
+
+    def relay_ended(self, session: Session) -> None:
+        """A streamed turn's relay is over, however it ended (`remember` came before it, if
+        the turn was served)."""
+        session.in_flight = False
 
     async def end_turn(self, session: Session, opened: bool, failed: bool) -> None:
         session.in_flight = False

@@ -82,10 +82,9 @@ class Turns:
         raises `TurnFailed`, `EngineRejected` (the engine's 4xx, passed on) or `ClientLeft`."""
         session, opened = None, False
         if tag is not None:
-            session, opened = await self.sessions.begin_turn(SessionKey(tenant, tag.session_id))
+            session, opened = await self.sessions.begin_turn(SessionKey(tenant, tag.session_id),
+                                                             home)
             prefix_id = tag.prefix_id
-            if opened and home is not None and session.decode is None:
-                session.prefill, session.decode = home
         turn = Turn(path=api.path, body=body, tag=tag, session=session,
                     want_token_ids=api.wants_token_ids(body), stream=api.stream(body),
                     prefix_id=prefix_id, api=api,
@@ -140,7 +139,7 @@ class Turns:
         placement = self.pool.place(prefill=prefill, decode=decode, prefix_id=turn.prefix_id,
                                     homed=homed)
         if session is not None:
-            session.placed = placement.decode.name
+            self.sessions.placed(session, placement.decode.name)
         return placement
 
     async def _attempt(self, turn: Turn, placement: Placement, fallback: p.FallbackReason | None,
@@ -298,7 +297,7 @@ class Turns:
             self.metrics.errors.labels("incomplete_stream").inc()
         decode.cut()  # closes the response; gives up the mode's plans unless complete
         if decode.turn.session is not None:
-            decode.turn.session.in_flight = False
+            self.sessions.relay_ended(decode.turn.session)
 
     async def _remember(self, turn: Turn, plan: TurnPlan, turn_stats: p.RouterTurnStats,
                         reply: RelayedReply | None = None) -> None:
