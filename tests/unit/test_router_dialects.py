@@ -1,4 +1,4 @@
-"""Peers' session dialects (`turnkv_server.router.dialects`): OpenAI's `prompt_cache_key`,
+"""Peers' session dialects (`turnkv_server.router.peer_sessions`): OpenAI's `prompt_cache_key`,
 Dynamo's `nvext.session_control` and `nvext.agent_hints`, and the `X-Dynamo-Session-*` headers,
 read as the turnkv tag, as test_router_logic.py reads the native one: the mapping, the
 precedence of the native tag, the refusals. Then a few turns through the router (under
@@ -24,7 +24,7 @@ from tests.unit.test_router_affinity import StandIn
 from turnkv.protocol import MAX_TTL_SECONDS, CacheHints, TurnTag
 from turnkv_server.router.app import create_app
 from turnkv_server.router.config import RouterConfig
-from turnkv_server.router.dialects import PROMPT_CACHE_PREFIX, DialectError
+from turnkv_server.router.peer_sessions import PROMPT_CACHE_PREFIX, DialectError
 from turnkv_server.router.tags import BadRequest, extract_tag
 
 DYNAMO = "X-Dynamo-Session-ID"

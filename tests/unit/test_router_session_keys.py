@@ -18,8 +18,12 @@ import pytest
 from tests.unit.test_router_affinity import StandIn
 from tests.unit.test_router_dialects import router_with_tenants
 from turnkv.protocol import MAX_TTL_SECONDS, CacheHints, TurnTag
-from turnkv_server.router.dialects import PROMPT_CACHE_PREFIX, DialectError
-from turnkv_server.router.peer_sessions import FOREIGN_PREFIX, foreign_id
+from turnkv_server.router.peer_sessions import (
+    FOREIGN_PREFIX,
+    PROMPT_CACHE_PREFIX,
+    DialectError,
+    foreign_id,
+)
 from turnkv_server.router.tags import read_keys
 
 CODEX = {"originator": "codex_cli_rs"}

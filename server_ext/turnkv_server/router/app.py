@@ -33,11 +33,11 @@ from turnkv_server.router.apis.messages import MESSAGES
 from turnkv_server.router.apis.responses import RESPONSES_ERRORS
 from turnkv_server.router.apis.responses_state import ResponsesService
 from turnkv_server.router.config import RouterConfig
-from turnkv_server.router.dialects import DialectError
 from turnkv_server.router.errors import error_response, install_error_handlers
 from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
+from turnkv_server.router.peer_sessions import DialectError
 from turnkv_server.router.placement import Engine, EnginePool
 from turnkv_server.router.responses_store import ResponsesGauges, responses_store
 from turnkv_server.router.session_service import Admission, ClientLeft, SessionService

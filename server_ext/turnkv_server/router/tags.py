@@ -1,7 +1,7 @@
 """Reading a request's keys: turnkv's own tag (the body's `turnkv` field, the `X-TurnKV-*`
 headers under it), then the session keys of other stacks in one order (docs/protocol.md,
-"Session keys"): Dynamo's (`dialects`), vLLM's, the Responses lineage, the coding agents'
-headers (`peer_sessions`), Codex's `prompt_cache_key`. A request none of them names is left
+"Session keys"): Dynamo's, vLLM's, the Responses lineage, the coding agents' headers
+(`peer_sessions`), Codex's `prompt_cache_key`. A request none of them names is left
 to the content (`inferred_sessions`). And what the router refuses to serve.
 
 The turnkv tag wins field by field; the first key that names a session names it, and the
@@ -18,8 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from turnkv import protocol as p
-from turnkv_server.router.dialects import read_dialects
-from turnkv_server.router.peer_sessions import foreign_id, read_peer_sessions
+from turnkv_server.router.peer_sessions import foreign_id, read_dialects, read_peer_sessions
 
 DEFAULT_TENANT = "default"
 
