@@ -1,46 +1,24 @@
 """The `turnkv` mode's P/D form (`--fixed-pools`): the turnkv connector on every engine, session
 KV kept on both sides. Without fixed pools the planner places each turn (`modes.planned`) and
-carries out its splits and push backs with this machinery.
+carries out its splits and push backs with this machinery. docs/architecture.md ("The P/D
+form") tells the whole path; in short, per turn:
 
-Per turn (see docs/architecture.md for the picture):
-1. `plan`: prefill and decode are dispatched at the same time under one transfer ID. The
-   decode engine registers the blocks it lacks beyond its own prefix hit (the session's lease
-   keeps the last turn there), and the prefill engine writes exactly those, layer by layer.
-2. `finish`, after a whole reply: the decode engine keeps the turn's blocks (for the session's
-   lease, and until the push back); the router sends the prefill engine a one-token request
-   over the session's whole history, during the agent's tool time. The prefill engine
-   registers what it lacks (the generated tokens), the decode engine writes it, and the next
-   turn's prefill computes only the new message.
-3. Both engines hold the session's blocks under a lease: the client's TTL, priority and
-   `next_turn_in` hints ride along (the engines cap the TTL, and evict the session expected
-   back last first); the TTL is the router's own for the session (`next_turn_in` stretches
-   it), so the engines keep the KV as long as the router keeps the session. `final` and
-   DELETE release the leases; hints sent between turns renew them (`hinted`).
+1. `plan`: prefill and decode go out together under one transfer ID; the prefill engine writes
+   the blocks the decode engine lacks beyond its prefix hit, layer by layer. A short delta (at
+   most `short_delta_tokens` new tokens, counted with the decode engine's /tokenize) is
+   computed by the decode engine alone, unless the ITL target (`modes.itl`) says its other
+   requests cannot wait; while no prefill engine is up, the decode engine serves every turn so.
+2. `finish`, after a whole reply: the decode engine keeps the turn's blocks, and the router
+   pushes the history back to the prefill engine (a one-token request that receives them)
+   during the agent's tool time. Both engines hold the session's blocks under its lease (the
+   router's TTL for it, the client's priority and `next_turn_in`); `final` and DELETE release
+   them, hints between turns renew them (`hinted`).
 
-The engines keep a send for a receiver that registers later (the plan names both:
-`prefill_send`, `decode_send`). Whenever the router knows that receiver will not come (the
-turn's stream was cut, its output was empty, the decode request was refused, the prefill
-engine refused or failed the push back, or the session ended), it tells the engine to give the
-send up at once (`TurnParams.abandon`), so that those blocks do not stay allocated for the
-whole send timeout.
-
-A short delta skips step 1: when a turn adds at most `short_delta_tokens` tokens to the
-session's history (counted with the decode engine's /tokenize), the decode engine, which holds
-that history, computes them itself and no prefill request is sent. Step 2 brings the prefill
-engine up to date as usual, so a later long turn still prefills only its new tokens. A decode
-engine that turns out to have lost the history backs off short deltas for a while. With an ITL
-target (`itl_target_ms`, `modes.itl`), a short delta that would stall the decode engine's other
-requests longer than the target goes through step 1 instead. While no prefill engine is up,
-the decode engine serves every turn that way (computing whatever it does not hold,
-`fallback: engine_unavailable`) and keeps nothing for a push back.
-
-Under memory pressure a push back harms: the decode engine gives its send up for room before a
-busy prefill engine gets to the push back, whose receive fails, and the prefill engine
-recomputes the whole history (vLLM recomputes what a load failed to bring) to hold it in a
-lease that pressure ends again. So such a push back stops push backs to that prefill engine
-for a while (`backoff`): turns compute what its prefix cache lacks, as in `standard`.
-
-Everything reaches the engines as `kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`).
+A send whose receiver will not come (a cut stream, an empty output, a refused request, an
+ended session) is given up at once (`TurnParams.abandon`). Misses back off (`Backoff`): a
+decode engine that lost a short delta's history skips short deltas, and a push back whose
+receive failed stops push backs to that engine, for a while. Everything reaches the engines as
+`kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`).
 """
 
 from __future__ import annotations
@@ -48,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from turnkv.protocol import CacheHints, FallbackReason
@@ -59,7 +38,6 @@ from turnkv_server.engine.protocol import (
     parse_reply,
 )
 from turnkv_server.engine.requests import one_token_request
-from turnkv_server.router.modes.backoff import Backoff
 from turnkv_server.router.modes.base import (
     DecodeAlone,
     Mode,
@@ -119,6 +97,33 @@ def lost_history(computed: int | None, delta: int) -> bool:
     """Whether a decode engine that computed `computed` prompt tokens for a short delta of
     `delta` tokens had lost the session's KV (None: its usage did not say)."""
     return computed is not None and computed > delta + HELD_TAIL_TOKENS
+
+
+class Backoff:
+    """Per-engine backoffs: after a miss, an engine is avoided for a while, twice as long after
+    each further miss (up to a cap), and no longer once a try succeeds."""
+
+    def __init__(self, first_s: float, max_s: float, clock: Callable[[], float]) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self._clock = clock
+        # Engine name -> (until when it is avoided, the current backoff).
+        self._until: dict[str, tuple[float, float]] = {}
+
+    def active(self, engine: str) -> bool:
+        until, _ = self._until.get(engine, (0.0, 0.0))
+        return self._clock() < until
+
+    def record(self, engine: str, missed: bool) -> float | None:
+        """A try on `engine` missed (start or double its backoff: returns its length in
+        seconds) or succeeded (end it: None)."""
+        if not missed:
+            self._until.pop(engine, None)
+            return None
+        _, backoff = self._until.get(engine, (0.0, self.first_s / 2))
+        backoff = min(backoff * 2, self.max_s)
+        self._until[engine] = (self._clock() + backoff, backoff)
+        return backoff
 
 
 class PdTurnkv(Mode):
