@@ -208,7 +208,7 @@ class PdTurnkv(Mode):
             return None, None
         # Read after /tokenize has ended: this turn's own requests are not in the count. (Only
         # a prefill engine that is up can take the delta instead.) Without a target the
-        # policy's module is never entered: a default turn reads in six router files.
+        # policy's module is never entered.
         if self.ctx.itl_target_ms is not None and placement.prefill.healthy:
             tokens = tokens_to_compute(len(prompt_ids), len(prompt_ids) - delta,
                                        decode.block_size)
