@@ -18,29 +18,40 @@ def session(key: SessionKey) -> Session:
     s.prefill, s.decode, s.prefix_id, s.priority = "prefill-0", "decode-1", "p-1", 2
     s.tokens, s.turns = [1, 2, 3], 4
     s.totals.turns, s.totals.prefill_computed = 4, 300
-    s.mode_state.update({"last_stats": {"turn": 4}, "model": "m", "pair": ("t", "decode-1")})
+    s.mode_state.model = "m"
     return s
+
+
+def test_a_sessions_mode_state_is_a_typed_record() -> None:
+    """What the modes keep of a session is a record of typed fields, one per thing kept (the
+    model its turns name, a push back in flight, bidirectional's offer of held KV), not a dict
+    of string keys."""
+    from turnkv_server.router.sessions import ModeState
+
+    state = Session(key=SessionKey("tenant", "s"), created_at=0.0, last_used=0.0,
+                    expires_at=1.0).mode_state
+    assert isinstance(state, ModeState)
+    assert (state.model, state.push_back, state.held_kv) == (None, None, None)
 
 
 def test_a_record_carries_what_the_next_turn_needs_and_no_local_object() -> None:
     key = SessionKey("tenant", "s1")
     source = session(key)
     task_like = object()  # a push back in flight: this process's alone
-    source.mode_state["push_back"] = task_like
+    source.mode_state.push_back = task_like  # type: ignore[assignment]
     record = to_record(source)
-    assert "push_back" not in record["mode_state"]
-    assert record["mode_state"]["pair"] == ("t", "decode-1")
+    assert record["mode_state"] == {"model": "m"}
 
     target = Session(key=key, created_at=5.0, last_used=5.0, expires_at=9.0)
-    target.mode_state["local_task"] = task_like
-    target.mode_state["model"] = "stale"
+    target.mode_state.push_back = task_like  # type: ignore[assignment]
+    target.mode_state.model = "stale"
     apply_record(target, record)
     assert (target.prefill, target.decode, target.prefix_id, target.priority) == (
         "prefill-0", "decode-1", "p-1", 2)
     assert (target.tokens, target.turns) == ([1, 2, 3], 4)
     assert vars(target.totals) == vars(source.totals)
-    assert target.mode_state["model"] == "m"  # the record's, over the stale local value
-    assert target.mode_state["local_task"] is task_like
+    assert target.mode_state.model == "m"  # the record's, over the stale local value
+    assert target.mode_state.push_back is task_like
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ from turnkv_server.router.modes.base import (
 from turnkv_server.router.modes.leases import prefetch_lease
 from turnkv_server.router.modes.turnkv import (
     PRESSURE_BACKOFF_S,
-    PUSH_BACK,
     PUSH_BACK_BACKOFF_S,
     lease_key,
     lost_history,
@@ -272,7 +271,7 @@ def test_the_next_turn_hint_goes_to_every_engine_that_keeps_the_session() -> Non
         t.prompt_token_ids, t.output_token_ids = [7, 8, 9], [1, 2]
         mode.finish(t, plan, TurnEnd("complete", None, None))
         assert t.session is not None
-        await t.session.mode_state[PUSH_BACK]  # spawned by finish: it posts its request
+        await t.session.mode_state.push_back  # spawned by finish: it posts its request
         return plan
 
     plan = asyncio.run(one_turn(turn(CacheHints(ttl=60, next_turn_in=8.5))))
@@ -338,7 +337,7 @@ def test_a_push_back_that_recomputed_the_history_stops_push_backs_for_a_while() 
         t.prompt_token_ids, t.output_token_ids = [7, 8, 9], [1, 2]
         mode.finish(t, plan, TurnEnd("complete", None, None))
         assert t.session is not None
-        push_back = t.session.mode_state.get(PUSH_BACK)
+        push_back = t.session.mode_state.push_back
         if push_back is not None:
             await push_back
         return plan
@@ -379,7 +378,7 @@ def test_every_request_of_a_session_carries_its_epoch_and_its_next_life_a_later_
         plan = await mode.plan(t, placement)
         t.prompt_token_ids, t.output_token_ids = [7, 8, 9], [1, 2]
         mode.finish(t, plan, TurnEnd("complete", None, None))
-        await session.mode_state[PUSH_BACK]
+        await session.mode_state.push_back
         session.prefill, session.decode = placement.prefill.name, placement.decode.name
         mode.hinted(session, CacheHints(next_turn_in=30))
         mode.drop_session(session)

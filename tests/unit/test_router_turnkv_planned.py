@@ -18,7 +18,6 @@ from turnkv_server.router.config import RouterConfig, from_args
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.modes.planned import SessionPlace, Turnkv
-from turnkv_server.router.modes.turnkv import PUSH_BACK
 from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.planner import Where
 from turnkv_server.router.sessions import SessionKey
@@ -213,11 +212,11 @@ def test_push_back_only_where_the_planner_decided_it() -> None:
         assert plan.decode_send is None
         t.prompt_token_ids, t.output_token_ids = [5] * 40, [6] * 10
         served(mode, t, plan, total=40, computed=40)
-        assert t.session is not None and PUSH_BACK not in t.session.mode_state
+        assert t.session is not None and t.session.mode_state.push_back is None
         plan = await mode.plan(t, place(mode, t))
         assert plan.decision is not None and plan.decision.push_back
         served(mode, t, plan, total=40, computed=40)
-        task = t.session.mode_state.get(PUSH_BACK)
+        task = t.session.mode_state.push_back
         assert isinstance(task, asyncio.Task)  # sent to the other engine (nobody listens)
         await asyncio.gather(task, return_exceptions=True)
 

@@ -118,14 +118,14 @@ def to_record(session: Session) -> dict[str, Any]:
         "turns": session.turns,
         "totals": vars(session.totals),
         "last_stats": session.last_stats,
-        "mode_state": {k: v for k, v in session.mode_state.items() if _json_safe(v)},
+        "mode_state": {"model": session.mode_state.model},
         "epoch": session.epoch,
     }
 
 
 def apply_record(session: Session, record: dict[str, Any]) -> None:
     """Make `session` what another router left: its fields, and the stored mode state over
-    this router's (whose tasks, if any, stay)."""
+    this router's (whose tasks and offers, if any, stay)."""
     session.prefill = record.get("prefill")
     session.decode = record.get("decode")
     session.prefix_id = record.get("prefix_id")
@@ -140,17 +140,5 @@ def apply_record(session: Session, record: dict[str, Any]) -> None:
                                       if k in SessionTotals.__dataclass_fields__})
     last = record.get("last_stats")
     session.last_stats = last if isinstance(last, dict) else None
-    kept = {k: v for k, v in session.mode_state.items() if not _json_safe(v)}
-    session.mode_state = {**dict(record.get("mode_state") or {}), **kept}
-
-
-def _json_safe(value: Any) -> bool:
-    """Plain JSON only: a dataclass (bidirectional's held KV, with this process's clock in it)
-    or a task stays with the router that made it."""
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_json_safe(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _json_safe(v) for k, v in value.items())
-    return False
+    model = (record.get("mode_state") or {}).get("model")
+    session.mode_state.model = model if isinstance(model, str) else None

@@ -27,6 +27,7 @@ routers sharing a store, as far as their clocks agree (docs/protocol.md says wha
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -82,6 +83,34 @@ class SessionTotals:
 
 
 @dataclass
+class HeldKv:
+    """bidirectional: a decode engine's offer to have the session's blocks read back, from its
+    last turn."""
+
+    params: dict[str, Any]
+    token_ids: list[int]
+    decode: str
+    expires_at: float
+
+
+@dataclass
+class ModeState:
+    """What the serving modes keep of a session between its turns, one typed field per thing
+    kept (each mode sets its own). Plain data (`model`) travels in the session's record to the
+    routers sharing the store; a task in flight, or an offer that holds this router's clock,
+    stays in this process."""
+
+    # turnkv, affinity: the model the session's turns name (ending or renewing its engines'
+    # leases takes a request of it).
+    model: str | None = None
+    # turnkv: the push back of the last turn's history to the other engine, in flight.
+    push_back: asyncio.Task[None] | None = None
+    # bidirectional: the KV the decode engine holds for the next turn to read back, or the
+    # request asking it for that, in flight.
+    held_kv: HeldKv | asyncio.Task[HeldKv | None] | None = None
+
+
+@dataclass
 class Session:
     key: SessionKey
     created_at: float
@@ -94,8 +123,8 @@ class Session:
     # Token IDs the engines hold for this session: last prompt + its output.
     tokens: list[int] = field(default_factory=list)
     turns: int = 0
-    # Per-mode state, e.g. the decode engine's kv_transfer_params in bidirectional mode.
-    mode_state: dict[str, Any] = field(default_factory=dict)
+    # What the serving mode keeps of it between turns.
+    mode_state: ModeState = field(default_factory=ModeState)
     totals: SessionTotals = field(default_factory=SessionTotals)
     last_stats: dict[str, Any] | None = None  # the last turn's, as the client got them
     in_flight: bool = False

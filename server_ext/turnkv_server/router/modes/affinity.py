@@ -46,9 +46,6 @@ from turnkv_server.router.modes.leases import (
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session
 
-# The session's model, for the one-token requests that end or renew its engine's lease.
-MODEL = "affinity_model"
-
 
 class Affinity(Mode):
     affinity = True
@@ -67,7 +64,7 @@ class Affinity(Mode):
         # nothing here judges whether an engine lost a session's KV.
         params = None
         if self.ctx.engine_leases and turn.session is not None:
-            turn.session.mode_state[MODEL] = turn.body.get("model")
+            turn.session.mode_state.model = turn.body.get("model")
             params = lease_params(turn, self.ctx.session_policy)
         return TurnPlan(placement, prefill_params=None, decode_params=params,
                         alone=DecodeAlone(None, new_tokens=0, held=False))
@@ -91,11 +88,11 @@ class Affinity(Mode):
         engine = self._engine_of(session)
         if engine is not None:
             release = TurnParams(session=lease_key(session), release=True, epoch=session.epoch)
-            self._orders.spawn(self._orders.tell(session.mode_state.get(MODEL),
+            self._orders.spawn(self._orders.tell(session.mode_state.model,
                                                  [(engine, release)]))
 
     def hinted(self, session: Session, hints: CacheHints) -> None:
-        engine, model = self._engine_of(session), session.mode_state.get(MODEL)
+        engine, model = self._engine_of(session), session.mode_state.model
         if engine is None or model is None or hints.final or session.in_flight:
             return
         params = TurnParams(session=lease_key(session), renew_only=True, epoch=session.epoch,

@@ -20,10 +20,11 @@ the others). A hook never raises on the engines' account, but `plan`, whose engi
 (`/tokenize`) may fail with `EngineConnectionError`: that attempt is then replayed elsewhere.
 
 The pipeline owns everything else: the engine requests of the turn and their ends, the stats,
-the session's history. A mode's state per session (a push back in flight, an offer of held KV)
-lives in `Session.mode_state`, which the session's record carries to other routers when it is
-plain JSON; state the mode keeps itself, keyed by session (a pending prefetch, a pool's home),
-must be let go of in `drop_session` and `forget_session`, or it outlives the session.
+the session's history. A mode's state per session (its model, a push back in flight, an offer
+of held KV) lives in `Session.mode_state`, a typed record (`sessions.ModeState`) whose plain
+data the session's record carries to other routers; state the mode keeps itself, keyed by
+session (a pending prefetch, a pool's home), must be let go of in `drop_session` and
+`forget_session`, or it outlives the session.
 """
 
 from __future__ import annotations
@@ -303,7 +304,7 @@ class Mode:
         done-callback (`drop_decode`): not awaitable.
         Does: arranges what follows a whole turn (a push back, a prefetch), or gives up what
         the plan arranged (`TurnParams.abandon`), by spawning tasks. It may keep per-session
-        state in `Session.mode_state`.
+        state in `Session.mode_state` (`sessions.ModeState`: a field of its own).
         Must not: block or await, or raise: the turn's response is past it."""
 
     def drop_session(self, session: Session) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, one_token_request
@@ -25,24 +25,13 @@ from turnkv_server.router.modes.base import (
     tokenize_body,
 )
 from turnkv_server.router.placement import Engine, Placement
-from turnkv_server.router.sessions import Session
+from turnkv_server.router.sessions import HeldKv, Session
 from turnkv_server.router.token_history import common_prefix_len
 from turnkv_server.router.upstream import EngineConnectionError
 
-KEY = "bidirectional_held"
 # Held params are not offered this close to their expiry: a read of expired blocks fails the
 # prefill request with a 500 (measured), and the clocks of router and engine differ.
 EXPIRY_MARGIN_S = 10.0
-
-
-@dataclass
-class HeldKv:
-    """A decode engine's offer to have the session's blocks read back, from its last turn."""
-
-    params: dict[str, Any]
-    token_ids: list[int]
-    decode: str
-    expires_at: float
 
 
 def trim_offer(
@@ -108,15 +97,15 @@ class Bidirectional(Mode):
         decode = plan.placement.decode
         expires_at = self.ctx.clock() + self.ctx.decoder_kv_ttl - EXPIRY_MARGIN_S
         if end.reply and end.reply.get("remote_block_ids"):
-            session.mode_state[KEY] = HeldKv(end.reply, token_ids, decode.name, expires_at)
+            session.mode_state.held_kv = HeldKv(end.reply, token_ids, decode.name, expires_at)
             return
         # A streamed response carries no params: ask the decode engine for them with a
         # one-token request over the same tokens, which hits the blocks the turn left there.
-        session.mode_state[KEY] = asyncio.create_task(
+        session.mode_state.held_kv = asyncio.create_task(
             self._capture(decode, turn, token_ids, expires_at))
 
     def drop_session(self, session: Session) -> None:
-        held = session.mode_state.pop(KEY, None)
+        held, session.mode_state.held_kv = session.mode_state.held_kv, None
         if isinstance(held, asyncio.Task):
             held.cancel()
 
@@ -139,14 +128,14 @@ class Bidirectional(Mode):
     async def _take_held(self, session: Session | None) -> HeldKv | None:
         if session is None:
             return None
-        held = session.mode_state.pop(KEY, None)
-        if isinstance(held, asyncio.Task):
-            try:
-                held = await asyncio.wait_for(held, timeout=10.0)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                held.cancel()
-                return None
-        return held if isinstance(held, HeldKv) else None
+        held, session.mode_state.held_kv = session.mode_state.held_kv, None
+        if not isinstance(held, asyncio.Task):
+            return held
+        try:
+            return await asyncio.wait_for(held, timeout=10.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            held.cancel()
+            return None
 
     async def _block_size(self, engine: Engine) -> int:
         if engine.name not in self._block_sizes:

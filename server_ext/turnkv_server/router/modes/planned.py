@@ -42,7 +42,6 @@ from turnkv_server.router.modes.leases import turn_hints
 from turnkv_server.router.modes.pair_pool import MAX_HOMES, PairPool
 from turnkv_server.router.modes.turnkv import (
     HELD_TAIL_TOKENS,
-    MODEL,
     PdTurnkv,
     send_or_none,
     transfer_id,
@@ -96,7 +95,7 @@ class Turnkv(PdTurnkv):
             return await super().plan(turn, placement)
         session = turn.session
         if session is not None:
-            session.mode_state[MODEL] = turn.body.get("model")
+            session.mode_state.model = turn.body.get("model")
         home = self._home(session, placement)
         other = self._other(home)
         home_load = self._load(home)

@@ -65,8 +65,6 @@ from turnkv_server.router.upstream import EngineConnectionError, Reply
 
 log = logging.getLogger(__name__)
 
-PUSH_BACK = "turnkv_push_back"
-MODEL = "turnkv_model"
 # The next turn waits this long for the previous push back to land on the prefill engine.
 PUSH_BACK_WAIT_S = 5.0
 PUSH_BACK_TIMEOUT_S = 120.0
@@ -159,7 +157,7 @@ class PdTurnkv(Mode):
         session = turn.session
         if session is not None:
             # Releasing the session's leases when it ends takes a request of its model.
-            session.mode_state[MODEL] = turn.body.get("model")
+            session.mode_state.model = turn.body.get("model")
             if self._pool is not None:
                 return self._pool.plan(session, placement, self._params(turn))
         # The decode engine keeps the turn for the push back, unless there is nothing to keep,
@@ -234,8 +232,10 @@ class PdTurnkv(Mode):
         return DecodeAlone(prompt_ids, new_tokens(prompt_ids, history), held=held)
 
     async def _settle_push_back(self, session: Session | None) -> None:
-        task = session.mode_state.pop(PUSH_BACK, None) if session is not None else None
-        if isinstance(task, asyncio.Task) and not task.done():
+        if session is None or session.mode_state.push_back is None:
+            return
+        task, session.mode_state.push_back = session.mode_state.push_back, None
+        if not task.done():
             # A turn that comes before the push back has landed computes what it lacks.
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(task), PUSH_BACK_WAIT_S)
@@ -296,7 +296,7 @@ class PdTurnkv(Mode):
         # another cache.
         request = one_token_request(model, history, self._params(turn, receive=receive),
                                     cache_salt=turn.body.get("cache_salt"))
-        turn.session.mode_state[PUSH_BACK] = self._orders.spawn(
+        turn.session.mode_state.push_back = self._orders.spawn(
             self._push_back(prefill, decode, request, plan.decode_send))
 
     def _prefetch_pays(self, engine: Engine) -> bool:
@@ -311,11 +311,11 @@ class PdTurnkv(Mode):
 
     def drop_session(self, session: Session) -> None:
         self.forget_session(session)
-        task = session.mode_state.pop(PUSH_BACK, None)
-        if isinstance(task, asyncio.Task) and not task.done():
+        task, session.mode_state.push_back = session.mode_state.push_back, None
+        if task is not None and not task.done():
             # Its own ending gives the decode engine's send up (`_push_back`).
             task.cancel()
-        model = session.mode_state.get(MODEL)
+        model = session.mode_state.model
         pool = self.ctx.pool
         if pool is None or model is None:
             return
@@ -330,14 +330,13 @@ class PdTurnkv(Mode):
         engine now, the prefill engine once the push back in flight has landed (it replaces
         that engine's lease with the turn's, hints and all). A turn in flight pins new
         leases with its own hints when it ends: nothing to renew."""
-        model, pool = session.mode_state.get(MODEL), self.ctx.pool
+        model, pool = session.mode_state.model, self.ctx.pool
         if hints.final or session.in_flight or model is None or pool is None:
             return
         params = TurnParams(session=lease_key(session), renew_only=True, epoch=session.epoch,
                             ttl_s=self.ctx.session_policy.engine_ttl(hints),
                             priority=session.priority, next_turn_in_s=hints.next_turn_in)
-        push_back = session.mode_state.get(PUSH_BACK)
-        landing = push_back if isinstance(push_back, asyncio.Task) else None
+        landing = session.mode_state.push_back
         for engine in pool.engines():
             if engine.healthy and engine.name in (session.prefill, session.decode):
                 after = landing if engine.name == session.prefill else None
