@@ -110,7 +110,7 @@ class Router:
         them) and makes the request one turn of its API after. Errors come in the API's
         shape."""
         headers = Headers.of_raw(request.headers.raw)
-        tenant = self.tenants.tenant_for(api.authorization(headers))
+        tenant = self.tenants.tenant_of(headers, api.key_header)
         if tenant is None:
             return api.error_response(401, "missing or unknown API key")
         try:
@@ -312,7 +312,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         """Any decode engine counts (Claude Code asks before it sends a long conversation)."""
-        if router.tenants.tenant_for(MESSAGES.authorization(request.headers)) is None:
+        if router.tenants.tenant_of(request.headers, MESSAGES.key_header) is None:
             return MESSAGES.error_response(401, "missing or unknown API key")
         try:
             body = await router._read_body(request)

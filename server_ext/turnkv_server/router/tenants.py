@@ -130,6 +130,13 @@ class Tenants:
                 return tenant
         return None
 
+    def tenant_of(self, headers: Mapping[str, str], key_header: str | None = None) -> str | None:
+        """The tenant of a request by its headers: the bearer key of its `Authorization`, else
+        the key in `key_header` where its API's clients send it there (Anthropic's send
+        `x-api-key`, or, given a token, a bearer token as OpenAI's do)."""
+        key = headers.get(key_header) if key_header is not None else None
+        return self.tenant_for(headers.get("authorization") or (f"Bearer {key}" if key else None))
+
     def is_admin(self, authorization: str | None) -> bool:
         if self._admin_key is None:
             return not self._keys  # an open router has open admin routes

@@ -21,7 +21,7 @@ called with the client's whole answer once the turn is served.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,18 +66,18 @@ class Seen:
     last: bool = False
 
 
+@dataclass(eq=False)
 class Relay(ABC):
     """One streamed answer, read event by event (`read`), each then written for the client
     (`write`). The pipeline finishes the turn's stats between the two for the `last` event."""
 
-    def __init__(self) -> None:
-        self.answer = Answer()
-        # The client's whole answer, where the API's stream ends with one (the Responses API's
-        # `response.completed`): what `Api.answered` gets.
-        self.whole: dict[str, Any] | None = None
-        # The assistant message relayed, gathered for a session inferred from its
-        # conversation (`inferred_sessions`); None where nothing gathers it.
-        self.message: RelayedReply | None = None
+    answer: Answer = field(default_factory=Answer)
+    # The client's whole answer, where the API's stream ends with one (the Responses API's
+    # `response.completed`): what `Api.answered` gets.
+    whole: dict[str, Any] | None = None
+    # The assistant message relayed, gathered for a session inferred from its conversation
+    # (`inferred_sessions`); None where nothing gathers it.
+    message: RelayedReply | None = None
 
     @abstractmethod
     def read(self, event: SseEvent) -> Seen:
@@ -98,6 +98,9 @@ class Api(ABC):
 
     # The engines' route for it.
     path: str
+    # The header its clients may send the API key in instead of `Authorization: Bearer`
+    # (`Tenants.tenant_of`); None: that one only.
+    key_header: str | None = None
     # Whether the engines report a turn's prompt and output token IDs on this route: without
     # them the session keeps no token history (the modes plan as they do for `affinity`).
     gives_token_ids: bool = True
@@ -143,10 +146,6 @@ class Api(ABC):
     @abstractmethod
     def relay(self, turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats) -> Relay:
         """A streamed answer's relay (`stats` hold the prefill's part already)."""
-
-    def authorization(self, headers: Mapping[str, str]) -> str | None:
-        """The request's `Authorization` (the API key as a bearer token)."""
-        return headers.get("authorization")
 
     def engine_request_id(self, request_id: str) -> str:
         """The ID the engines give the request the router sends with `X-Request-Id:

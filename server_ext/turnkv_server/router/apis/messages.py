@@ -16,7 +16,6 @@ too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
 class Messages(Api):
     path = "/v1/messages"
     gives_token_ids = False
+    key_header = "x-api-key"  # Anthropic's clients send their key there
 
     def prefill_request(self, body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         prefill = dict(body)
@@ -82,12 +82,6 @@ class Messages(Api):
         message = error.get("message") if isinstance(error, dict) else None
         return error_response(status, str(message or "the engine refused the request"),
                               path=self.path)
-
-    def authorization(self, headers: Mapping[str, str]) -> str | None:
-        """Anthropic's clients send their key as `x-api-key` (or, given a token, as a bearer
-        token, as OpenAI's do)."""
-        key = headers.get("x-api-key")
-        return headers.get("authorization") or (f"Bearer {key}" if key else None)
 
 
 MESSAGES = Messages()
