@@ -1,5 +1,5 @@
-"""Admission (`router/admission.py`): a new session's first turn waits while the live sessions'
-histories fill the engines.
+"""Admission (`router/session_service.py`): a new session's first turn waits while the live
+sessions' histories fill the engines.
 
 The rule and the queue run without HTTP, on a real session table and service (whose wake-ups
 they rely on). Then turns through the router, under uvicorn in front of the stand-in engine of

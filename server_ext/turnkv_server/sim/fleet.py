@@ -10,7 +10,7 @@ from typing import Any, Literal
 import simpy
 
 from turnkv_server.connector.leases import LeaseLimits
-from turnkv_server.router.admission import fits
+from turnkv_server.router.session_service import fits
 from turnkv_server.sim.baseline_routing import AffinityRouting, StandardRouting, TurnProcess
 from turnkv_server.sim.engine import SimEngine
 from turnkv_server.sim.kv_cache import EvictionOrder, SessionKvCache
@@ -93,7 +93,7 @@ class Fleet:
             self.routing = TurnkvRouting(env, self.engines, self.traffic, spec.itl_target_ms)
         self.outcomes: list[SimTurnOutcome] = []
         self._slots = simpy.Resource(env, spec.concurrency) if spec.concurrency else None
-        # Admission's running totals (`router.session_counts`): histories held, by how many.
+        # Admission's running totals (`router.sessions`): histories held, by how many.
         self._held: dict[str, int] = {}
         self._held_total = 0
         self._starting = 0
@@ -143,7 +143,7 @@ class Fleet:
     def _turn(self, session: SimSession, turn: int) -> TurnProcess:
         return (yield from self.routing.serve(session, turn))
 
-    # -- admission (`router.admission`) ---------------------------------------------------
+    # -- admission (`router.session_service`) ---------------------------------------------------
 
     def _admit(self) -> Generator[simpy.Event, Any, None]:
         budget = self.spec.admission_tokens
