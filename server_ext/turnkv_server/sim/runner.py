@@ -27,7 +27,7 @@ from turnkv_server.sim.summary import summarize
 from turnkv_server.sim.traces import read_trace
 from turnkv_server.sim.validation import validate
 
-VALIDATED_MODES = ("affinity", "standard", "turnkv")
+VALIDATED_MODES = ("affinity", "standard", "turnkv", "affinity-offload", "bound")
 SIZING_JOIN_S = 10.0
 
 

@@ -10,21 +10,29 @@ from dataclasses import replace
 from statistics import median
 from typing import Any
 
+from turnkv_server.bench.cli import VLLM_CPU_BLOCK_TOKENS
+from turnkv_server.mode_names import has_host_tier
 from turnkv_server.sim.bench_workloads import preset_prefix, replay_records
 from turnkv_server.sim.calibration import calibrate
 from turnkv_server.sim.fleet import Fleet, FleetSpec, RoutingName
 from turnkv_server.sim.service_costs import ServiceCosts
 from turnkv_server.sim.summary import summarize
 
-# The bench's modes as simulated layouts: (routing, engines, host tier).
-LAYOUTS: dict[str, tuple[RoutingName, int, bool]] = {
-    "affinity": ("affinity", 2, False),
-    "affinity-offload": ("affinity", 2, True),
-    "bound": ("affinity", 2, False),
-    "standard": ("standard", 2, False),
-    "turnkv": ("turnkv", 2, False),
-    "turnkv-tier": ("turnkv", 2, True),
+# The bench's modes as simulated routings, on two engines; whether a mode has a host tier below
+# each engine's cache is the bench's own table's (`mode_names.has_host_tier`).
+ROUTINGS: dict[str, RoutingName] = {
+    "affinity": "affinity",
+    "affinity-offload": "affinity",
+    "bound": "affinity",
+    "standard": "standard",
+    "turnkv": "turnkv",
+    "turnkv-tier": "turnkv",
 }
+ENGINES = 2
+# Modes that gained their host tier after results were first made with them, and when (UTC, as
+# a result's `created` reads): a run's `config` records the bench's settings, which name the
+# tier's size for every mode, not whether its mode had one.
+TIER_SINCE = {"turnkv": "2026-12-03T18:52:30"}
 
 
 def _bench_figures(result: Mapping[str, Any], mode: str) -> dict[str, float | None]:
@@ -37,22 +45,30 @@ def _bench_figures(result: Mapping[str, Any], mode: str) -> dict[str, float | No
             "hit_rate": median(hits) if hits else None, "runs": len(summaries)}
 
 
-def _tier_tokens(result: Mapping[str, Any], run: Mapping[str, Any]) -> int:
-    blocks = run.get("config", {}).get("tier_host_blocks") or 0
-    size = run.get("config", {}).get("bound_kv_cache_bytes")
-    per_token = (run["config"].get("kv_cache_bytes") or 0) / max(1, run.get("kv_cache_tokens") or 1)
-    if size and per_token:
-        return int(size / per_token)
-    return int(blocks) * 128
+def tier_tokens(run: Mapping[str, Any], created: str = "~") -> int:
+    """Tokens of one engine's host tier in the bench run (0: its mode has none): the blocks
+    the bench gave it (`tier_host_blocks`, as many as `bound`'s cache holds), or where an older
+    result does not say, `bound`'s cache at the run's bytes per token. `created`: the result's
+    (default: made after every change of `TIER_SINCE`)."""
+    if not has_host_tier(run["mode"]) or created < TIER_SINCE.get(run["mode"], ""):
+        return 0
+    config = run.get("config", {})
+    if config.get("tier_host_blocks"):
+        block = config.get("block_size") or VLLM_CPU_BLOCK_TOKENS
+        return int(config["tier_host_blocks"]) * int(block)
+    per_token = (config.get("kv_cache_bytes") or 0) / max(1, run.get("kv_cache_tokens") or 1)
+    size = config.get("bound_kv_cache_bytes")
+    return int(size / per_token) if size and per_token else 0
 
 
 def simulate_run(run: Mapping[str, Any], costs: ServiceCosts, concurrency: int | None,
-                 tier_tokens: int = 0, prefix: tuple[str | None, int] = (None, 0)
+                 prefix: tuple[str | None, int] = (None, 0), created: str = "~"
                  ) -> dict[str, Any]:
-    routing, engines, tier = LAYOUTS[run["mode"]]
+    """One bench run replayed turn for turn on its mode's layout: its cache size, and its
+    host tier where the mode has one."""
     if run.get("kv_cache_tokens"):
         costs = replace(costs, kv_capacity_tokens=int(run["kv_cache_tokens"]))
-    spec = FleetSpec(routing, engines, costs, tier_tokens=tier_tokens if tier else 0,
+    spec = FleetSpec(ROUTINGS[run["mode"]], ENGINES, costs, tier_tokens=tier_tokens(run, created),
                      concurrency=concurrency,
                      itl_target_ms=run.get("config", {}).get("itl_target_ms"))
     return summarize(Fleet(spec).run(replay_records(run["records"], *prefix)))
@@ -69,10 +85,10 @@ def validate(result: Mapping[str, Any], modes: Sequence[str]) -> list[dict[str, 
         runs = [r for r in result["runs"] if r["mode"] == mode
                 and r.get("status", {}).get("state") == "ok"]
         bench = _bench_figures(result, mode)
-        if not runs or mode not in LAYOUTS:
+        if not runs or mode not in ROUTINGS:
             rows.append({"mode": mode, "bench": bench, "sim": None, "error": None})
             continue
-        sims = [simulate_run(r, costs, concurrency, _tier_tokens(result, r), prefix)
+        sims = [simulate_run(r, costs, concurrency, prefix, result.get("created", "~"))
                 for r in runs]
         sim = {"ttft_later_p50_ms": median(s["ttft_ms_later"]["p50"] or 0 for s in sims),
                "hit_rate": median(s["hit_rate"] or 0 for s in sims)}

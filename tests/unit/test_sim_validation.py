@@ -1,0 +1,47 @@
+"""The simulator against `turnkv bench`: each bench mode replayed on a layout that has what the
+bench mode had."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from turnkv_server.sim.service_costs import ServiceCosts
+from turnkv_server.sim.validation import simulate_run
+
+_COSTS = ServiceCosts("test", 50.0, 1.0, 0.0, 40.0, 5.0, 50.0, 50.0, 4096, 16, 100)
+
+
+def _run(mode: str) -> dict[str, Any]:
+    # Two sessions of two turns; the caches hold 1,000 tokens at 100 bytes a token, and the
+    # host tier of the modes that have one 48 blocks of 128 tokens, as `bound`'s cache.
+    records = []
+    for s in range(2):
+        for turn in range(2):
+            start = 10.0 * turn + s
+            records.append({"session_id": f"s{s}", "turn": turn, "prompt_tokens": 300 + 400 * turn,
+                            "completion_tokens": 20, "ttft_ms": 100.0, "started_at": start,
+                            "ended_at": start + 2.0, "error": None})
+    return {"mode": mode, "status": {"state": "ok"}, "records": records,
+            "kv_cache_tokens": 1000,
+            "config": {"kv_cache_bytes": 100_000, "bound_kv_cache_bytes": 614_400,
+                       "tier_host_blocks": 48}}
+
+
+@pytest.mark.parametrize(("mode", "routing", "eviction", "tier"), [
+    ("affinity", "affinity", "lru", 0),
+    ("bound", "affinity", "lru", 0),
+    ("standard", "standard", "lru", 0),
+    ("affinity-offload", "affinity", "lru", 6144),
+    ("turnkv", "turnkv", "lease", 6144),
+])
+def test_a_bench_mode_is_simulated_with_what_it_ran(mode: str, routing: str, eviction: str,
+                                                     tier: int) -> None:
+    got = simulate_run(_run(mode), _COSTS, None)
+    assert (got["routing"], got["eviction"], got["tier_tokens"]) == (routing, eviction, tier)
+
+
+def test_a_result_made_before_its_mode_had_a_tier_is_simulated_without_one() -> None:
+    got = simulate_run(_run("turnkv"), _COSTS, None, created="2026-12-02T05:10:23.98Z")
+    assert got["tier_tokens"] == 0
