@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from turnkv_server.sim.bench_workloads import bench_homes, replay_records
+from turnkv_server.sim.fleet import Fleet, FleetSpec
 from turnkv_server.sim.service_costs import ServiceCosts
 from turnkv_server.sim.validation import simulate_run
 
@@ -45,3 +47,15 @@ def test_a_bench_mode_is_simulated_with_what_it_ran(mode: str, routing: str, evi
 def test_a_result_made_before_its_mode_had_a_tier_is_simulated_without_one() -> None:
     got = simulate_run(_run("turnkv"), _COSTS, None, created="2026-12-02T05:10:23.98Z")
     assert got["tier_tokens"] == 0
+
+
+def test_a_pooled_replay_homes_each_session_where_the_bench_served_it() -> None:
+    # The bench's router put both sessions on engine-1 (its counters count all their prompt
+    # tokens): the replay keeps them there rather than spreading them one per engine.
+    run = _run("affinity")
+    sent = sum(r["prompt_tokens"] for r in run["records"])
+    run["engine_counters"] = {"engine-0": {"prompt_tokens": 0.0},
+                              "engine-1": {"prompt_tokens": float(sent)}}
+    sessions = replay_records(run["records"], homes=bench_homes(run))
+    served = Fleet(FleetSpec("affinity", 2, _COSTS)).run(sessions).outcomes
+    assert {o.prefill for o in served} == {"engine-1"}

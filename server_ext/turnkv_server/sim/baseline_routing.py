@@ -51,12 +51,20 @@ class SessionHomes:
         self.spread = RoundRobin(engines)
         self.homes: dict[str, SimEngine] = {}
 
-    def home(self, session: str) -> SimEngine:
+    def home(self, session: str, wanted: int | None = None) -> SimEngine:
+        """The session's engine: where it is homed, else engine `wanted` (a replay's), else
+        the next of the spread."""
         engine = self.homes.get(session)
         if engine is None or not engine.healthy:
             if engine is not None:
                 engine.homed -= 1
-            engine = self.homes[session] = self.spread.pick()
+            engines = self.spread.engines
+            # A replayed session goes where it was served, unless that engine was lost.
+            if engine is None and wanted is not None and wanted < len(engines) \
+                    and engines[wanted].healthy:
+                engine = self.homes[session] = engines[wanted]
+            else:
+                engine = self.homes[session] = self.spread.pick()
             engine.homed += 1
         return engine
 
@@ -77,7 +85,7 @@ class AffinityRouting:
 
     def serve(self, session: SimSession, turn: int) -> TurnProcess:
         env, sid = self.env, session.session_id
-        engine = self.homes.home(sid)
+        engine = self.homes.home(sid, session.home)
         prompt, out = session.prompts[turn], session.turns[turn].tokens_out
         start = env.now
         engine.in_flight += 1

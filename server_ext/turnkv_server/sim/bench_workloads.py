@@ -10,6 +10,7 @@ start) and each session's start, so that the simulated run is the measured one, 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -55,10 +56,12 @@ def preset_sessions(name: str, seed: int = 0, sessions: int | None = None,
 
 
 def replay_records(records: Iterable[Mapping[str, Any]], prefix: str | None = None,
-                   prefix_tokens: int = 0) -> list[SimSession]:
+                   prefix_tokens: int = 0, homes: Mapping[str, int] | None = None
+                   ) -> list[SimSession]:
     """The sessions of one bench run's turn records (`runs[i].records` of its results.json),
     all starting with the shared prefix `prefix` of `prefix_tokens` (the preset's system
-    prompt: the records do not say); turns that failed end their session there."""
+    prompt: the records do not say), each on its engine in `homes` (`bench_homes`) where
+    known; turns that failed end their session there."""
     by_session: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for record in records:
         by_session[record["session_id"]].append(record)
@@ -84,6 +87,36 @@ def replay_records(records: Iterable[Mapping[str, Any]], prefix: str | None = No
         if made:
             sessions.append(SimSession(sid, tuple(made),
                                        round(turns[0]["started_at"] - origin, 3), prefix,
-                                       min(prefix_tokens, made[0].tokens_in)))
+                                       min(prefix_tokens, made[0].tokens_in),
+                                       home=(homes or {}).get(sid)))
     sessions.sort(key=lambda s: (s.start_s, s.session_id))
     return sessions
+
+
+# Above this many sessions `bench_homes` does not search (2^n subsets).
+_MAX_HOMED_SESSIONS = 16
+
+
+def bench_homes(run: Mapping[str, Any]) -> dict[str, int]:
+    """Each session's engine (index, in the order of the run's engine names) in a bench run of
+    two aggregated engines: the records do not name it, but each engine's counters count the
+    prompt tokens it was sent, and the one set of sessions whose prompts sum to the second
+    engine's count was served there. Empty where the counters name no two engines, or no
+    single set matches (a session moved, or two sets tie)."""
+    counters = run.get("engine_counters") or {}
+    names = sorted(counters)
+    if len(names) != 2:
+        return {}
+    sent: dict[str, int] = defaultdict(int)
+    for record in run["records"]:
+        sent[record["session_id"]] += int(record.get("prompt_tokens") or 0)
+    sessions = sorted(sent)
+    target = int(counters[names[1]].get("prompt_tokens") or 0)
+    if len(sessions) > _MAX_HOMED_SESSIONS:
+        return {}
+    found = [subset for k in range(len(sessions) + 1)
+             for subset in itertools.combinations(sessions, k)
+             if sum(sent[s] for s in subset) == target]
+    if len(found) != 1:
+        return {}
+    return {s: int(s in found[0]) for s in sessions}

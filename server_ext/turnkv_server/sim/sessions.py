@@ -27,6 +27,9 @@ class SimSession:
     prefix: str | None = None
     prefix_tokens: int = 0
     parent: str | None = None  # a subagent's session: the one that started it
+    # The engine (index) a replayed session was served on, where the replay knows it: the
+    # pooled routers home it there, not where their own spreading would.
+    home: int | None = None
     prompts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from turnkv_server.bench.cli import VLLM_CPU_BLOCK_TOKENS
 from turnkv_server.mode_names import has_host_tier
-from turnkv_server.sim.bench_workloads import preset_prefix, replay_records
+from turnkv_server.sim.bench_workloads import bench_homes, preset_prefix, replay_records
 from turnkv_server.sim.calibration import calibrate
 from turnkv_server.sim.fleet import Fleet, FleetSpec, RoutingName
 from turnkv_server.sim.service_costs import ServiceCosts
@@ -64,14 +64,16 @@ def tier_tokens(run: Mapping[str, Any], created: str = "~") -> int:
 def simulate_run(run: Mapping[str, Any], costs: ServiceCosts, concurrency: int | None,
                  prefix: tuple[str | None, int] = (None, 0), created: str = "~"
                  ) -> dict[str, Any]:
-    """One bench run replayed turn for turn on its mode's layout: its cache size, and its
-    host tier where the mode has one."""
+    """One bench run replayed turn for turn on its mode's layout: its cache size, its host
+    tier where the mode has one, and (pooled engines) each session on the engine the bench
+    served it on."""
     if run.get("kv_cache_tokens"):
         costs = replace(costs, kv_capacity_tokens=int(run["kv_cache_tokens"]))
     spec = FleetSpec(ROUTINGS[run["mode"]], ENGINES, costs, tier_tokens=tier_tokens(run, created),
                      concurrency=concurrency,
                      itl_target_ms=run.get("config", {}).get("itl_target_ms"))
-    return summarize(Fleet(spec).run(replay_records(run["records"], *prefix)))
+    homes = bench_homes(run) if spec.routing == "affinity" else {}
+    return summarize(Fleet(spec).run(replay_records(run["records"], *prefix, homes)))
 
 
 def validate(result: Mapping[str, Any], modes: Sequence[str]) -> list[dict[str, Any]]:
