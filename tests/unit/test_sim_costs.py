@@ -94,3 +94,18 @@ def test_turnkv_sim_writes_results_a_table_and_plots(tmp_path: Path) -> None:
     assert all(p["turns"] == results["turns"] for p in results["policies"])
     assert (tmp_path / "summary.md").read_text().count("\n") == 4
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 0
+
+
+def test_turns_alone_on_their_engine_fit_the_prefill_where_the_engines_are_known() -> None:
+    # Two sessions on two engines, their turns always overlapping: none ran alone in the
+    # fleet, each alone on its engine (the counters say which engine served which session).
+    run = _result()["runs"][0]  # type: ignore[index]
+    twins = [{**r, "session_id": "t", "started_at": r["started_at"] + 0.01}
+             for r in run["records"][1:]]
+    run["records"] = run["records"] + twins
+    counted = {sid: float(sum(r["prompt_tokens"] for r in run["records"]
+                              if r["session_id"] == sid)) for sid in ("s", "t")}
+    run["engine_counters"] = {"engine-0": {"prompt_tokens": counted["s"]},
+                              "engine-1": {"prompt_tokens": counted["t"]}}
+    fixed, per_token, per_kctx = fit_prefill([run])
+    assert (fixed, per_token, per_kctx) == pytest.approx((100, 0.5, 0.1), rel=1e-6)

@@ -1,6 +1,7 @@
 """The cost model fitted from `turnkv bench` results (its results.json), by least squares.
 
-- prefill: turns that ran alone (no other turn of the run in flight from their start to their
+- prefill: turns that ran alone (no other turn of the run in flight on their engine, where
+  the run's counters tell each session's engine, else on any, from their start to their
   first token), their time to the first token (P/D modes: the prefill phase) against the
   tokens they computed and the prompt's length;
 - decode: each turn's median gap between output tokens against the turns decoding beside it
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from statistics import median
 from typing import Any
 
 import numpy as np
 
+from turnkv_server.sim.bench_workloads import bench_homes
 from turnkv_server.sim.service_costs import ServiceCosts
 
 _P_D = ("standard", "standard-nocache", "bidirectional", "push")
@@ -59,14 +61,28 @@ def _ok(run: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [r for r in run["records"] if r.get("error") is None and r.get("ttft_ms")]
 
 
+def _beside(run: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """The turns of the run that could have slowed a turn's prefill: where the run's sessions'
+    engines are known (`bench_homes`: pooled engines, one core each), those on its engine;
+    else all of them."""
+    records = _ok(run)
+    homes = bench_homes(run)
+    if not homes:
+        return lambda _: records
+    by_engine: dict[int, list[Mapping[str, Any]]] = {}
+    for r in records:
+        by_engine.setdefault(homes[r["session_id"]], []).append(r)
+    return lambda r: by_engine[homes[r["session_id"]]]
+
+
 def fit_prefill(runs: Iterable[Mapping[str, Any]]) -> tuple[float, float, float]:
     """(fixed ms, ms per token, ms per token per 1k tokens of context)."""
     rows, ys = [], []
     for run in runs:
-        records = _ok(run)
-        for r in records:
+        beside = _beside(run)
+        for r in _ok(run):
             n, ms = _computed(r), _prefill_ms(r, run["mode"])
-            if n and ms and n >= 16 and _alone(r, records):
+            if n and ms and n >= 16 and _alone(r, beside(r)):
                 rows.append([1.0, n, n * r["prompt_tokens"] / 1000])
                 ys.append(ms)
     if len(rows) < 3:
