@@ -109,3 +109,10 @@ def test_turns_alone_on_their_engine_fit_the_prefill_where_the_engines_are_known
                               "engine-1": {"prompt_tokens": counted["t"]}}
     fixed, per_token, per_kctx = fit_prefill([run])
     assert (fixed, per_token, per_kctx) == pytest.approx((100, 0.5, 0.1), rel=1e-6)
+
+
+def test_hits_that_are_all_multiples_of_two_blocks_do_not_double_the_block() -> None:
+    result = _result()
+    for i, record in enumerate(result["runs"][0]["records"]):  # type: ignore[index]
+        record["prefill_cached"] = 256 * (i + 1)
+    assert calibrate(result).block_size == 128

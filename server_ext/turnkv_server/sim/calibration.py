@@ -10,8 +10,9 @@
   decode step, against the prompt's tokens (the whole prompt's KV moves);
 - the tier reads at the transfer rate (both are copies between memory regions of the same
   host here: no bench turn times a tier read on its own);
-- the KV cache: the runs' own size (`kv_cache_tokens`), the block size the largest that
-  divides every prefix hit, the bytes per token the configured cache's bytes over its tokens.
+- the KV cache: the runs' own size (`kv_cache_tokens`), the block size the runs' configured
+  one, else the largest that divides every prefix hit and vLLM's CPU block, the bytes per
+  token the configured cache's bytes over its tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from turnkv_server.bench.cli import VLLM_CPU_BLOCK_TOKENS
 from turnkv_server.sim.bench_workloads import bench_homes
 from turnkv_server.sim.service_costs import ServiceCosts
 
@@ -127,9 +129,16 @@ def fit_transfer(runs: Iterable[Mapping[str, Any]], step_ms: float) -> float | N
 
 
 def block_size(runs: Iterable[Mapping[str, Any]], default: int = 16) -> int:
+    """The engines' KV block size: the runs' configured one, else the largest that divides
+    every prefix hit and the bench's own default (vLLM's on CPU): hits that all happen to be
+    multiples of 256 say only that the block divides 256."""
+    runs = list(runs)
+    configured = [r.get("config", {}).get("block_size") for r in runs]
+    if any(configured):
+        return int(next(c for c in configured if c))
     hits = [int(r[k]) for run in runs for r in run["records"]
             for k in ("prefill_cached", "prefill_reused") if r.get(k)]
-    found = 0
+    found = VLLM_CPU_BLOCK_TOKENS if hits else 0
     for h in hits:
         found = math.gcd(found, h)
     return found if found >= 8 else default
