@@ -76,6 +76,21 @@ def test_a_full_cache_evicts_in_its_policys_order(order: str, evicted: str) -> N
     assert {cache.held(s) for s in {"a", "b"} - {evicted}} == {160}
 
 
+@pytest.mark.parametrize("order", ["lru", "lease"])
+def test_a_shared_prefix_is_cached_once(order: str) -> None:
+    """Three sessions of 160 tokens, the first 64 of each a shared system prompt: 352 distinct
+    tokens, which the 480-token cache holds without evicting any."""
+    cache, _ = _cache(order)
+    for sid in ("a", "b", "c"):
+        cache.share(sid, "system", 64)
+        cache.begin(sid)
+        assert cache.reserve(sid, 160)
+        cache.end(sid, 160, next_turn_in_s=5.0)
+    cache.begin("d")
+    assert cache.reserve("d", 128)
+    assert [cache.held(s) for s in ("a", "b", "c")] == [160, 160, 160]
+
+
 @pytest.mark.parametrize(("order", "a_computes"), [("lru", 320), ("lease", 144)])
 def test_the_hit_rate_of_a_full_cache_follows_the_eviction_order(order: str,
                                                                   a_computes: int) -> None:

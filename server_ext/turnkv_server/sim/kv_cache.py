@@ -12,6 +12,10 @@ Two orders for the idle sessions:
   capped at the connector's share of the cache). Sessions without one (over the cap, expired,
   released) sit in vLLM's free blocks, least recently used, and go before any leased one.
 
+A shared prefix (a system prompt many sessions start with, `share`) is cached once however
+many sessions hold it, as vLLM's prefix cache keeps one copy of a block by its hash: each
+session's hold counts it, and the cache credits back every copy but one.
+
 A lease's blocks are stood in for by `granule`-token units, so that a 24k-token history costs
 the lease table a few dozen IDs, not thousands; the cap counts them.
 """
@@ -50,6 +54,7 @@ class SessionKvCache:
             if order == "lease" else None
         self._ids: dict[str, int] = {}
         self._next_id = itertools.count()
+        self._shares: dict[str, tuple[str, int]] = {}  # session: (prefix, its whole blocks)
 
     # -- what is held ------------------------------------------------------------------------
 
@@ -61,7 +66,24 @@ class SessionKvCache:
 
     @property
     def free(self) -> int:
-        return self.capacity - self.used
+        return self.capacity - self.used + self._shared_copies()
+
+    def share(self, session: str, prefix: str, tokens: int) -> None:
+        """The session's first `tokens` are the shared prefix `prefix`."""
+        self._shares[session] = (prefix, self._blocks_down(tokens))
+
+    def _shared_copies(self) -> int:
+        """Tokens held more than once: each shared prefix's blocks in every session holding
+        all of them, but one."""
+        if not self._shares:
+            return 0
+        holders: dict[str, int] = {}
+        size: dict[str, int] = {}
+        for session, (prefix, tokens) in self._shares.items():
+            if tokens and self.held(session) >= tokens:
+                holders[prefix] = holders.get(prefix, 0) + 1
+                size[prefix] = tokens
+        return sum(size[p] * (n - 1) for p, n in holders.items())
 
     # -- a turn ------------------------------------------------------------------------------
 
@@ -84,8 +106,7 @@ class SessionKvCache:
         if need > 0 and not self._make_room(need):
             if not force:
                 return False
-            self._make_room(min(need, self.capacity - self.used
-                                + sum(self._idle.values())))
+            self._make_room(min(need, self.free + sum(self._idle.values())))
         self._active[session] = max(tokens, have)
         self.used += max(0, need)
         return True
@@ -131,6 +152,7 @@ class SessionKvCache:
         self.used -= tokens
         self._unorder(session)
         self._ids.pop(session, None)
+        self._shares.pop(session, None)
 
     def clear(self) -> None:
         """The engine is gone, and its cache with it."""
@@ -167,9 +189,11 @@ class SessionKvCache:
             self._free_lru[lease.session_id] = None
 
     def _make_room(self, need: int) -> bool:
-        if need > self.capacity - self.used + sum(self._idle.values()):
+        if need > self.free + sum(self._idle.values()):
             return False
-        while self.capacity - self.used < need:
+        while self.free < need:
+            if not self._idle:
+                return False  # what the shared prefix saved went with the evicted
             if self._leases is not None:
                 self._expire()
             if not self._free_lru:
@@ -179,7 +203,7 @@ class SessionKvCache:
                 self._free_lru[victim[0].session_id] = None
                 self._free_lru.move_to_end(victim[0].session_id, last=False)
             session = next(iter(self._free_lru))
-            take = min(self._idle[session], self._blocks(need - (self.capacity - self.used)))
+            take = min(self._idle[session], self._blocks(need - self.free))
             self._idle[session] -= take
             self.used -= take
             self.evicted_tokens += take

@@ -54,7 +54,7 @@ def wait_for_room(engine: SimEngine, session: str, tokens: int, traffic: FleetTr
         if not engine.batch:
             before = engine.cache.held(session)
             reserve(engine, session, tokens, traffic)
-            short = min(tokens - before, max(0, engine.cache.used - engine.cache.capacity))
+            short = min(tokens - before, max(0, -engine.cache.free))
             traffic.preempted_tokens += short
             return short
         yield engine.room_changed()
@@ -72,6 +72,8 @@ def compute_prompt(engine: SimEngine, session: SimSession, turn: int, keep_token
     # queues), and room is taken then: a queued request holds no blocks in vLLM.
     with engine.lane() as lane:
         yield lane
+        if session.prefix is not None:
+            engine.cache.share(sid, session.prefix, session.prefix_tokens)
         cached = engine.cache.begin(sid)
         if not reuse:
             cached = 0
