@@ -49,6 +49,12 @@ class TurnRecord(BaseModel):
     placement: str | None = Field(
         default=None, description="Where the `turnkv` mode's planner ran the turn: whole, "
         "split or move (None: a mode that decides nothing per turn).")
+    prefill_node: str | None = Field(
+        default=None, description="The engine that ran the turn's prefill request, as the "
+        "router's stats name it (None: the decode engine served the turn alone).")
+    decode_node: str | None = Field(
+        default=None, description="The engine that decoded the turn (an aggregated engine: "
+        "the one that served it; None without a router).")
     started_at: float = Field(description="Wall clock (Unix seconds) when the turn was sent.")
     ended_at: float | None = None
     error: str | None = None
