@@ -116,3 +116,17 @@ def test_hits_that_are_all_multiples_of_two_blocks_do_not_double_the_block() -> 
     for i, record in enumerate(result["runs"][0]["records"]):  # type: ignore[index]
         record["prefill_cached"] = 256 * (i + 1)
     assert calibrate(result).block_size == 128
+
+
+def test_a_modes_own_work_per_turn_is_fitted_as_its_routings_overhead() -> None:
+    # The same turns, alone on their engine, under two modes: turnkv's each 40 ms slower than
+    # affinity's. The prefill curve is affinity's; the 40 ms is turnkv's overhead.
+    result = _result()
+    affinity = result["runs"][0]  # type: ignore[index]
+    turnkv = {**affinity, "mode": "turnkv",
+              "records": [{**r, "ttft_ms": r["ttft_ms"] + 40} for r in affinity["records"]]}
+    result["runs"] = [affinity, turnkv]
+    costs = calibrate(result)
+    assert dict(costs.routing_overhead_ms) == pytest.approx({"affinity": 0, "turnkv": 40})
+    assert (costs.prefill_fixed_ms, costs.prefill_ms_per_token,
+            costs.prefill_ms_per_token_per_kctx) == pytest.approx((100, 0.5, 0.1), rel=1e-6)

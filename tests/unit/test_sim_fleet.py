@@ -3,6 +3,8 @@ cache evicting in its policy's order, a lost engine."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from turnkv_server.connector.leases import LeaseLimits
@@ -141,3 +143,14 @@ def test_admission_holds_a_new_session_while_the_live_ones_fill_the_budget() -> 
     assert b_held.arrived_s == pytest.approx(
         a_last.arrived_s + (a_last.ttft_ms + a_last.decode_ms) / 1000)
     assert held.traffic.admission_waits == 1
+
+
+@pytest.mark.parametrize("routing", ["affinity", "standard", "turnkv"])
+def test_a_routings_overhead_is_added_to_each_of_its_turns_ttft(routing: str) -> None:
+    plain = costs()
+    slower = replace(plain, routing_overhead_ms={routing: 40.0, "other": 500.0})
+    sessions = [session("a", (1000, 11, 0.0), (200, 11, 1.0))]
+    before = Fleet(FleetSpec(routing, 2, plain)).run(sessions).outcomes
+    after = Fleet(FleetSpec(routing, 2, slower)).run(sessions).outcomes
+    assert [o.ttft_ms - b.ttft_ms for o, b in zip(after, before, strict=True)] == \
+        pytest.approx([40.0, 40.0])

@@ -22,7 +22,7 @@ import simpy
 from turnkv_server.sim.engine import SimEngine
 from turnkv_server.sim.outcomes import FleetTraffic, SimTurnOutcome
 from turnkv_server.sim.sessions import SimSession
-from turnkv_server.sim.turn_steps import compute_prompt, keep_history, reserve
+from turnkv_server.sim.turn_steps import compute_prompt, keep_history, reserve, routing_work
 
 TurnProcess = Generator[simpy.Event, Any, SimTurnOutcome]
 
@@ -89,6 +89,7 @@ class AffinityRouting:
         prompt, out = session.prompts[turn], session.turns[turn].tokens_out
         start = env.now
         engine.in_flight += 1
+        yield from routing_work(engine, self.name)
         done = yield from compute_prompt(engine, session, turn, prompt + out, self.traffic)
         ttft_ms = (env.now - start) * 1000
         yield engine.decode(out - 1)
@@ -118,6 +119,7 @@ class StandardRouting:
         prompt, out = session.prompts[turn], session.turns[turn].tokens_out
         start = env.now
         p.in_flight += 1
+        yield from routing_work(p, self.name)
         done = yield from compute_prompt(p, session, turn, prompt, self.traffic)
         keep_history(p, session, turn, prompt, self.traffic)
         p.turn_ended()

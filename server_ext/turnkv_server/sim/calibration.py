@@ -6,6 +6,8 @@
   tokens they computed and the prompt's length;
 - decode: each turn's median gap between output tokens against the turns decoding beside it
   (those in flight during its decode, per decoding engine);
+- each routing's own work per turn: how much longer its modes' turns that ran alone took than
+  the prefill curve says, above the routing that took least (`fit_prefill_and_overheads`);
 - transfer: `standard` turns, the time from the prefill's end to the first token less one
   decode step, against the prompt's tokens (the whole prompt's KV moves);
 - the tier reads at the transfer rate (both are copies between memory regions of the same
@@ -22,11 +24,12 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from turnkv_server.bench.cli import VLLM_CPU_BLOCK_TOKENS
+from turnkv_server.sim.bench_modes import BENCH_ROUTINGS
 from turnkv_server.sim.bench_workloads import bench_homes
 from turnkv_server.sim.service_costs import ServiceCosts
 
@@ -77,20 +80,75 @@ def _beside(run: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], list[Mappin
     return lambda r: by_engine[homes[r["session_id"]]]
 
 
-def fit_prefill(runs: Iterable[Mapping[str, Any]]) -> tuple[float, float, float]:
-    """(fixed ms, ms per token, ms per token per 1k tokens of context)."""
-    rows, ys = [], []
+class AloneTurn(NamedTuple):
+    """A turn that ran alone (`_alone`), as the prefill fit reads it."""
+
+    routing: str | None  # its mode's simulated routing (`bench_modes`), if it has one
+    computed: int
+    prompt: int
+    ms: float  # its time to the first token (P/D modes: the prefill phase)
+
+
+# A routing's overhead is a median of its turns that ran alone: of fewer than this many it
+# would be one or two turns' noise (a stall, a failed receive), not the routing's own work.
+MIN_OVERHEAD_TURNS = 5
+
+
+def alone_turns(runs: Iterable[Mapping[str, Any]]) -> list[AloneTurn]:
+    out = []
     for run in runs:
         beside = _beside(run)
         for r in _ok(run):
             n, ms = _computed(r), _prefill_ms(r, run["mode"])
             if n and ms and n >= 16 and _alone(r, beside(r)):
-                rows.append([1.0, n, n * r["prompt_tokens"] / 1000])
-                ys.append(ms)
-    if len(rows) < 3:
-        raise ValueError("too few turns that ran alone to fit a prefill cost")
+                out.append(AloneTurn(BENCH_ROUTINGS.get(run["mode"]), n, r["prompt_tokens"], ms))
+    return out
+
+
+def _fit_curve(turns: Sequence[AloneTurn], overheads: Mapping[str, float]
+               ) -> tuple[float, float, float]:
+    rows = [[1.0, t.computed, t.computed * t.prompt / 1000] for t in turns]
+    ys = [t.ms - overheads.get(t.routing or "", 0.0) for t in turns]
     coef = _nonnegative_lstsq(np.asarray(rows), np.asarray(ys))
     return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+def _curve_ms(curve: tuple[float, float, float], turn: AloneTurn) -> float:
+    fixed, per_token, per_kctx = curve
+    return fixed + turn.computed * (per_token + per_kctx * turn.prompt / 1000)
+
+
+def fit_prefill_and_overheads(runs: Iterable[Mapping[str, Any]]
+                              ) -> tuple[tuple[float, float, float], dict[str, float]]:
+    """The prefill curve `(fixed ms, ms per token, ms per token per 1k tokens of context)` and
+    each routing's own work per turn in ms (`ServiceCosts.routing_overhead_ms`).
+
+    A routing's overhead is how much more its turns that ran alone took than the curve
+    fitted across every mode's says (the median of the differences), above the routing that
+    took least; the curve is then refitted to every turn less its routing's overhead, so that
+    it is the engines' cost. Routings with fewer than `MIN_OVERHEAD_TURNS` such turns get
+    none."""
+    turns = alone_turns(runs)
+    if len(turns) < 3:
+        raise ValueError("too few turns that ran alone to fit a prefill cost")
+    curve = _fit_curve(turns, {})
+    by_routing: dict[str, list[float]] = {}
+    for t in turns:
+        if t.routing is not None:
+            by_routing.setdefault(t.routing, []).append(t.ms - _curve_ms(curve, t))
+    above = {routing: median(left) for routing, left in by_routing.items()
+             if len(left) >= MIN_OVERHEAD_TURNS}
+    if not above:
+        return curve, {}
+    least = min(above.values())
+    overheads = {routing: m - least for routing, m in above.items()}
+    return _fit_curve(turns, overheads), overheads
+
+
+def fit_prefill(runs: Iterable[Mapping[str, Any]]) -> tuple[float, float, float]:
+    """(fixed ms, ms per token, ms per token per 1k tokens of context), of the engines: each
+    routing's own overhead taken out (`fit_prefill_and_overheads`)."""
+    return fit_prefill_and_overheads(runs)[0]
 
 
 def fit_decode(runs: Iterable[Mapping[str, Any]]) -> tuple[float, float]:
@@ -151,7 +209,7 @@ def calibrate(result: Mapping[str, Any], modes: Sequence[str] | None = None,
             and r.get("status", {}).get("state", "ok") == "ok"]
     if not runs:
         raise ValueError(f"no finished runs of {modes} in the result")
-    fixed, per_token, per_kctx = fit_prefill(runs)
+    (fixed, per_token, per_kctx), overheads = fit_prefill_and_overheads(runs)
     d0, d1 = fit_decode(runs)
     rate = fit_transfer(result["runs"], d0 + d1) or 50.0
     sized = [r for r in runs if r.get("kv_cache_tokens")]
@@ -160,7 +218,7 @@ def calibrate(result: Mapping[str, Any], modes: Sequence[str] | None = None,
     kv_bytes = int(config["kv_cache_bytes"] / capacity) if config.get("kv_cache_bytes") \
         else 0
     return ServiceCosts(name, fixed, per_token, per_kctx, d0, d1, rate, rate, capacity,
-                        block_size(result["runs"]), kv_bytes,
+                        block_size(result["runs"]), kv_bytes, routing_overhead_ms=overheads,
                         source=f"turnkv bench {result.get('workload', {}).get('name')} on "
                                f"{result.get('model')}, {result.get('created', '?')}")
 

@@ -17,7 +17,7 @@ class SimTurnOutcome(NamedTuple):
     cached: int  # found in the computing engine's KV cache
     from_tier: int  # read back from its host tier
     received: int  # KV moved to the decoding engine for this turn
-    waited_ms: float  # queued: admission, room in the cache, the prefill lane
+    waited_ms: float  # the routing's own work, room in the cache, the prefill lane
     ttft_ms: float
     decode_ms: float  # after the first token
     output: int

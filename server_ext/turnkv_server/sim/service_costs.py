@@ -6,7 +6,9 @@ results (`calibration`) or derived from published figures (`gpu_profiles`).
   tokens attend to;
 - decode: `fixed + per_seq x batch` ms per step (a step reads the weights once, and each
   sequence's KV);
-- transfer and tier reads: tokens of KV per ms.
+- transfer and tier reads: tokens of KV per ms;
+- a routing's own work per turn (`routing_overhead_ms`: the router's and the connector's, on
+  top of what the engines compute), added to each of its turns' time to the first token.
 
 The planner's own cost model (`router.costs.CostModel`) starts from `planner_priors()` and
 learns per engine from the simulated turns as the router does from real ones.
@@ -14,7 +16,8 @@ learns per engine from the simulated turns as the router does from real ones.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from turnkv_server.router.costs import Priors
@@ -41,6 +44,9 @@ class ServiceCosts:
     # decodes (`max_num_batched_tokens`).
     prefill_chunk_tokens: int = 2048
     source: str = ""
+    # Per routing (`affinity`, `standard`, `turnkv`), ms a turn spends in the routing's own
+    # work beyond what its engines compute; a routing not named spends none.
+    routing_overhead_ms: Mapping[str, float] = field(default_factory=dict)
 
     def prefill_ms(self, computed: int, context: int) -> float:
         if computed <= 0:
@@ -57,6 +63,9 @@ class ServiceCosts:
 
     def tier_read_ms(self, tokens: int) -> float:
         return tokens / self.tier_tokens_per_ms if tokens > 0 else 0.0
+
+    def turn_overhead_ms(self, routing: str) -> float:
+        return self.routing_overhead_ms.get(routing, 0.0)
 
     def planner_priors(self) -> Priors:
         """The planner's cold-start costs, from these curves."""

@@ -23,6 +23,14 @@ class PrefillDone:
     ms: float  # the compute and tier read, not the queueing
 
 
+def routing_work(engine: SimEngine, routing: str) -> Generator[simpy.Event, Any, None]:
+    """The routing's own work for a turn before its prompt reaches an engine
+    (`ServiceCosts.turn_overhead_ms`): time in the turn's TTFT that no engine spends."""
+    ms = engine.costs.turn_overhead_ms(routing)
+    if ms > 0:
+        yield engine.env.timeout(ms / 1000)
+
+
 def held_prefix(engine: SimEngine, session: SimSession) -> int:
     """Leading tokens of the session's prompts the engine holds (cache, tier or shared
     prefix), without starting anything."""

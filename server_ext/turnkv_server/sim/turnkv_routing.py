@@ -29,6 +29,7 @@ from turnkv_server.sim.turn_steps import (
     held_prefix,
     keep_history,
     reserve,
+    routing_work,
 )
 
 # An engine that lost a held history for room this recently is under memory pressure (the
@@ -124,6 +125,7 @@ class TurnkvRouting:
         start = env.now
         received = 0
         home.in_flight += 1
+        yield from routing_work(home, self.name)
         if prefill is home:  # whole, or a move that recomputes
             done = yield from compute_prompt(home, session, turn, keep, self.traffic)
         else:  # split, or a move that pulls: the KV the home lacks is written into it

@@ -12,22 +12,16 @@ from typing import Any
 
 from turnkv_server.bench.cli import VLLM_CPU_BLOCK_TOKENS
 from turnkv_server.mode_names import has_host_tier
+from turnkv_server.sim.bench_modes import BENCH_ROUTINGS
 from turnkv_server.sim.bench_workloads import bench_homes, preset_prefix, replay_records
 from turnkv_server.sim.calibration import calibrate
-from turnkv_server.sim.fleet import Fleet, FleetSpec, RoutingName
+from turnkv_server.sim.fleet import Fleet, FleetSpec
 from turnkv_server.sim.service_costs import ServiceCosts
 from turnkv_server.sim.summary import summarize
 
-# The bench's modes as simulated routings, on two engines; whether a mode has a host tier below
-# each engine's cache is the bench's own table's (`mode_names.has_host_tier`).
-ROUTINGS: dict[str, RoutingName] = {
-    "affinity": "affinity",
-    "affinity-offload": "affinity",
-    "bound": "affinity",
-    "standard": "standard",
-    "turnkv": "turnkv",
-    "turnkv-tier": "turnkv",
-}
+# The bench's modes as simulated routings (`bench_modes`), on two engines; whether a mode has a
+# host tier below each engine's cache is the bench's own table's (`mode_names.has_host_tier`).
+ROUTINGS = BENCH_ROUTINGS
 ENGINES = 2
 # Modes that gained their host tier after results were first made with them, and when (UTC, as
 # a result's `created` reads): a run's `config` records the bench's settings, which name the
