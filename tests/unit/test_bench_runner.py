@@ -31,6 +31,7 @@ from turnkv_server.bench.plan import (
     mode_settings,
     parse_modes,
     pick_baseline,
+    run_config,
 )
 from turnkv_server.bench.results import TurnRecord
 from turnkv_server.bench.runner import mode_status
@@ -357,3 +358,12 @@ def test_a_block_size_reaches_every_engine_and_sizes_the_caches(tmp_path: Path) 
     plain = Cluster(cluster_config("turnkv", BenchSettings(model="tiny"), tmp_path / "p"))
     assert "--block-size" not in plain._engine_specs(Path("/m"), "m")[0].command(
         tmp_path / "port")
+
+
+def test_a_runs_config_says_whether_its_mode_had_a_host_tier(tmp_path: Path) -> None:
+    # The bench's setting names a tier for every mode; the run's own cluster says which had one.
+    settings = BenchSettings(model="tiny", dtype="float32", tier_host_blocks=96)
+    for mode, host_tier in (("turnkv", 96), ("affinity-offload", 96), ("affinity", None),
+                            ("standard", None)):
+        config = run_config(mode, settings, cluster_config(mode, settings, tmp_path))
+        assert (config["tier_host_blocks"], config["host_tier_blocks"]) == (96, host_tier)

@@ -59,3 +59,20 @@ def test_a_pooled_replay_homes_each_session_where_the_bench_served_it() -> None:
     sessions = replay_records(run["records"], homes=bench_homes(run))
     served = Fleet(FleetSpec("affinity", 2, _COSTS)).run(sessions).outcomes
     assert {o.prefill for o in served} == {"engine-1"}
+
+
+@pytest.mark.parametrize(("mode", "host_tier", "created", "tier"), [
+    # The run's own record wins over the mode's table and the cut-off date.
+    ("turnkv", 48, "2026-12-02T05:10:23.98Z", 6144),
+    ("turnkv", None, "~", 0),
+    ("affinity", 48, "~", 6144),
+    # Results made before runs recorded it: inferred from the mode, as before.
+    ("turnkv", "absent", "~", 6144),
+    ("affinity", "absent", "~", 0),
+])
+def test_a_runs_recorded_host_tier_decides_its_replays_tier(
+        mode: str, host_tier: int | None | str, created: str, tier: int) -> None:
+    run = _run(mode)
+    if host_tier != "absent":
+        run["config"]["host_tier_blocks"] = host_tier
+    assert simulate_run(run, _COSTS, None, created=created)["tier_tokens"] == tier

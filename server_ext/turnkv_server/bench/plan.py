@@ -125,6 +125,15 @@ def mode_settings(mode: str, settings: BenchSettings) -> BenchSettings:
     return settings
 
 
+def run_config(mode: str, settings: BenchSettings, cluster: ClusterConfig) -> dict[str, Any]:
+    """A run's `config` in the results: the settings as `mode` ran them (`tier_host_blocks`
+    is the bench's, recorded for every mode), its layout, and what its own cluster had:
+    `host_tier_blocks`, the host tier below each engine's cache (None: the mode has none)."""
+    return {"mode": mode, **mode_settings(mode, settings).describe(), **layout(mode),
+            "prefill_cache": cluster.prefill_cache, "host_tier_blocks": cluster.tier_host_blocks,
+            "run_dir": str(cluster.run_dir)}
+
+
 def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> ClusterConfig:
     """The launcher's configuration for `mode`: one prefill + one decode engine, two
     aggregated engines (`affinity`, `bound`) or one single engine, on the cores `layout` gives

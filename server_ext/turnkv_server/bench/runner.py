@@ -26,7 +26,7 @@ from turnkv_server.bench.counters import (
 )
 from turnkv_server.bench.cputime import group_deltas, snapshot_groups
 from turnkv_server.bench.driver import DriveOutcome, Driver, DriveSettings
-from turnkv_server.bench.plan import BenchSettings, cluster_config, layout, mode_settings
+from turnkv_server.bench.plan import BenchSettings, cluster_config, run_config
 from turnkv_server.bench.results import (
     BenchResult,
     MachineInfo,
@@ -141,9 +141,7 @@ class Runner:
             run_dir = run_dir / str(repeat + 1)
         index = repeat or 0
         config = cluster_config(mode, self.settings, run_dir)
-        described = {"mode": mode, **mode_settings(mode, self.settings).describe(),
-                     **layout(mode),
-                     "prefill_cache": config.prefill_cache, "run_dir": str(config.run_dir)}
+        described = run_config(mode, self.settings, config)
         self.console.rule(f"[bold]{mode}" + ("" if repeat is None else f" (run {index + 1})"))
         cluster = Cluster(config, console=self.console)
         try:

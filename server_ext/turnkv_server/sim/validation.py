@@ -24,8 +24,9 @@ from turnkv_server.sim.summary import summarize
 ROUTINGS = BENCH_ROUTINGS
 ENGINES = 2
 # Modes that gained their host tier after results were first made with them, and when (UTC, as
-# a result's `created` reads): a run's `config` records the bench's settings, which name the
-# tier's size for every mode, not whether its mode had one.
+# a result's `created` reads), for runs that do not record their own (`host_tier_blocks` in
+# their `config`): before that, a run's `config` named the bench's tier size for every mode,
+# not whether its mode had one.
 TIER_SINCE = {"turnkv": "2026-12-03T18:52:30"}
 
 
@@ -40,16 +41,19 @@ def _bench_figures(result: Mapping[str, Any], mode: str) -> dict[str, float | No
 
 
 def tier_tokens(run: Mapping[str, Any], created: str = "~") -> int:
-    """Tokens of one engine's host tier in the bench run (0: its mode has none): the blocks
-    the bench gave it (`tier_host_blocks`, as many as `bound`'s cache holds), or where an older
-    result does not say, `bound`'s cache at the run's bytes per token. `created`: the result's
-    (default: made after every change of `TIER_SINCE`)."""
+    """Tokens of one engine's host tier in the bench run (0: it had none): the blocks its
+    cluster had (`host_tier_blocks`), where the run does not record that the bench's tier
+    (`tier_host_blocks`, as many as `bound`'s cache holds) if its mode has one, or where an
+    older result does not say, `bound`'s cache at the run's bytes per token. `created`: the
+    result's (default: made after every change of `TIER_SINCE`)."""
+    config = run.get("config", {})
+    block = int(config.get("block_size") or VLLM_CPU_BLOCK_TOKENS)
+    if "host_tier_blocks" in config:
+        return int(config["host_tier_blocks"] or 0) * block
     if not has_host_tier(run["mode"]) or created < TIER_SINCE.get(run["mode"], ""):
         return 0
-    config = run.get("config", {})
     if config.get("tier_host_blocks"):
-        block = config.get("block_size") or VLLM_CPU_BLOCK_TOKENS
-        return int(config["tier_host_blocks"]) * int(block)
+        return int(config["tier_host_blocks"]) * block
     per_token = (config.get("kv_cache_bytes") or 0) / max(1, run.get("kv_cache_tokens") or 1)
     size = config.get("bound_kv_cache_bytes")
     return int(size / per_token) if size and per_token else 0
