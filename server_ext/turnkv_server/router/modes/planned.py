@@ -6,9 +6,9 @@ new session's is the engine of its pair home to fewer sessions, as in `--pair-po
 
 1. `plan` reads the engines' load (requests in flight; whether each lost a held history or
    failed a push back lately; the room its cache has left beside what the sessions' leases
-   hold there, as `router.holdings` counts them), asks the planner whether it needs the prompt
-   (only where a split could pay, `Planner.needs_prompt`: an idle home gets no /tokenize
-   round trip) and for its decision, and carries it out with the P/D form's machinery
+   hold there, as the planner's `Holdings` counts them), asks the planner whether it needs
+   the prompt (only where a split could pay, `Planner.needs_prompt`: an idle home gets no
+   /tokenize round trip) and for its decision, and carries it out with the P/D form's machinery
    (`modes.turnkv`): `whole` is a turn the home serves alone, as the pool serves it; `split`
    is the P/D plan with the other engine as prefill engine and the home as decode engine; a
    `move` that pulls is the P/D plan from the old home to the new one, one that recomputes is
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from turnkv_server.engine.protocol import Receive, Send
 from turnkv_server.router.costs import CostModel, Priors
-from turnkv_server.router.holdings import Holdings
 from turnkv_server.router.modes.base import (
     DecodeAlone,
     ModeContext,
@@ -47,7 +46,14 @@ from turnkv_server.router.modes.turnkv import (
     transfer_id,
 )
 from turnkv_server.router.placement import Engine, Placement
-from turnkv_server.router.planner import Decision, EngineLoad, Planner, TurnFacts, Where
+from turnkv_server.router.planner import (
+    Decision,
+    EngineLoad,
+    Holdings,
+    Planner,
+    TurnFacts,
+    Where,
+)
 from turnkv_server.router.sessions import Session, SessionKey
 from turnkv_server.router.token_history import common_prefix_len
 
