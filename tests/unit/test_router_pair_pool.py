@@ -19,7 +19,7 @@ from turnkv_server.router.app import Router
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import DecodeAlone, ModeContext, Turn, TurnEnd
-from turnkv_server.router.modes.pair_pool import PairPool
+from turnkv_server.router.modes.planned import PairPool
 from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import Session, SessionKey
 from turnkv_server.router.tags import DEFAULT_TENANT
@@ -173,7 +173,7 @@ class CountingHomes(OrderedDict[SessionKey, str]):
 
 
 def pair_pool(ctx: ModeContext) -> PairPool:
-    pool = make_mode("turnkv", ctx)._pool  # type: ignore[attr-defined]
+    pool = make_mode("turnkv", ctx)._homes  # type: ignore[attr-defined]
     assert isinstance(pool, PairPool)
     return pool
 
@@ -233,7 +233,7 @@ def test_a_session_evicted_from_the_routers_table_is_nobodys_home() -> None:
                           decode=["http://127.0.0.1:2"], pair_pool=True, max_sessions=2,
                           prefill_nixl=["p@127.0.0.1:5601"], decode_nixl=["d@127.0.0.1:5602"])
     router = Router(config)
-    pool = router.mode._pool  # type: ignore[attr-defined]
+    pool = router.mode._homes  # type: ignore[attr-defined]
     assert isinstance(pool, PairPool)
 
     async def serve(name: str) -> Session:

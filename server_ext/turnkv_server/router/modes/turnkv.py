@@ -57,7 +57,6 @@ from turnkv_server.router.modes.leases import (
     prefetch_lease,
     turn_hints,
 )
-from turnkv_server.router.modes.pair_pool import PairPool
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session
 from turnkv_server.router.token_history import common_prefix_len
@@ -140,7 +139,6 @@ class PdTurnkv(Mode):
         self._pressure = Backoff(PRESSURE_BACKOFF_S, PRESSURE_BACKOFF_MAX_S, ctx.clock)
         self._no_push_back = Backoff(PUSH_BACK_BACKOFF_S, PUSH_BACK_BACKOFF_MAX_S, ctx.clock)
         self._itl = ItlTarget(ctx.itl_target_ms)
-        self._pool = PairPool() if ctx.pair_pool else None
         names = [e.name for e in ctx.pool.engines()] if ctx.pool is not None else []
         missing = [name for name in names if name not in ctx.side_channels]
         if missing:
@@ -158,8 +156,6 @@ class PdTurnkv(Mode):
         if session is not None:
             # Releasing the session's leases when it ends takes a request of its model.
             session.mode_state.model = turn.body.get("model")
-            if self._pool is not None:
-                return self._pool.plan(session, placement, self._params(turn))
         # The decode engine keeps the turn for the push back, unless there is nothing to keep,
         # or nobody to keep it for (a push back to a prefill engine that is down is refused),
         # or no history to push back over (an API whose route returns no token IDs).
@@ -306,8 +302,6 @@ class PdTurnkv(Mode):
 
     def forget_session(self, session: Session) -> None:
         self._prefetches.cancel(session.key)
-        if self._pool is not None:
-            self._pool.forget(session.key)
 
     def drop_session(self, session: Session) -> None:
         self.forget_session(session)
