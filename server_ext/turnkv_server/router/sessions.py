@@ -244,14 +244,6 @@ class LeasePolicy:
             wanted = max(wanted, hints.next_turn_in * 1.5)
         return min(wanted, self.max_ttl)
 
-    def engine_ttl(self, hints: CacheHints) -> float | None:
-        """The TTL the engines' leases get: the session's own (`ttl`) whenever a hint shapes
-        it, so that an engine keeps the KV as long as the router keeps the session (each engine
-        still caps it); None, each engine's own default, when no hint does."""
-        if hints.ttl is None and hints.next_turn_in is None:
-            return None
-        return self.ttl(hints)
-
 
 class SessionTable:
     def __init__(

@@ -38,6 +38,7 @@ from turnkv_server.router.modes.base import (
 from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.modes.leases import (
     Prefetches,
+    engine_ttl,
     lease_key,
     lease_params,
     prefetch_lease,
@@ -96,7 +97,7 @@ class Affinity(Mode):
         if engine is None or model is None or hints.final or session.in_flight:
             return
         params = TurnParams(session=lease_key(session), renew_only=True, epoch=session.epoch,
-                            ttl_s=self.ctx.session_policy.engine_ttl(hints),
+                            ttl_s=engine_ttl(self.ctx.session_policy, hints),
                             priority=session.priority, next_turn_in_s=hints.next_turn_in)
         self._orders.spawn(self._orders.renew(engine, model, params, None))
         self._prefetches.rescheduled(session.key, hints.next_turn_in,

@@ -51,6 +51,15 @@ def lease_key(session: Session) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
+def engine_ttl(policy: LeasePolicy, hints: CacheHints) -> float | None:
+    """The TTL the engines' leases get: the session's own (`LeasePolicy.ttl`) whenever a hint
+    shapes it, so that an engine keeps the KV as long as the router keeps the session (each
+    engine still caps it); None, each engine's own default, when no hint does."""
+    if hints.ttl is None and hints.next_turn_in is None:
+        return None
+    return policy.ttl(hints)
+
+
 def turn_hints(turn: Turn) -> CacheHints:
     return turn.tag.hints if turn.tag is not None else CacheHints()
 
@@ -65,7 +74,7 @@ def lease_params(turn: Turn, policy: LeasePolicy, send: Send | None = None,
         params = TurnParams(receive=receive, send=send)
     else:
         hints = turn_hints(turn)
-        params = TurnParams(session=lease_key(session), ttl_s=policy.engine_ttl(hints),
+        params = TurnParams(session=lease_key(session), ttl_s=engine_ttl(policy, hints),
                             priority=hints.priority or 0, release=hints.final,
                             receive=receive, send=send,
                             next_turn_in_s=None if hints.final else hints.next_turn_in,
@@ -86,7 +95,7 @@ WAIT_S = 30.0
 def prefetch_lease(session: Session, hints: CacheHints, policy: LeasePolicy) -> dict[str, Any]:
     """A prefetch's `kv_transfer_params`: the session's lease, with the session expected back
     `LEAD_S` after the prefetch (when it is sent)."""
-    params = TurnParams(session=lease_key(session), ttl_s=policy.engine_ttl(hints),
+    params = TurnParams(session=lease_key(session), ttl_s=engine_ttl(policy, hints),
                         priority=session.priority, next_turn_in_s=LEAD_S, epoch=session.epoch)
     return {KEY: params.to_wire()}
 

@@ -52,6 +52,7 @@ from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
 from turnkv_server.router.modes.leases import (
     Prefetches,
+    engine_ttl,
     lease_key,
     lease_params,
     prefetch_lease,
@@ -328,7 +329,7 @@ class PdTurnkv(Mode):
         if hints.final or session.in_flight or model is None or pool is None:
             return
         params = TurnParams(session=lease_key(session), renew_only=True, epoch=session.epoch,
-                            ttl_s=self.ctx.session_policy.engine_ttl(hints),
+                            ttl_s=engine_ttl(self.ctx.session_policy, hints),
                             priority=session.priority, next_turn_in_s=hints.next_turn_in)
         landing = session.mode_state.push_back
         for engine in pool.engines():
