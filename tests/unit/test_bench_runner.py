@@ -298,9 +298,10 @@ def test_record_from_router_stats() -> None:
     assert r.placement is None
     assert (r.prefill_node, r.decode_node) == ("prefill-0", "decode-0")
     planned = stats.model_copy(update={"placement": TurnPlacement(
-        where="split", home="decode-0", prefill="prefill-0")})
-    assert record_turn("turnkv", "s-1", 1, planned, started_at=5.0, ended_at=5.1,
-                       chunk_times=[], sent=0.9, error=None).placement == "split"
+        where="split", home="decode-0", prefill="prefill-0", why="split (the least waiting)")})
+    split = record_turn("turnkv", "s-1", 1, planned, started_at=5.0, ended_at=5.1,
+                        chunk_times=[], sent=0.9, error=None)
+    assert (split.placement, split.placement_why) == ("split", "split (the least waiting)")
 
 
 def test_record_of_a_cut_turn_keeps_what_the_client_saw() -> None:

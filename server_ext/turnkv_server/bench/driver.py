@@ -108,6 +108,7 @@ def record_turn(mode: str, session_id: str, index: int, stats: turnkv.TurnStats 
         router_ttft_ms=stats.times.first_token_ms if stats.served_by_turnkv else None,
         fallback=stats.fallback, prefix_break_at=stats.prefix_break_at,
         placement=stats.placement.where if stats.placement is not None else None,
+        placement_why=stats.placement.why if stats.placement is not None else None,
         prefill_node=stats.prefill_node, decode_node=stats.decode_node,
         started_at=started_at, ended_at=ended_at, error=error,
     )

@@ -49,6 +49,9 @@ class TurnRecord(BaseModel):
     placement: str | None = Field(
         default=None, description="Where the `turnkv` mode's planner ran the turn: whole, "
         "split or move (None: a mode that decides nothing per turn).")
+    placement_why: str | None = Field(
+        default=None, description="The planner's reason for the placement, with its "
+        "estimates (`TurnPlacement.why`).")
     prefill_node: str | None = Field(
         default=None, description="The engine that ran the turn's prefill request, as the "
         "router's stats name it (None: the decode engine served the turn alone).")
