@@ -287,7 +287,8 @@ def test_record_from_router_stats() -> None:
         session_id="s-1", turn=2, mode="bidirectional", completion_tokens=7,
         prompt_tokens=PromptTokens(total=900, prefill_reused=850, prefill_computed=50),
         kv=KvMoved(to_prefill_bytes=4096), client_ttft_ms=42.0, client_total_ms=90.0,
-        fallback="lease_expired", prefill_node="prefill-0", decode_node="decode-0")
+        fallback="lease_expired", prefill_node="prefill-0", decode_node="decode-0",
+        prefetch="awaited")
     r = record_turn("bidirectional", "s-1", 1, stats, started_at=5.0, ended_at=5.1,
                     chunk_times=[1.0, 1.02, 1.05], sent=0.9, error=None)
     assert (r.turn, r.prompt_tokens, r.prefill_reused, r.prefill_computed) == (1, 900, 850, 50)
@@ -296,7 +297,7 @@ def test_record_from_router_stats() -> None:
     assert (r.ttft_ms, r.e2e_ms, r.completion_tokens) == (42.0, 90.0, 7)
     assert r.itl_ms == [20.0, 30.0] and r.fallback == "lease_expired" and r.error is None
     assert r.placement is None
-    assert (r.prefill_node, r.decode_node) == ("prefill-0", "decode-0")
+    assert (r.prefill_node, r.decode_node, r.prefetch) == ("prefill-0", "decode-0", "awaited")
     planned = stats.model_copy(update={"placement": TurnPlacement(
         where="split", home="decode-0", prefill="prefill-0", why="split (the least waiting)")})
     split = record_turn("turnkv", "s-1", 1, planned, started_at=5.0, ended_at=5.1,

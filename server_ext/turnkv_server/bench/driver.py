@@ -109,7 +109,7 @@ def record_turn(mode: str, session_id: str, index: int, stats: turnkv.TurnStats 
         fallback=stats.fallback, prefix_break_at=stats.prefix_break_at,
         placement=stats.placement.where if stats.placement is not None else None,
         placement_why=stats.placement.why if stats.placement is not None else None,
-        prefill_node=stats.prefill_node, decode_node=stats.decode_node,
+        prefetch=stats.prefetch, prefill_node=stats.prefill_node, decode_node=stats.decode_node,
         started_at=started_at, ended_at=ended_at, error=error,
     )
 

@@ -52,6 +52,9 @@ class TurnRecord(BaseModel):
     placement_why: str | None = Field(
         default=None, description="The planner's reason for the placement, with its "
         "estimates (`TurnPlacement.why`).")
+    prefetch: str | None = Field(
+        default=None, description="The prefetch before the turn, after a `next_turn_in` hint: "
+        "in_time, awaited (the turn waited for it), early (called off); None: none.")
     prefill_node: str | None = Field(
         default=None, description="The engine that ran the turn's prefill request, as the "
         "router's stats name it (None: the decode engine served the turn alone).")
