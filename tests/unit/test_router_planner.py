@@ -213,6 +213,27 @@ def test_a_session_never_moves_to_a_busier_engine() -> None:
                                  facts).where == "move"
 
 
+def test_a_session_never_moves_to_an_engine_home_to_as_many_sessions() -> None:
+    """A move by the costs (the home slower at decoding, and busier now) goes only where it
+    leaves the pair no further apart in sessions: requests in flight are a moment's load,
+    and a session moved from an evenly homed pair makes one engine home to two more than the
+    other for the rest of their turns."""
+    costs = measured()
+    for _ in range(5):
+        costs.observe_decode(HOME, 16, first_token_ms=0.0, total_ms=990.0,
+                             completion_tokens=100)
+        costs.observe_decode(HELPER, 1, first_token_ms=0.0, total_ms=99.0,
+                             completion_tokens=100)
+    facts = TurnFacts(prompt_tokens=1000, home_holds=990, helper_holds=0, block_size=16,
+                      expected_output=500)
+    planner = Planner(costs)
+    even = planner.decide(EngineLoad(HOME, in_flight=15, homed=2),
+                          EngineLoad(HELPER, homed=2), facts)
+    assert even.where != "move"
+    assert planner.decide(EngineLoad(HOME, in_flight=15, homed=3),
+                          EngineLoad(HELPER, homed=1), facts).where == "move"
+
+
 def test_without_another_engine_the_turn_stays_whole() -> None:
     planner = Planner(measured())
     facts = history_turn()

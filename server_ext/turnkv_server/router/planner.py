@@ -27,7 +27,7 @@ router counts them, `Holdings`) is not taken, for it would end other sessions' l
 them their histories: a split needs room on the helper for what it computes, a move room on
 the new home for the whole history. Under pressure the turn so stays whole on its home, as on an
 aggregated engine. And a session moves only to an engine with fewer requests in flight than
-its home.
+its home, and home to fewer sessions.
 
 After the turn, the home's copy of the history is pushed to the helper (`push_back`) only when
 splits are expected for the session (this turn split, or one of its last turns did) and no
@@ -66,6 +66,13 @@ class EngineLoad:
     pressure: bool = False  # lost a held history, or failed a push back, lately
     # Tokens of KV it can take without ending another session's lease (None: not known).
     room_tokens: int | None = None
+    # Live sessions whose home it is (None: not counted).
+    homed: int | None = None
+
+    def homes_fewer_than(self, other: EngineLoad) -> bool:
+        """Whether a session moving here from `other` leaves the two no further apart in
+        sessions than they were (unknown counts do not stand in the way)."""
+        return self.homed is None or other.homed is None or self.homed < other.homed
 
     def fits(self, tokens: int) -> bool:
         return self.room_tokens is None or tokens <= self.room_tokens
@@ -239,9 +246,13 @@ class Planner:
         # Only to a less busy engine: a decode step measured at a small batch includes the
         # steps that prefills held, so by its costs alone an engine measured while it started
         # its first prompts reads slower than a crowded one, and sessions would drain to it.
+        # Nor to one home to as many sessions: requests in flight are a moment's load, the
+        # sessions homed the load to come; a move that leaves one engine home to more
+        # sessions than the other is paid back on every later turn of theirs.
         move = _Option("move", home, other, move_ms, _stall(whole_ms, home),
                        move_ms + whole_ms * home.in_flight + moved_decode,
-                       fits=other.fits(prompt + out) and other.in_flight < home.in_flight)
+                       fits=(other.fits(prompt + out) and other.in_flight < home.in_flight
+                             and other.homes_fewer_than(home)))
         return {"whole": whole, "split": split, "move": move}
 
     def _choose(self, options: dict[Where, _Option]) -> tuple[_Option, str]:

@@ -233,7 +233,8 @@ class Turnkv(PdTurnkv):
         pressure = (self._pressure.active(engine.name)
                     or self._no_push_back.active(engine.name))
         return EngineLoad(engine.name, engine.healthy, engine.in_flight, overloaded, pressure,
-                          self._holdings.room(engine.name, engine.kv_tokens))
+                          self._holdings.room(engine.name, engine.kv_tokens),
+                          homed=self._homes.homed(engine.name))
 
     def _pin(self, session: Session | None) -> Where | None:
         pins = self.ctx.pins
