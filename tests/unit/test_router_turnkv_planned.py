@@ -158,13 +158,17 @@ def test_a_split_stays_whole_where_the_other_engines_leases_fill_its_cache() -> 
     assert plan.decision is not None and plan.decision.where == "split", plan.decision
 
 
-def test_no_prefetch_on_a_home_whose_sessions_do_not_fit_its_cache() -> None:
-    """A hinted pause is prefetched where the home holds every history it is home to; where it
-    cannot, a prefetch would evict another session's history to load this one's."""
-    async def main(kv_tokens: int) -> bool:
+def test_a_prefetch_only_where_the_home_lost_histories_and_its_sessions_fit() -> None:
+    """A hinted pause is prefetched only where the home lost a held history lately (its
+    histories are being evicted) and holds every history it is home to. Without such a loss
+    the history is resident and the prefetch only costs the engine a request, which the turn
+    waits for; where the homes' histories do not fit, it would evict another's to load this
+    one's."""
+    async def main(kv_tokens: int, lost: bool) -> bool:
         mode = planned()
         for name in ("decode-0", "prefill-0"):
             engine(mode, name).block_size, engine(mode, name).kv_tokens = 16, kv_tokens
+            mode._pressure.record(name, lost)
         t = turn(CacheHints(next_turn_in=30))
         plan = await mode.plan(t, place(mode, t))
         t.prompt_token_ids, t.output_token_ids = [5] * 3000, [6] * 10
@@ -174,8 +178,9 @@ def test_no_prefetch_on_a_home_whose_sessions_do_not_fit_its_cache() -> None:
         mode.forget_session(t.session)
         return scheduled
 
-    assert asyncio.run(main(kv_tokens=20_000))
-    assert not asyncio.run(main(kv_tokens=3_000))
+    assert asyncio.run(main(kv_tokens=20_000, lost=True))
+    assert not asyncio.run(main(kv_tokens=20_000, lost=False))
+    assert not asyncio.run(main(kv_tokens=3_000, lost=True))
 
 
 @pytest.mark.parametrize("pins", [("whole", "split", "move"), ("split", "move", "whole")])
