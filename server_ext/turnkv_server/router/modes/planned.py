@@ -344,13 +344,14 @@ class Turnkv(PdTurnkv):
         self._holdings.hold(session.key, held)
 
     def _prefetch_pays(self, engine: Engine) -> bool:
-        """Only on an engine that lost a held history lately (a turn there computed more than
-        its delta), where the sessions it is home to fit its cache. Elsewhere the history is
-        still resident, so the prefetch is only a request on the engine (a `/tokenize` too,
-        for an untokenized turn), which the turn then waits for when it comes back while the
-        engine is busy; and where the homes' histories do not fit, it makes one resident by
-        evicting another's, which that session's turn then restores."""
-        if not self._pressure.active(engine.name):
+        """Where the sessions the engine is home to fit its cache and, under the planner,
+        only where it lost a held history lately (a turn there computed more than its delta).
+        Elsewhere the history is still resident, so the prefetch is only a request on the
+        engine (a `/tokenize` too, for an untokenized turn), which the turn then waits for
+        when it comes back while the engine is busy; and where the homes' histories do not
+        fit, it makes one resident by evicting another's, which that session's turn then
+        restores."""
+        if self.planned and not self._pressure.active(engine.name):
             return False
         room = self._holdings.room(engine.name, engine.kv_tokens)
         return room is None or room > 0
