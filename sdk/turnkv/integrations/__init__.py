@@ -11,14 +11,16 @@ package imports neither framework, so `import turnkv` works without them (instal
 
 from __future__ import annotations
 
+from typing import NoReturn
 
-def extra_missing(exc: ModuleNotFoundError, extra: str, packages: tuple[str, ...],
-                  framework: str, adapter: str) -> ModuleNotFoundError | None:
-    """The error to raise when an adapter's framework is not installed: a
-    `ModuleNotFoundError` still (`except ImportError` keeps working) that names the extra to
-    install. None when the missing module is not the framework's: that error stands as is."""
+
+def raise_extra_missing(exc: ModuleNotFoundError, extra: str, packages: tuple[str, ...],
+                        framework: str, adapter: str) -> NoReturn:
+    """Raise, for an adapter whose framework failed to import, a `ModuleNotFoundError` still
+    (`except ImportError` keeps working) that names the extra to install, chained to `exc`.
+    Where the missing module is not the framework's, `exc` itself stands as is."""
     if (exc.name or "").split(".")[0] not in packages:
-        return None
-    return ModuleNotFoundError(
+        raise exc
+    raise ModuleNotFoundError(
         f"{adapter} needs {framework}, which is not installed (no module {exc.name!r}): "
-        f"pip install 'turnkv[{extra}]'", name=exc.name)
+        f"pip install 'turnkv[{extra}]'", name=exc.name) from exc

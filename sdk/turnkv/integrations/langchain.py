@@ -29,7 +29,7 @@ from pydantic import PrivateAttr
 
 from turnkv.core import SessionCore
 from turnkv.http import async_http_client, http_client
-from turnkv.integrations import extra_missing
+from turnkv.integrations import raise_extra_missing
 from turnkv.integrations.stream_tail import StreamTail
 from turnkv.integrations.turns import (
     STATS_KEY,
@@ -49,11 +49,8 @@ try:
     from langchain_openai import ChatOpenAI
 except ModuleNotFoundError as exc:
     # `pip install turnkv` has no LangChain: say which extra brings it.
-    missing = extra_missing(exc, "langchain", ("langchain_core", "langchain_openai"),
-                            "LangChain", "turnkv.integrations.langchain")
-    if missing is None:
-        raise
-    raise missing from exc
+    raise_extra_missing(exc, "langchain", ("langchain_core", "langchain_openai"),
+                        "LangChain", "turnkv.integrations.langchain")
 
 
 class ChatTurnKV(SessionOwner, ChatOpenAI):
@@ -116,17 +113,10 @@ class ChatTurnKV(SessionOwner, ChatOpenAI):
         return generation
 
     def _stream(self, *args: Any, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        tail = ChunkTail(self.session)
-        for chunk in super()._stream(*args, **kwargs):
-            yield from tail.take(chunk)
-        yield from tail.finish()
+        yield from ChunkTail(self.session).relay(super()._stream(*args, **kwargs))
 
     async def _astream(self, *args: Any, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        tail = ChunkTail(self.session)
-        async for chunk in super()._astream(*args, **kwargs):
-            for out in tail.take(chunk):
-                yield out
-        for out in tail.finish():
+        async for out in ChunkTail(self.session).arelay(super()._astream(*args, **kwargs)):
             yield out
 
 

@@ -22,12 +22,12 @@ Needs the `llamaindex` extra (`llama-index-llms-openai-like`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from turnkv.core import SessionCore
 from turnkv.http import async_http_client, http_client
-from turnkv.integrations import extra_missing
+from turnkv.integrations import raise_extra_missing
 from turnkv.integrations.stream_tail import StreamTail
 from turnkv.integrations.turns import (
     STATS_KEY,
@@ -51,11 +51,8 @@ try:
     from llama_index.llms.openai_like import OpenAILike
 except ModuleNotFoundError as exc:
     # `pip install turnkv` has no LlamaIndex: say which extra brings it.
-    missing = extra_missing(exc, "llamaindex", ("llama_index",),
-                            "LlamaIndex", "turnkv.integrations.llamaindex")
-    if missing is None:
-        raise
-    raise missing from exc
+    raise_extra_missing(exc, "llamaindex", ("llama_index",),
+                        "LlamaIndex", "turnkv.integrations.llamaindex")
 
 CACHE_READ_KEY = "cache_read"
 
@@ -126,29 +123,13 @@ class TurnKVLLM(SessionOwner, OpenAILike):
 
     def _stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         since = len(self.session.turns)
-        return self._stream_tail(super()._stream_chat(messages, **kwargs), since)
+        return ResponseTail(self.session, since).relay(super()._stream_chat(messages, **kwargs))
 
     async def _astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any
                             ) -> ChatResponseAsyncGen:
         since = len(self.session.turns)
         inner = await super()._astream_chat(messages, **kwargs)
-        return self._astream_tail(inner, since)
-
-    def _stream_tail(self, inner: ChatResponseGen, since: int
-                     ) -> Generator[ChatResponse, None, None]:
-        tail = ResponseTail(self.session, since)
-        for response in inner:
-            yield from tail.take(response)
-        yield from tail.finish()
-
-    async def _astream_tail(self, inner: ChatResponseAsyncGen, since: int
-                            ) -> AsyncGenerator[ChatResponse, None]:
-        tail = ResponseTail(self.session, since)
-        async for response in inner:
-            for out in tail.take(response):
-                yield out
-        for out in tail.finish():
-            yield out
+        return ResponseTail(self.session, since).arelay(inner)
 
 
 class ResponseTail(StreamTail[ChatResponse]):

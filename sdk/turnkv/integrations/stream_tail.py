@@ -12,6 +12,7 @@ are like: which carry content (`carries_content`), where the router's `turnkv` f
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterable, Generator, Iterable
 from typing import Any, Generic, TypeVar
 
 from turnkv.core import SessionCore
@@ -47,6 +48,20 @@ class StreamTail(ABC, Generic[Item]):
         if stats is None:
             return self.held
         return self.attach(self.held, stats)
+
+    def relay(self, stream: Iterable[Item]) -> Generator[Item, None, None]:
+        """The stream's items, passed through `take`, then `finish`."""
+        for item in stream:
+            yield from self.take(item)
+        yield from self.finish()
+
+    async def arelay(self, stream: AsyncIterable[Item]) -> AsyncGenerator[Item, None]:
+        """`relay` for an async stream."""
+        async for item in stream:
+            for out in self.take(item):
+                yield out
+        for out in self.finish():
+            yield out
 
     @abstractmethod
     def carries_content(self, item: Item) -> bool:
