@@ -23,7 +23,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
@@ -32,36 +31,15 @@ from aiohttp import web
 
 from turnkv_server.ports import read_report
 
-PROMPT, OUTPUT = [7, 8, 9], [11, 12, 13, 14]
-USAGE = {"prompt_tokens": len(PROMPT), "completion_tokens": len(OUTPUT),
-         "total_tokens": len(PROMPT) + len(OUTPUT), "prompt_tokens_details": {"cached_tokens": 0}}
+# Run as `python scripts/router_cpu.py`, Python puts scripts/ on the path, not the repository:
+# the stand-in engines answer as the tests' do (tests/support).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
+from tests.support.standin_chat import answer_chat  # noqa: E402
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    body = orjson.loads(await request.read())
-    if not body.get("stream"):
-        return web.Response(content_type="application/json", body=orjson.dumps({
-            "id": "chatcmpl-1", "object": "chat.completion", "model": "m",
-            "prompt_token_ids": PROMPT, "usage": USAGE,
-            "choices": [{"index": 0, "finish_reason": "stop", "token_ids": OUTPUT,
-                         "message": {"role": "assistant", "content": "a b c d"}}],
-            "kv_transfer_params": {"turnkv": {"local_tokens": 0}}}))
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m"}
-    await response.write(_event({**base, "prompt_token_ids": PROMPT, "choices": [
-        {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}]}))
-    for token in OUTPUT:
-        await response.write(_event({**base, "choices": [
-            {"index": 0, "delta": {"content": f"t{token}"}, "token_ids": [token]}]}))
-    await response.write(_event({**base, "choices": [], "usage": USAGE}))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    return await answer_chat(request, orjson.loads(await request.read()))
 
 
 async def _health(_: web.Request) -> web.StreamResponse:

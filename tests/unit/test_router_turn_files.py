@@ -38,6 +38,7 @@ import pytest
 from aiohttp import web
 
 import turnkv_server.router
+from tests.support.standin_chat import answer_chat
 from tests.unit.test_router_engine_requests import StandIn
 from turnkv_server.router.app import create_app
 from turnkv_server.router.config import RouterConfig
@@ -46,43 +47,10 @@ ROUTER = str(Path(turnkv_server.router.__file__).parent) + "/"
 OUTSIDE = "(outside)"
 MAX_FILES = 8
 
-PROMPT = [7, 8, 9]
-OUTPUT = [11, 12, 13]
-
-
-def _answer(body: dict[str, Any]) -> dict[str, Any]:
-    return {"id": "chatcmpl-1", "object": "chat.completion", "model": "m",
-            "prompt_token_ids": PROMPT,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "a b c"},
-                         "finish_reason": "stop", "token_ids": OUTPUT}],
-            "usage": {"prompt_tokens": len(PROMPT), "completion_tokens": len(OUTPUT),
-                      "total_tokens": len(PROMPT) + len(OUTPUT),
-                      "prompt_tokens_details": {"cached_tokens": 0}},
-            "kv_transfer_params": {"turnkv": {"local_tokens": 0}}}
-
-
-def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
-
-
 async def chat_engine(engine: StandIn, request: web.Request, body: dict[str, Any]
                       ) -> web.StreamResponse:
     """vLLM's `/v1/chat/completions` with token IDs: whole, or streamed with its usage chunk."""
-    whole = _answer(body)
-    if not body.get("stream"):
-        return web.Response(body=orjson.dumps(whole), content_type="application/json")
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m"}
-    await response.write(_event({**base, "prompt_token_ids": PROMPT, "choices": [
-        {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}]}))
-    for token in OUTPUT:
-        await response.write(_event({**base, "choices": [
-            {"index": 0, "delta": {"content": f"t{token}"}, "token_ids": [token]}]}))
-    await response.write(_event({**base, "choices": [], "usage": whole["usage"]}))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    return await answer_chat(request, body)
 
 
 @dataclass
