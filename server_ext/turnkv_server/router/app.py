@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -274,35 +274,38 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app.add_route("/v1/responses", responses, methods=["POST"])
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(request: Request, response_id: str) -> Response:
+    async def on_stored_response(request: Request, response_id: str,
+                                 answer: Callable[[str], Awaitable[Response | None]]
+                                 ) -> Response:
+        """`answer(tenant)` for a stored response of the request's tenant; None from it: no
+        such response (404)."""
         tenant = router.tenants.tenant_for(request.headers.get("authorization"))
         if tenant is None:
             return error_response(401, "missing or unknown API key")
         try:
-            found = await router.responses.get(tenant, response_id)
+            answered = await answer(tenant)
         except StoreUnavailable as exc:
             return error_response(503, f"the shared store did not answer: {exc}",
                                   headers={"Retry-After": RETRY_AFTER_S})
-        if found is None:
+        if answered is None:
             return error_response(404, f"no stored response {response_id!r}",
                                   param="response_id")
-        return JSONResponse(found.response)
+        return answered
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        async def answer(tenant: str) -> Response | None:
+            found = await router.responses.get(tenant, response_id)
+            return None if found is None else JSONResponse(found.response)
+        return await on_stored_response(request, response_id, answer)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
-        tenant = router.tenants.tenant_for(request.headers.get("authorization"))
-        if tenant is None:
-            return error_response(401, "missing or unknown API key")
-        try:
-            deleted = await router.responses.delete(tenant, response_id)
-        except StoreUnavailable as exc:
-            return error_response(503, f"the shared store did not answer: {exc}",
-                                  headers={"Retry-After": RETRY_AFTER_S})
-        if not deleted:
-            return error_response(404, f"no stored response {response_id!r}",
-                                  param="response_id")
-        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        async def answer(tenant: str) -> Response | None:
+            if not await router.responses.delete(tenant, response_id):
+                return None
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return await on_stored_response(request, response_id, answer)
 
     async def messages(request: Request) -> Response:
         return await router.serve(request, MESSAGES)
