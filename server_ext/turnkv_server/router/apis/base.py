@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from fastapi.responses import JSONResponse, Response
 
 from turnkv import protocol as p
@@ -35,7 +36,8 @@ from turnkv_server.router.upstream import SseEvent
 if TYPE_CHECKING:
     from turnkv_server.router.modes.base import Turn, TurnPlan
 
-__all__ = ["Answer", "Api", "Prepared", "Relay", "Resolve", "Resolved", "Seen", "SseEvent"]
+__all__ = ["Answer", "Api", "EventRelay", "Prepared", "Relay", "Resolve", "Resolved", "Seen",
+           "SseEvent"]
 
 
 @dataclass
@@ -91,6 +93,43 @@ class Relay(ABC):
     @abstractmethod
     def error(self, message: str) -> bytes:
         """An error event in the stream's own shape: the decode engine was lost mid-answer."""
+
+
+class EventRelay(Relay):
+    """A stream of named events, each one JSON object (the Messages and Responses APIs). Of
+    every object it reads (`read_object`) a relay keeps those it changes (`_data`) and writes
+    them again (`rewrite`); every other event goes on as it came, to the byte."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._event: SseEvent | None = None
+        self._data: dict[str, Any] | None = None  # the event's object, kept to be rewritten
+        self._last = False  # the event the turn's stats go with
+
+    def read(self, event: SseEvent) -> Seen:
+        self._event, self._data, self._last = event, None, False
+        try:
+            data = orjson.loads(event.data)
+        except ValueError:
+            return Seen()
+        if not isinstance(data, dict):
+            return Seen()
+        return self.read_object(data)
+
+    def write(self, stats: p.RouterTurnStats) -> list[bytes]:
+        assert self._event is not None
+        if self._data is None:
+            return [self._event.encode()]
+        self.rewrite(self._data, stats)
+        return [SseEvent(self._event.name, orjson.dumps(self._data)).encode()]
+
+    @abstractmethod
+    def read_object(self, data: dict[str, Any]) -> Seen:
+        """`read` for an event whose data is a JSON object; sets `_data` to keep it."""
+
+    @abstractmethod
+    def rewrite(self, data: dict[str, Any], stats: p.RouterTurnStats) -> None:
+        """The kept object (in place) as the client gets it; `stats` are final for `_last`."""
 
 
 class Api(ABC):

@@ -22,7 +22,15 @@ import orjson
 from fastapi.responses import Response
 
 from turnkv import protocol as p
-from turnkv_server.router.apis.base import Answer, Api, Relay, Seen, SseEvent, corrected_cached
+from turnkv_server.router.apis.base import (
+    Answer,
+    Api,
+    EventRelay,
+    Relay,
+    Seen,
+    SseEvent,
+    corrected_cached,
+)
 from turnkv_server.router.conversations import RelayedReply
 from turnkv_server.router.errors import error_body, error_response
 
@@ -87,7 +95,7 @@ class Messages(Api):
 MESSAGES = Messages()
 
 
-class MessagesRelay(Relay):
+class MessagesRelay(EventRelay):
     """vLLM's stream as it comes, but for the usage of `message_start` and `message_delta`
     (corrected), and `message_delta`, the last with usage, which gets the turn's stats as a
     `turnkv` field: no event is added."""
@@ -97,18 +105,8 @@ class MessagesRelay(Relay):
         self._plan, self._stats = plan, stats
         if turn.session_source == "inferred":
             self.message = RelayedReply()  # what the conversation goes on with
-        self._event: SseEvent | None = None
-        self._data: dict[str, Any] | None = None
-        self._last = False
 
-    def read(self, event: SseEvent) -> Seen:
-        self._event, self._data, self._last = event, None, False
-        try:
-            data = orjson.loads(event.data)
-        except ValueError:
-            return Seen()
-        if not isinstance(data, dict):
-            return Seen()
+    def read_object(self, data: dict[str, Any]) -> Seen:
         kind = data.get("type")
         if self.message is not None:
             self.message.feed_anthropic(data)
@@ -123,13 +121,9 @@ class MessagesRelay(Relay):
                 self.answer = Answer(usage=chat_usage(usage))
         return Seen(output=kind == "content_block_delta", last=self._last)
 
-    def write(self, stats: p.RouterTurnStats) -> list[bytes]:
-        assert self._event is not None
-        if self._data is None:
-            return [self._event.encode()]
+    def rewrite(self, data: dict[str, Any], stats: p.RouterTurnStats) -> None:
         if self._last:
-            self._data["turnkv"] = stats.model_dump()
-        return [SseEvent(self._event.name, orjson.dumps(self._data)).encode()]
+            data["turnkv"] = stats.model_dump()
 
     def error(self, message: str) -> bytes:
         return SseEvent(b"error", orjson.dumps(error_body(503, message, path=Messages.path))

@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from turnkv import protocol as p
-from turnkv_server.router.apis.base import Answer, Api, Relay, Seen, SseEvent, corrected_cached
+from turnkv_server.router.apis.base import (
+    Answer,
+    Api,
+    EventRelay,
+    Relay,
+    Seen,
+    SseEvent,
+    corrected_cached,
+)
 from turnkv_server.router.conversations import RelayedReply
 
 if TYPE_CHECKING:
@@ -110,7 +118,7 @@ class ResponsesApi(Api):
                     response[key] = None
 
 
-class ResponsesRelay(Relay):
+class ResponsesRelay(EventRelay):
     """vLLM's stream as it comes (named events), but for the response objects it carries (the
     client's echo), and the last (`response.completed`), whose usage is corrected and which
     gets the turn's stats as the response's `turnkv` field: no event is added."""
@@ -119,19 +127,9 @@ class ResponsesRelay(Relay):
                  ) -> None:
         super().__init__()
         self._api, self._turn, self._plan, self._stats = api, turn, plan, stats
-        self._event: SseEvent | None = None
-        self._data: dict[str, Any] | None = None
-        self._last = False
         self._sequence = 0
 
-    def read(self, event: SseEvent) -> Seen:
-        self._event, self._data, self._last = event, None, False
-        try:
-            data = orjson.loads(event.data)
-        except ValueError:
-            return Seen()
-        if not isinstance(data, dict):
-            return Seen()
+    def read_object(self, data: dict[str, Any]) -> Seen:
         kind = str(data.get("type") or "")
         if isinstance(data.get("sequence_number"), int):
             self._sequence = data["sequence_number"] + 1
@@ -147,16 +145,12 @@ class ResponsesRelay(Relay):
                 correct_usage(response.get("usage"), self._plan, self._stats)
         return Seen(output=kind.endswith(".delta"), last=self._last)
 
-    def write(self, stats: p.RouterTurnStats) -> list[bytes]:
-        assert self._event is not None
-        if self._data is None:
-            return [self._event.encode()]
-        response = self._data["response"]
+    def rewrite(self, data: dict[str, Any], stats: p.RouterTurnStats) -> None:
+        response = data["response"]
         self._api.as_client_sees(response)
         if self._last:
             response["turnkv"] = stats.model_dump()
             self.whole = response
-        return [SseEvent(self._event.name, orjson.dumps(self._data)).encode()]
 
     def error(self, message: str) -> bytes:
         return SseEvent(b"error", orjson.dumps({
