@@ -18,11 +18,10 @@ and the last turn says it is the last (`final`).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
-import openai
+from _endpoint import endpoint, endpoint_parser
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.tools import tool
@@ -66,9 +65,9 @@ TOOL_SECONDS = 2.0  # how long the next tool run is announced to take
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    args = endpoint_parser(__doc__).parse_args()
     console = Console()
-    base_url, model_name = _endpoint(args)
+    base_url, model_name = endpoint(args)
     model = ChatTurnKV(model=model_name, base_url=base_url, api_key=args.api_key,
                        temperature=0, max_tokens=args.max_tokens, ttl=args.ttl)
     chain = ChatPromptTemplate.from_messages([
@@ -119,34 +118,6 @@ def _print_turn(console: Console, reply: AIMessageChunk) -> None:
     console.print(f"[dim]turn {stats.turn}: {stats.prompt_tokens.total} prompt tokens, "
                   f"cache_read {cache_read}, computed {stats.computed_tokens}, "
                   f"client TTFT {ttft} ms[/]\n")
-
-
-def _endpoint(args: argparse.Namespace) -> tuple[str, str]:
-    """The OpenAI base URL and model: given, or those of the cluster `turnkv up` started."""
-    if args.base_url:
-        if args.model:
-            return args.base_url, args.model
-        models = openai.OpenAI(base_url=args.base_url, api_key=args.api_key).models.list()
-        return args.base_url, models.data[0].id
-    # The serving side is needed only to find the local cluster.
-    from turnkv_server.launcher import current_state
-
-    state = current_state()
-    if state is None or not state.router:
-        raise SystemExit("no cluster is running: start one with `turnkv up`, or pass --base-url")
-    return f"{state.router}/v1", args.model or state.served_model_name
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", help="an OpenAI-compatible endpoint, e.g. a turnkv router")
-    parser.add_argument("--model", help="the model to use (default: the cluster's)")
-    parser.add_argument("--api-key", default="local")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--ttl", type=float, default=120.0,
-                        help="ttl hint: keep the session this long after each turn (s)")
-    return parser
 
 
 if __name__ == "__main__":

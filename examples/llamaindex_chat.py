@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-import openai
+from _endpoint import endpoint, endpoint_parser
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse
 from rich.console import Console
 
@@ -36,7 +36,7 @@ QUESTIONS = [
 def main() -> None:
     args = _parser().parse_args()
     console = Console()
-    base_url, model_name = _endpoint(args)
+    base_url, model_name = endpoint(args)
     with turnkv.session(ttl=args.ttl) as session:
         llm = TurnKVLLM(model=model_name, api_base=base_url, api_key=args.api_key,
                         temperature=0, max_tokens=args.max_tokens, session=session)
@@ -66,32 +66,9 @@ def _print_turn(console: Console, last: ChatResponse) -> None:
                   f"computed {stats.computed_tokens}, client TTFT {ttft} ms[/]\n")
 
 
-def _endpoint(args: argparse.Namespace) -> tuple[str, str]:
-    """The OpenAI base URL and model: given, or those of the cluster `turnkv up` started."""
-    if args.base_url:
-        if args.model:
-            return args.base_url, args.model
-        models = openai.OpenAI(base_url=args.base_url, api_key=args.api_key).models.list()
-        return args.base_url, models.data[0].id
-    # The serving side is needed only to find the local cluster.
-    from turnkv_server.launcher import current_state
-
-    state = current_state()
-    if state is None or not state.router:
-        raise SystemExit("no cluster is running: start one with `turnkv up`, or pass --base-url")
-    return f"{state.router}/v1", args.model or state.served_model_name
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", help="an OpenAI-compatible endpoint, e.g. a turnkv router")
-    parser.add_argument("--model", help="the model to use (default: the cluster's)")
-    parser.add_argument("--api-key", default="local")
+    parser = endpoint_parser(__doc__)
     parser.add_argument("--turns", type=int, default=len(QUESTIONS))
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--ttl", type=float, default=120.0,
-                        help="ttl hint: keep the session this long after each turn (s)")
     return parser
 
 
