@@ -41,6 +41,26 @@ def history_turn(prompt: int = 4096, delta: int = 2000, helper_holds: int | None
                      block_size=16, expected_output=100, **more)  # type: ignore[arg-type]
 
 
+def decoding(home_batch: int, home_ms: float, helper_batch: int, helper_ms: float
+             ) -> CostModel:
+    """`measured()`, and each engine measured five times decoding 100 tokens in `*_ms` at a
+    batch of `*_batch`."""
+    costs = measured()
+    for _ in range(5):
+        costs.observe_decode(HOME, home_batch, first_token_ms=0.0, total_ms=home_ms,
+                             completion_tokens=100)
+        costs.observe_decode(HELPER, helper_batch, first_token_ms=0.0, total_ms=helper_ms,
+                             completion_tokens=100)
+    return costs
+
+
+def long_answer_turn() -> TurnFacts:
+    """A long answer on a history the home holds and the helper does not: where decoding
+    costs most, so a move is worth its recompute."""
+    return TurnFacts(prompt_tokens=1000, home_holds=990, helper_holds=0, block_size=16,
+                     expected_output=500)
+
+
 # -- the cost model ------------------------------------------------------------------------
 
 def test_buckets_are_powers_of_two() -> None:
@@ -181,14 +201,8 @@ def test_an_overloaded_home_moves_the_session_and_pulls_its_history() -> None:
 
 
 def test_a_home_far_slower_at_decoding_moves_the_session() -> None:
-    costs = measured()
-    for _ in range(5):
-        costs.observe_decode(HOME, 16, first_token_ms=0.0, total_ms=990.0,
-                             completion_tokens=100)
-        costs.observe_decode(HELPER, 1, first_token_ms=0.0, total_ms=99.0,
-                             completion_tokens=100)
-    facts = TurnFacts(prompt_tokens=1000, home_holds=990, helper_holds=0, block_size=16,
-                      expected_output=500)
+    costs = decoding(home_batch=16, home_ms=990.0, helper_batch=1, helper_ms=99.0)
+    facts = long_answer_turn()
     decision = Planner(costs).decide(EngineLoad(HOME, in_flight=15), EngineLoad(HELPER),
                                      facts)
     assert (decision.where, decision.home, decision.pull) == ("move", HELPER, True)
@@ -199,14 +213,8 @@ def test_a_session_never_moves_to_a_busier_engine() -> None:
     engine measured only while it started its first prompts reads slower per step than a
     busy one: by the costs alone, sessions would move to the crowded engine and drain the
     other, which then never measures again. A move goes only to a less busy engine."""
-    costs = measured()
-    for _ in range(5):
-        costs.observe_decode(HOME, 1, first_token_ms=0.0, total_ms=13_000.0,
-                             completion_tokens=100)
-        costs.observe_decode(HELPER, 16, first_token_ms=0.0, total_ms=3_500.0,
-                             completion_tokens=100)
-    facts = TurnFacts(prompt_tokens=1000, home_holds=990, helper_holds=0, block_size=16,
-                      expected_output=500)
+    costs = decoding(home_batch=1, home_ms=13_000.0, helper_batch=16, helper_ms=3_500.0)
+    facts = long_answer_turn()
     assert Planner(costs).decide(EngineLoad(HOME, in_flight=1), EngineLoad(HELPER, in_flight=16),
                                  facts).where != "move"
     assert Planner(costs).decide(EngineLoad(HOME, in_flight=1), EngineLoad(HELPER),
@@ -218,14 +226,8 @@ def test_a_session_never_moves_to_an_engine_home_to_as_many_sessions() -> None:
     leaves the pair no further apart in sessions: requests in flight are a moment's load,
     and a session moved from an evenly homed pair makes one engine home to two more than the
     other for the rest of their turns."""
-    costs = measured()
-    for _ in range(5):
-        costs.observe_decode(HOME, 16, first_token_ms=0.0, total_ms=990.0,
-                             completion_tokens=100)
-        costs.observe_decode(HELPER, 1, first_token_ms=0.0, total_ms=99.0,
-                             completion_tokens=100)
-    facts = TurnFacts(prompt_tokens=1000, home_holds=990, helper_holds=0, block_size=16,
-                      expected_output=500)
+    costs = decoding(home_batch=16, home_ms=990.0, helper_batch=1, helper_ms=99.0)
+    facts = long_answer_turn()
     planner = Planner(costs)
     even = planner.decide(EngineLoad(HOME, in_flight=15, homed=2),
                           EngineLoad(HELPER, homed=2), facts)
