@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import uvicorn
 from aiohttp import web
 
+from tests.support.local_servers import serving, start_engine_app
 from turnkv_server.bench.plan import BenchSettings, cluster_config, layout, pick_baseline
 from turnkv_server.launcher import Cluster, ClusterConfig
 from turnkv_server.launcher.engine import EngineProcess
@@ -189,14 +189,7 @@ class StandIn:
     runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/health", _health)
-        app.router.add_post("/{path:.*}", self._handle)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        self.runner, self.url = await start_engine_app(self._handle)
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -226,10 +219,6 @@ class StandIn:
         return response
 
 
-async def _health(_: web.Request) -> web.Response:
-    return web.json_response({})
-
-
 @contextlib.asynccontextmanager
 async def affinity_router(engines: list[StandIn], engine_leases: bool = False,
                           **settings: Any) -> AsyncIterator[tuple[Router, str]]:
@@ -239,16 +228,10 @@ async def affinity_router(engines: list[StandIn], engine_leases: bool = False,
     app = create_app(RouterConfig(mode="affinity", engine=[e.url for e in engines],
                                   health_interval=60.0, engine_leases=engine_leases,
                                   **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    serving = asyncio.create_task(server.serve())
     try:
-        while not server.started:
-            assert not serving.done(), "the router did not start"
-            await asyncio.sleep(0.01)
-        yield app.state.router, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        async with serving(app) as url:
+            yield app.state.router, url
     finally:
-        server.should_exit = True
-        await serving
         for engine in engines:
             await engine.stop()
 

@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import uvicorn
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.fuzz_seed import fuzz
+from tests.support.local_servers import serving
 from tests.unit.test_router_affinity import StandIn
 from turnkv.protocol import MAX_TTL_SECONDS, CacheHints, TurnTag
 from turnkv_server.router.app import create_app
@@ -226,16 +226,10 @@ async def router_with_tenants(engines: list[StandIn], **settings: Any) -> AsyncI
                                   api_keys=KEYS, health_interval=60.0,
                                   tenant_caps={KEYS["sk-a"]: {"max_priority": 5}},
                                   **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    serving = asyncio.create_task(server.serve())
     try:
-        while not server.started:
-            assert not serving.done(), "the router did not start"
-            await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        async with serving(app) as url:
+            yield url
     finally:
-        server.should_exit = True
-        await serving
         for engine in engines:
             await engine.stop()
 

@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import uvicorn
 from aiohttp import web
 
+from tests.support.local_servers import serving, start_engine_app
 from turnkv_server.router.app import Router, create_app
 from turnkv_server.router.config import RouterConfig
 
@@ -57,15 +57,7 @@ class StandIn:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> str:
-        app = web.Application()
-        app.router.add_get("/health", _health)
-        app.router.add_post("/{path:.*}", self._handle)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self._runner, self.url = await start_engine_app(self._handle)
         return self.url
 
     async def stop(self) -> None:
@@ -82,10 +74,6 @@ class StandIn:
         if handler is None:
             return _ok()
         return await handler(self, request, body)
-
-
-async def _health(_: web.Request) -> web.Response:
-    return _ok()
 
 
 def _ok(payload: dict[str, Any] | None = None, status: int = 200) -> web.Response:
@@ -194,17 +182,10 @@ async def cluster(prefill: dict[str, Handler] | None, decode: dict[str, Handler]
                           short_delta_tokens=short_delta_tokens, itl_target_ms=itl_target_ms,
                           health_interval=60.0, **settings)
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    serving = asyncio.create_task(server.serve())
     try:
-        while not server.started:
-            assert not serving.done(), "the router did not start"
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield Cluster(p, d, app.state.router, f"http://127.0.0.1:{port}")
+        async with serving(app) as url:
+            yield Cluster(p, d, app.state.router, url)
     finally:
-        server.should_exit = True
-        await serving
         await d.stop()
         await p.stop()
 
