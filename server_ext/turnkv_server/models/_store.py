@@ -175,3 +175,25 @@ def publish(built: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         built.rename(final)
+
+
+def build_once(name: str, home: Path | None, problem: Callable[[Path], str | None],
+               build: Callable[[Path], Path], progress: Progress | None) -> Path:
+    """`<home>/models/<name>/`: as it is where `problem` finds nothing wrong with it, else
+    built by `build` (given an empty staging folder, it returns the model folder it built
+    in it) and published. One process builds at a time; the others wait for it, then find
+    its result."""
+    final = model_folder(name, home)
+    if problem(final) is None:
+        return final
+    with build_lock(name, home):
+        # Another process may have finished the build while we waited for the lock.
+        found = problem(final)
+        if found is None:
+            return final
+        if final.exists():
+            say(progress, f"rebuilding {name}: {found}")
+        with staging(name, home) as tmp, quiet_transformers():
+            publish(build(tmp), final)
+    say(progress, f"{name} ready at {final}")
+    return final

