@@ -195,9 +195,28 @@ def test_a_home_that_is_down_moves_the_session_and_recomputes() -> None:
 
 def test_an_overloaded_home_moves_the_session_and_pulls_its_history() -> None:
     decision = Planner(measured()).decide(EngineLoad(HOME, in_flight=64, overloaded=True),
-                                          EngineLoad(HELPER), history_turn(delta=20))
+                                          EngineLoad(HELPER), history_turn(delta=20,
+                                                                           helper_holds=0))
     assert (decision.where, decision.home, decision.prefill) == ("move", HELPER, HOME)
     assert decision.pull and not decision.push_back
+
+
+def test_a_session_moves_to_its_copy_without_pulling() -> None:
+    """The other engine holds a copy of the history (an earlier push back): a move there
+    is a whole turn of the other engine's, computing what its copy lacks; nothing crosses
+    the link, and the old home, which keeps the history, may get this turn's pushed back."""
+    busy, idle = EngineLoad(HOME, in_flight=64, overloaded=True), EngineLoad(HELPER)
+    decision = Planner(measured()).decide(busy, idle, history_turn(delta=20,
+                                                                   can_push_back=True))
+    assert (decision.where, decision.home, decision.prefill) == ("move", HELPER, HELPER)
+    assert not decision.pull and decision.push_back
+    # By the costs: a home with others in flight, the copy's engine idle and able to serve
+    # the turn whole; here the home keeps the session, the copy's engine computing its delta
+    # (a split), the cheaper of the two.
+    decision = Planner(measured()).decide(EngineLoad(HOME, in_flight=3), idle,
+                                          history_turn(delta=400))
+    assert "move ~" in decision.why
+    assert (decision.where, decision.prefill, decision.pull) == ("split", HELPER, False)
 
 
 def test_a_home_far_slower_at_decoding_moves_the_session() -> None:
@@ -255,7 +274,11 @@ def test_a_pinned_placement_is_followed_and_said(pin: str) -> None:
     assert decision.home == (HELPER if pin == "move" else HOME)
 
 
-def test_push_back_only_for_sessions_that_split_and_never_under_pressure() -> None:
+def test_push_back_wherever_the_helper_has_room_and_never_under_pressure() -> None:
+    """A copy on the other engine lets a later turn run on whichever engine waits less
+    (split computing only the delta, or a move to the copy), so the planner keeps one
+    wherever it fits, except under memory pressure, where it would cost another session
+    its history."""
     planner = Planner(measured())
     busy, idle = EngineLoad(HOME, in_flight=3), EngineLoad(HELPER)
     long = dict(delta=2000, can_push_back=True)
@@ -265,14 +288,13 @@ def test_push_back_only_for_sessions_that_split_and_never_under_pressure() -> No
                               history_turn(**long)).push_back  # type: ignore[arg-type]
     assert not planner.decide(EngineLoad(HOME, in_flight=3, pressure=True), idle,
                               history_turn(**long)).push_back  # type: ignore[arg-type]
-    # A whole turn of a session that split lately keeps the copy up to date; of one that
-    # has not split for a while, it does not.
-    recent = history_turn(delta=20, helper_holds=0, can_push_back=True, turns_since_split=1)
-    long_ago = history_turn(delta=20, helper_holds=0, can_push_back=True,
-                            turns_since_split=SPLIT_MEMORY_TURNS)
-    assert planner.decide(busy, idle, recent).where == "whole"
-    assert planner.decide(busy, idle, recent).push_back
-    assert not planner.decide(busy, idle, long_ago).push_back
+    # A whole turn keeps the copy up to date, whether or not the session split lately.
+    for since in (1, SPLIT_MEMORY_TURNS, None):
+        facts = history_turn(delta=20, helper_holds=0, can_push_back=True,
+                             turns_since_split=since)
+        decision = planner.decide(EngineLoad(HOME, in_flight=1), EngineLoad(HELPER, in_flight=1),
+                                  facts)
+        assert decision.where == "whole" and decision.push_back
     # Nothing to push back with (the last turn, or no token IDs).
     assert not planner.decide(busy, idle, history_turn(delta=2000)).push_back
 

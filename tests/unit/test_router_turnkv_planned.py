@@ -209,8 +209,12 @@ def test_pinned_placements_are_carried_out_turn_by_turn(pins: tuple[Where, ...])
 
 
 def test_push_back_only_where_the_planner_decided_it() -> None:
+    """A copy goes to the other engine only where it has room for it (and only from a turn
+    whose prompt the router read: an idle home's turn is not tokenized)."""
     async def main() -> None:
         mode = planned(Tokenizer([5] * 40), pins=("whole", "split"))
+        for name in ("decode-0", "prefill-0"):
+            engine(mode, name).block_size, engine(mode, name).kv_tokens = 16, 40
         t = turn()
         plan = await mode.plan(t, place(mode, t))
         assert plan.decision is not None and not plan.decision.push_back
@@ -218,6 +222,8 @@ def test_push_back_only_where_the_planner_decided_it() -> None:
         t.prompt_token_ids, t.output_token_ids = [5] * 40, [6] * 10
         served(mode, t, plan, total=40, computed=40)
         assert t.session is not None and t.session.mode_state.push_back is None
+        for name in ("decode-0", "prefill-0"):
+            engine(mode, name).kv_tokens = 10_000
         plan = await mode.plan(t, place(mode, t))
         assert plan.decision is not None and plan.decision.push_back
         served(mode, t, plan, total=40, computed=40)
@@ -239,26 +245,31 @@ def test_what_a_turn_measured_feeds_the_cost_model() -> None:
 
 
 def test_a_home_that_lost_the_history_is_under_pressure_and_gets_no_copy() -> None:
-    mode = planned(Tokenizer([5] * 2000), pins=("whole", "split", "whole"))
-    t = turn()
-    plan = asyncio.run(mode.plan(t, place(mode, t)))
-    served(mode, t, plan, total=1000, computed=1000)
-    assert t.session is not None
-    home = t.session.decode
-    assert home is not None
-    assert not mode._load(engine(mode, home)).pressure
-    # Untokenized (an idle home): it computed the whole history again, not its delta.
-    mode.ctx.pins = ()
-    t.prompt_token_ids = None
-    plan = asyncio.run(mode.plan(t, place(mode, t)))
-    assert plan.alone is not None and plan.alone.prompt_token_ids is None
-    served(mode, t, plan, total=1100, computed=1100)
-    assert mode._load(engine(mode, home)).pressure
-    # Now even a split keeps no copy on the other engine.
-    mode.ctx.pins = ("split",)
-    plan = asyncio.run(mode.plan(t, place(mode, t)))
-    assert plan.decision is not None and plan.decision.where == "split"
-    assert not plan.decision.push_back and plan.decode_send is None
+    async def main() -> None:
+        mode = planned(Tokenizer([5] * 2000), pins=("whole", "split", "whole"))
+        t = turn()
+        plan = await mode.plan(t, place(mode, t))
+        served(mode, t, plan, total=1000, computed=1000)
+        assert t.session is not None
+        home = t.session.decode
+        assert home is not None
+        assert not mode._load(engine(mode, home)).pressure
+        # Untokenized (an idle home): it computed the whole history again, not its delta.
+        mode.ctx.pins = ()
+        t.prompt_token_ids = None
+        plan = await mode.plan(t, place(mode, t))
+        assert plan.alone is not None and plan.alone.prompt_token_ids is None
+        served(mode, t, plan, total=1100, computed=1100)
+        assert mode._load(engine(mode, home)).pressure
+        # Now even a split keeps no copy on the other engine.
+        mode.ctx.pins = ("split",)
+        plan = await mode.plan(t, place(mode, t))
+        assert plan.decision is not None and plan.decision.where == "split"
+        assert not plan.decision.push_back and plan.decode_send is None
+        # The copies it sent meanwhile (nobody listens: they fail).
+        await asyncio.gather(*mode._orders._background, return_exceptions=True)
+
+    asyncio.run(main())
 
 
 def test_the_turns_stats_carry_the_decision_and_parse_in_the_sdk() -> None:

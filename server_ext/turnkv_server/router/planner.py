@@ -11,9 +11,10 @@ neither engine is fixed as prefill or decode. Per turn the planner weighs:
 - `split`: the other engine (the helper) computes the prompt and writes the KV the home lacks
   (the delta) into it, layer by layer, while the home goes on decoding its other sessions. The
   helper computes what its own cache lacks: only the delta where it holds a copy of the history.
-- `move`: the session's home changes to the other engine: its KV is pulled from the old home
-  (which computes the delta and writes the whole prompt's KV), or recomputed when the old home
-  is down.
+- `move`: the session's home changes to the other engine: where that engine holds a copy of
+  the history, it serves the turn whole from its copy (nothing crosses the link); else the
+  KV is pulled from the old home (which computes the delta and writes the whole prompt's KV),
+  or recomputed when the old home is down.
 
 A placement's cost is its own time to the first token, plus the time it stalls each other
 request decoding on the engine that computes, plus the turn's decode at that engine's batch:
@@ -29,10 +30,13 @@ the new home for the whole history. Under pressure the turn so stays whole on it
 aggregated engine. And a session moves only to an engine with fewer requests in flight than
 its home, and home to fewer sessions.
 
-After the turn, the home's copy of the history is pushed to the helper (`push_back`) only when
-splits are expected for the session (this turn split, or one of its last turns did) and no
-engine of the pair is under memory pressure: a copy on both engines halves the sessions the
-pair holds.
+After a turn whose prompt the router read, the history is pushed to the other engine
+(`push_back`) wherever it has room for the copy and neither engine is under memory pressure:
+with a copy on both engines a later turn can run on whichever waits less, a split computing
+only the delta or a move to the copy, where without one the other engine would compute the
+whole history. An idle home's turn is not tokenized and pushes nothing: copies are made once a
+session's engine has had others in flight. Under pressure no copy is made (a copy on both
+engines halves the sessions the pair holds).
 """
 
 from __future__ import annotations
@@ -206,8 +210,9 @@ class Planner:
                 return self._pull(home, other, f"{home.name} is overloaded")
             why = (f"{home.name} has nothing in flight to stall" if not home.in_flight else
                    f"{other.name} is as busy as {home.name}: a split cannot pay")
+            stay = _Option("whole", home, home, 0.0, 0.0, 0.0)
             return Decision("whole", home.name, home.name, push_back=self._push_back(
-                "whole", home, other, facts), why=why)
+                stay, home, other, facts), why=why)
         options = self._options(home, other, facts)
         if pin is not None:
             return self._decision(options[pin], options, home, other, facts, "pinned",
@@ -243,6 +248,16 @@ class Planner:
         # the other engine, which decodes there from now on, at its own batch.
         move_ms = whole_ms + costs.transfer_ms(prompt) + costs.priors.split_overhead_ms
         moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
+        if facts.helper_holds:
+            # Move, to the copy: the other engine holds the history (a push back left it
+            # there), so it serves the turn whole, computing what its copy lacks, and
+            # nothing crosses the link at the turn. A whole turn of the other engine's.
+            copy_ms = costs.prefill_ms(other.name, prompt, split_n)
+            to_copy = _Option("move", other, other, copy_ms, _stall(copy_ms, other),
+                              copy_ms * (1 + other.in_flight) + moved_decode,
+                              fits=other.fits(split_n + out) and other.in_flight < home.in_flight)
+            if to_copy.fits:
+                return {"whole": whole, "split": split, "move": to_copy}
         # Only to a less busy engine: a decode step measured at a small batch includes the
         # steps that prefills held, so by its costs alone an engine measured while it started
         # its first prompts reads slower than a crowded one, and sessions would drain to it.
@@ -287,8 +302,8 @@ class Planner:
                   pinned: bool = False) -> Decision:
         return Decision(
             option.where, option.home.name, option.prefill.name,
-            push_back=self._push_back(option.where, home, other, facts),
-            pull=option.where == "move", pinned=pinned,
+            push_back=self._push_back(option, home, other, facts),
+            pull=option.where == "move" and option.prefill is not option.home, pinned=pinned,
             why=f"{option.where} ({reason}): {_estimates_text(option, facts)}; waiting added: "
                 + ", ".join(f"{o.where} ~{o.cost_ms:.0f} ms" for o in options.values()),
             estimates={"ttft_ms": round(option.ttft_ms, 2),
@@ -301,17 +316,22 @@ class Planner:
                             f"history to {other.name}")
 
     @staticmethod
-    def _push_back(where: Where, home: EngineLoad, other: EngineLoad, facts: TurnFacts) -> bool:
-        """Keep a copy on the helper after the turn: only for a session that splits (a split
-        then computes only its delta there), and never under memory pressure (the copy would
-        cost another session its history). A moved session leaves its copy on the old home."""
-        if where == "move" or not facts.can_push_back or home.pressure or other.pressure:
+    def _push_back(option: _Option, home: EngineLoad, other: EngineLoad,
+                   facts: TurnFacts) -> bool:
+        """Keep a copy of the history on the pair's other engine after the turn, wherever it
+        has room for it and neither engine is under memory pressure (there the copy would
+        cost another session its history): with a copy there, a later turn can run on
+        whichever engine waits less (a split computing only its delta, or a move to the
+        copy), where without one the other engine would compute the whole history. A move
+        that pulled leaves its copy on the old home."""
+        pulled = option.where == "move" and option.prefill is not option.home
+        if pulled or not facts.can_push_back or home.pressure or other.pressure:
             return False
+        receiver = home if option.where == "move" else other  # the engine left without it
         copy = tokens_to_compute(facts.prompt_tokens or facts.history_tokens,
-                                 facts.helper_holds, facts.block_size) + facts.expected_output
-        if not other.fits(copy):
-            return False
-        return where == "split" or _splits_expected(facts)
+                                 facts.helper_holds if option.where != "move"
+                                 else facts.home_holds, facts.block_size) + facts.expected_output
+        return receiver.fits(copy)
 
 
 def _splits_expected(facts: TurnFacts) -> bool:

@@ -260,8 +260,14 @@ class Turnkv(PdTurnkv):
             expected_output=round(place.expected_output) if place else 0,
             turns_since_split=place.turns_since_split if place else None,
             history_tokens=place.history_len if place else 0,
-            can_push_back=(session is not None and not turn_hints(turn).final
-                           and gives_token_ids(turn)))
+            can_push_back=self._can_push_back(turn))
+
+    @staticmethod
+    def _can_push_back(turn: Turn) -> bool:
+        """The turn's history will be known (the engines give its token IDs) and another turn
+        may follow."""
+        return (turn.session is not None and not turn_hints(turn).final
+                and gives_token_ids(turn))
 
     async def _carry_out(self, turn: Turn, decision: Decision, prompt_ids: list[int] | None,
                          facts: TurnFacts, placement: Placement) -> TurnPlan:
@@ -335,8 +341,13 @@ class Turnkv(PdTurnkv):
             place.copy_on, place.copy_tokens = plan.placement.prefill.name, history_len
         elif plan.alone is None:  # the prefill engine computed the prompt
             place.copy_on, place.copy_tokens = plan.placement.prefill.name, tokens.total
-        elif decision.where == "move":
+        elif decision.where == "move" and decision.pull:
             place.copy_on, place.copy_tokens = None, 0
+        elif decision.where == "move":
+            # Moved to its copy: the old home keeps the history as it was.
+            old_home = self._other(decode)
+            place.copy_on = old_home.name if old_home is not None else None
+            place.copy_tokens = place.history_len
         place.history_len = history_len
         held = {decode.name: history_len}
         if place.copy_on is not None and place.copy_on != decode.name:
