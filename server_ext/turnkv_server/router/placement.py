@@ -34,6 +34,9 @@ class Engine:
     role: Role
     healthy: bool = True
     in_flight: int = 0
+    # Of those, the requests that have not sent a byte of their answer yet: prompts it is
+    # computing, or queued to (a streamed answer starts with the first token).
+    prefilling: int = 0
     consecutive_failures: int = 0
     # Its KV block size once a health probe has read it (stats explain reuse in whole blocks).
     block_size: int | None = None

@@ -99,12 +99,20 @@ class Stream:
         self.engine = engine
         self.status = response.status
         self.closed = False
+        self._prefilling = True  # counted in `engine.prefilling` until the answer begins
+
+    def _answer_began(self) -> None:
+        if self._prefilling:
+            self._prefilling = False
+            self.engine.prefilling -= 1
 
     async def read(self) -> bytes:
         try:
             return await self._response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise EngineConnectionError(self.engine, _describe(exc)) from exc
+        finally:
+            self._answer_began()
 
     async def lines(self) -> AsyncIterator[bytes]:
         """The body's lines, without their line ends. No line-length limit: a stream's first
@@ -112,6 +120,7 @@ class Stream:
         pending = b""
         try:
             async for data in self._response.content.iter_any():
+                self._answer_began()
                 pending += data
                 *complete, pending = pending.split(b"\n")
                 for line in complete:
@@ -150,6 +159,7 @@ class Stream:
         # Closing before the end drops the connection, which makes vLLM abort the request
         # and free its KV.
         self._response.close()
+        self._answer_began()
         self.engine.in_flight -= 1
 
 
@@ -201,6 +211,7 @@ class Upstream:
         owns the returned Stream and must close it; a request that fails (or is cancelled)
         before its headers are in is over when this raises."""
         engine.in_flight += 1
+        engine.prefilling += 1
         try:
             response = await self._http().post(
                 f"{engine.url}{path}", data=orjson.dumps(body),
@@ -208,6 +219,7 @@ class Upstream:
         except BaseException as exc:
             # aiohttp closes the connection of a request it did not finish.
             engine.in_flight -= 1
+            engine.prefilling -= 1
             if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
                 raise EngineConnectionError(engine, _describe(exc)) from exc
             raise

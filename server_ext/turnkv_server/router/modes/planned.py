@@ -234,7 +234,7 @@ class Turnkv(PdTurnkv):
                     or self._no_push_back.active(engine.name))
         return EngineLoad(engine.name, engine.healthy, engine.in_flight, overloaded, pressure,
                           self._holdings.room(engine.name, engine.kv_tokens),
-                          homed=self._homes.homed(engine.name))
+                          homed=self._homes.homed(engine.name), prefilling=engine.prefilling)
 
     def _pin(self, session: Session | None) -> Where | None:
         pins = self.ctx.pins

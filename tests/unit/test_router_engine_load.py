@@ -1,0 +1,56 @@
+"""What the router counts of an engine's load as its requests run: requests in flight, and of
+those the ones whose answer has not begun (`Engine.prefilling`: prompts the engine is
+computing or has queued), against an aiohttp stand-in that answers when told to."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from tests.support.local_servers import start_engine_app
+from turnkv_server.router.placement import Engine
+from turnkv_server.router.upstream import Upstream
+
+
+def test_a_request_counts_as_prefilling_until_its_answer_begins() -> None:
+    async def main() -> None:
+        first_token, last_token = asyncio.Event(), asyncio.Event()
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)  # headers go out at once, as vLLM's do
+            await first_token.wait()
+            await response.write(b"data: {}\n\n")
+            await last_token.wait()
+            await response.write(b"data: [DONE]\n\n")
+            return response
+
+        runner, url = await start_engine_app(handle)
+        upstream = Upstream()
+        engine = Engine("decode-0", url, "decode")
+        try:
+            stream = await upstream.open(engine, "/v1/chat/completions", {"stream": True})
+            assert (engine.in_flight, engine.prefilling) == (1, 1)
+            lines = stream.lines()
+            first_token.set()
+            assert await lines.__anext__() == b"data: {}"
+            assert (engine.in_flight, engine.prefilling) == (1, 0)  # decoding now
+            last_token.set()
+            async for _ in lines:
+                pass
+            stream.close()
+            assert (engine.in_flight, engine.prefilling) == (0, 0)
+            # Closed before its answer began (a client that left): both given back.
+            first_token.clear()
+            stream = await upstream.open(engine, "/v1/chat/completions", {"stream": True})
+            assert (engine.in_flight, engine.prefilling) == (1, 1)
+            stream.close()
+            assert (engine.in_flight, engine.prefilling) == (0, 0)
+        finally:
+            first_token.set()
+            last_token.set()
+            await upstream.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
