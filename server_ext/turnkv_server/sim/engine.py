@@ -50,6 +50,12 @@ class SimEngine:
 
     # -- prefill ---------------------------------------------------------------------------
 
+    @property
+    def prompts(self) -> int:
+        """Prompts it is computing or has queued: what the router counts as requests whose
+        answer has not begun (`router.placement.Engine.prefilling`)."""
+        return self._lane.count + len(self._lane.queue)
+
     def lane(self) -> simpy.resources.resource.Request:
         """The engine's prefill lane, first come first served: hold it to `compute`."""
         return self._lane.request()

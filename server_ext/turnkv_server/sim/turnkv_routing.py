@@ -80,7 +80,8 @@ class TurnkvRouting:
 
     def _load(self, engine: SimEngine) -> EngineLoad:
         return EngineLoad(engine.name, engine.healthy, engine.in_flight,
-                          pressure=self._under_pressure(engine), homed=engine.homed)
+                          pressure=self._under_pressure(engine), homed=engine.homed,
+                          prefilling=engine.prompts)
 
     def _under_pressure(self, engine: SimEngine) -> bool:
         cache = engine.cache
