@@ -55,6 +55,19 @@ def turn(name: str, hints: CacheHints | None = None) -> Turn:
                 want_token_ids=False, stream=False)
 
 
+def test_new_sessions_alternate_where_their_prefix_is_warm_on_one_engine() -> None:
+    """A new session's placement where its prefix ID last ran names one engine (a whole
+    turn's), which keeps nothing: the pool still homes it on the engine home to fewer."""
+    ctx = context(Tokenizer([1, 2, 3]))
+    pool = ctx.pool
+    assert pool is not None
+    mode = make_mode("turnkv", ctx)
+    warm = pool.prefill[0]
+    homes = [asyncio.run(mode.plan(turn(name), Placement(warm, warm, "prefix_warm")))
+             .placement.decode.name for name in "abcd"]
+    assert sorted(homes) == ["decode-0", "decode-0", "prefill-0", "prefill-0"]
+
+
 def test_new_sessions_get_one_engine_each_and_keep_it() -> None:
     upstream = Tokenizer([1, 2, 3, 4, 5])
     ctx = context(upstream)

@@ -100,6 +100,22 @@ def test_sessions_are_homed_on_either_engine_and_stay_there() -> None:
     assert sorted(homes) == ["decode-0", "prefill-0"]
 
 
+def test_new_sessions_alternate_even_where_their_prefix_is_warm_on_one_engine() -> None:
+    """The pool places a new session where its prefix ID last ran: for a whole turn, one
+    engine as both prefill and decode. The planned mode still homes new sessions on the
+    engine of the pair home to fewer, so that a shared system prompt does not crowd one."""
+    mode = planned()
+    homes = []
+    for name in "abcd":
+        t = turn()
+        assert t.session is not None
+        t.session.key = SessionKey("tenant-a", name)
+        warm = engine(mode, "prefill-0")
+        plan = asyncio.run(mode.plan(t, Placement(warm, warm, "prefix_warm")))
+        homes.append(plan.placement.decode.name)
+    assert sorted(homes) == ["decode-0", "decode-0", "prefill-0", "prefill-0"]
+
+
 def test_a_long_delta_on_a_busy_home_is_split_to_the_other_engine() -> None:
     history, delta = [1] * 3000, [2] * 3000
     mode = planned(Tokenizer(history + delta))

@@ -38,6 +38,7 @@ chosen again. Sessionless turns are served by the pair as ever.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,8 @@ class PairPool:
         """How many sessions `engine` is home to."""
         return self._homed[engine]
 
-    def plan(self, session: Session, placement: Placement, params: dict[str, Any]) -> TurnPlan:
+    def plan(self, session: Session, placement: Placement, params: dict[str, Any],
+             others: Sequence[Engine] = ()) -> TurnPlan:
         """The session's home serves the turn alone, under the session's lease (`params`),
         computing what its cache and tier do not hold; nothing is sent for a push back.
 
@@ -109,17 +111,21 @@ class PairPool:
         stats read as an aggregated engine's: the total from the engine's usage, no
         `prefix_break_at`; a prefetch tokenizes when it runs.) `held` False: what the engine
         computed says nothing about a short delta's backoff."""
-        home = self.home(session, placement)
+        home = self.home(session, placement, others)
         return TurnPlan(Placement(home, home, placement.reason), prefill_params=None,
                         decode_params=params, alone=DecodeAlone(None, new_tokens=0, held=False))
 
-    def home(self, session: Session, placement: Placement) -> Engine:
+    def home(self, session: Session, placement: Placement, others: Sequence[Engine] = ()
+             ) -> Engine:
         """The engine that serves `session`: its home, where the placement kept it there (both
-        places name it), else the one of the pair home to fewer sessions, now its home."""
-        if placement.prefill is placement.decode:
+        places name it), else the one of the pair (the placement's engines and `others`) home
+        to fewer sessions, now its home. (A new session's placement where its prefix is warm
+        names one engine too, but keeps nothing.)"""
+        kept = self._homes.get(session.key) == placement.decode.name
+        if placement.prefill is placement.decode and (kept or not others):
             engine = placement.decode
         else:
-            pair = [e for e in (placement.prefill, placement.decode) if e.healthy]
+            pair = [e for e in (placement.prefill, placement.decode, *others) if e.healthy]
             engine = min(pair or [placement.decode],
                          key=lambda e: (self._homed[e.name], e.in_flight))
         self.forget(session.key)
@@ -181,7 +187,9 @@ class Turnkv(PdTurnkv):
         if self.ctx.pair_pool and session is not None:
             # Releasing the session's leases when it ends takes a request of its model.
             session.mode_state.model = turn.body.get("model")
-            return self._homes.plan(session, placement, self._params(turn))
+            other = self._other(placement.decode)
+            return self._homes.plan(session, placement, self._params(turn),
+                                    others=[other] if other is not None else [])
         if not self.planned:
             return await super().plan(turn, placement)
         if session is not None:
@@ -208,12 +216,19 @@ class Turnkv(PdTurnkv):
 
     def _home(self, session: Session | None, placement: Placement) -> Engine:
         """The session's home (even down: the planner moves it), else the engine of the
-        placement's pair home to fewer sessions (then with fewer requests in flight)."""
+        placement's pair home to fewer sessions (then with fewer requests in flight). The
+        pair is the placement's engine and its other: a placement where a prefix is warm
+        names the one engine whose turn last held it (`EnginePool.place` remembers where
+        each prefix ran), and following it would home every new session of a shared system
+        prompt where the previous one went."""
         if session is not None and session.decode is not None:
             home = self.ctx.pool.named.get(session.decode) if self.ctx.pool else None
             if home is not None:
                 return home
         pair = [e for e in (placement.prefill, placement.decode) if e.healthy]
+        other = self._other(placement.decode)
+        if other is not None and other not in pair:
+            pair.append(other)
         return min(pair or [placement.decode],
                    key=lambda e: (self._homes.homed(e.name), e.in_flight))
 
