@@ -116,6 +116,37 @@ def test_new_sessions_alternate_even_where_their_prefix_is_warm_on_one_engine() 
     assert sorted(homes) == ["decode-0", "decode-0", "prefill-0", "prefill-0"]
 
 
+def test_a_move_to_the_copy_waits_for_the_push_back_that_writes_it() -> None:
+    """The other engine's copy may still be arriving (the last turn's push back): a turn
+    moved there waits for it, as a split does, rather than recomputing the history."""
+    async def main() -> None:
+        mode = planned(Tokenizer([5] * 400))
+        t = turn()
+        assert t.session is not None and mode.ctx.pool is not None
+        home, other = engine(mode, "decode-0"), engine(mode, "prefill-0")
+        t.session.prefill, t.session.decode = other.name, home.name
+        t.session.tokens = [5] * 380
+        mode._places[t.session.key] = SessionPlace(copy_on=other.name, copy_tokens=380,
+                                                   history_len=380, tokens_current=True)
+        home.in_flight = mode.ctx.pool.max_in_flight  # overloaded: the session moves
+        landed = asyncio.Event()
+
+        async def push_back() -> None:
+            await landed.wait()
+
+        t.session.mode_state.push_back = asyncio.create_task(push_back())
+        planning = asyncio.create_task(mode.plan(t, place(mode, t)))
+        await asyncio.sleep(0.05)
+        assert not planning.done()  # waiting for the copy
+        landed.set()
+        plan = await planning
+        assert plan.decision is not None
+        assert (plan.decision.where, plan.decision.pull) == ("move", False)
+        assert plan.placement.decode is other and plan.prefill_params is None
+
+    asyncio.run(main())
+
+
 def test_a_long_delta_on_a_busy_home_is_split_to_the_other_engine() -> None:
     history, delta = [1] * 3000, [2] * 3000
     mode = planned(Tokenizer(history + delta))

@@ -215,12 +215,9 @@ class Turnkv(PdTurnkv):
         return await self._carry_out(turn, decision, prompt_ids, facts, placement)
 
     def _home(self, session: Session | None, placement: Placement) -> Engine:
-        """The session's home (even down: the planner moves it), else the engine of the
-        placement's pair home to fewer sessions (then with fewer requests in flight). The
-        pair is the placement's engine and its other: a placement where a prefix is warm
-        names the one engine whose turn last held it (`EnginePool.place` remembers where
-        each prefix ran), and following it would home every new session of a shared system
-        prompt where the previous one went."""
+        """The session's home (even down: the planner moves it), else the engine of the pair
+        (the placement's and its other: a warm prefix's placement names one) home to fewer
+        sessions, then with fewer requests in flight."""
         if session is not None and session.decode is not None:
             home = self.ctx.pool.named.get(session.decode) if self.ctx.pool else None
             if home is not None:
@@ -293,9 +290,13 @@ class Turnkv(PdTurnkv):
             if decision.push_back else None
         keep = transfer_id(turn, "d2p") if receiver is not None else None
         decode_params = self._params(turn, send=send_or_none(keep))
+        old = self.ctx.pool.named.get(turn.session.decode or "") \
+            if self.ctx.pool and turn.session else None
+        if decision.where == "split" or (decision.where == "move" and not decision.pull
+                                         and old is not None and old.healthy):
+            # From the other engine's copy, which the last push back may still be writing.
+            await self._settle_push_back(turn.session)
         if prefill is not home:  # a split, or a move that pulls
-            if decision.where == "split":
-                await self._settle_push_back(turn.session)
             p2d = transfer_id(turn, "p2d")
             decode_params = self._params(turn, send=send_or_none(keep), receive=Receive(
                 p2d, self.ctx.side_channels[prefill.name]))
