@@ -54,8 +54,6 @@ class Priors:
     # A split's fixed cost: a second request, the receiver's registration and the first
     # layer's write before the home can step.
     split_overhead_ms: float = 5.0
-    # A prompt's time on an engine, whole (what a turn queued behind one waits).
-    prompt_ms: float = 200.0
 
 
 def context_bucket(tokens: int) -> int:
@@ -104,7 +102,6 @@ class CostModel:
         self.priors = priors or Priors()
         self._prefill: dict[str, Ewma] = {}
         self._decode: dict[str, Ewma] = {}
-        self._prompt: dict[str, Ewma] = {}
 
     def observe_prefill(self, engine: str, prompt_tokens: int, computed: int | None,
                         engine_ms: float | None) -> None:
@@ -114,7 +111,6 @@ class CostModel:
         if computed is None or engine_ms is None or computed < MIN_PREFILL_TOKENS \
                 or engine_ms < 0:
             return
-        self._prompt.setdefault(engine, Ewma()).add(0, engine_ms)
         self._prefill.setdefault(engine, Ewma()).add(context_bucket(prompt_tokens),
                                                      engine_ms / computed)
 
@@ -136,13 +132,6 @@ class CostModel:
 
     def prefill_ms(self, engine: str, context_tokens: int, computed: int) -> float:
         return computed * self.prefill_ms_per_token(engine, context_tokens)[0]
-
-    def prompt_ms(self, engine: str) -> float:
-        """A prompt's time on `engine`, as its turns' prompts took (what waiting behind one
-        that it is computing costs, on the mean)."""
-        found = self._prompt.get(engine)
-        mean = found.nearest(0) if found else None
-        return self.priors.prompt_ms if mean is None else mean
 
     def decode_step_ms(self, engine: str, batch: int) -> float:
         found = self._decode.get(engine)

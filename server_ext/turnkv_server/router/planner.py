@@ -237,24 +237,19 @@ class Planner:
         prompt = facts.prompt_tokens or 0
         block, out = facts.block_size, facts.expected_output
         costs = self.costs
-        # Each engine's queue: the prompts it is computing, which a turn placed there waits
-        # behind.
-        home_wait = home.prefilling * costs.prompt_ms(home.name)
-        other_wait = other.prefilling * costs.prompt_ms(other.name)
         # Whole: the home computes what it lacks, stalling its other requests meanwhile.
         whole_n = tokens_to_compute(prompt, facts.home_holds, block)
         whole_ms = costs.prefill_ms(home.name, prompt, whole_n)
         home_decode = out * costs.decode_step_ms(home.name, home.in_flight + 1)
-        whole = _Option("whole", home, home, home_wait + whole_ms, _stall(whole_ms, home),
-                        home_wait + whole_ms * (1 + home.in_flight) + home_decode)
+        whole = _Option("whole", home, home, whole_ms, _stall(whole_ms, home),
+                        whole_ms * (1 + home.in_flight) + home_decode)
         # Split: the helper computes what it lacks and writes what the home lacks.
         split_n = tokens_to_compute(prompt, facts.helper_holds, block)
         split_compute = costs.prefill_ms(other.name, prompt, split_n)
         split_ms = (split_compute + costs.transfer_ms(whole_n)
                     + costs.priors.split_overhead_ms)
-        split = _Option("split", other, home, other_wait + split_ms,
-                        _stall(split_compute, other),
-                        other_wait + split_ms + split_compute * other.in_flight + home_decode,
+        split = _Option("split", other, home, split_ms, _stall(split_compute, other),
+                        split_ms + split_compute * other.in_flight + home_decode,
                         fits=other.fits(split_n))
         # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
         # the other engine, which decodes there from now on, at its own batch.
@@ -265,9 +260,8 @@ class Planner:
             # there), so it serves the turn whole, computing what its copy lacks, and
             # nothing crosses the link at the turn. A whole turn of the other engine's.
             copy_ms = costs.prefill_ms(other.name, prompt, split_n)
-            to_copy = _Option("move", other, other, other_wait + copy_ms,
-                              _stall(copy_ms, other),
-                              other_wait + copy_ms * (1 + other.in_flight) + moved_decode,
+            to_copy = _Option("move", other, other, copy_ms, _stall(copy_ms, other),
+                              copy_ms * (1 + other.in_flight) + moved_decode,
                               fits=other.fits(split_n + out) and other.less_busy_than(home))
             if to_copy.fits:
                 return {"whole": whole, "split": split, "move": to_copy}
@@ -277,8 +271,8 @@ class Planner:
         # Nor to one home to as many sessions: requests in flight are a moment's load, the
         # sessions homed the load to come; a move that leaves one engine home to more
         # sessions than the other is paid back on every later turn of theirs.
-        move = _Option("move", home, other, home_wait + move_ms, _stall(whole_ms, home),
-                       home_wait + move_ms + whole_ms * home.in_flight + moved_decode,
+        move = _Option("move", home, other, move_ms, _stall(whole_ms, home),
+                       move_ms + whole_ms * home.in_flight + moved_decode,
                        fits=(other.fits(prompt + out) and other.less_busy_than(home)
                              and other.homes_fewer_than(home)))
         return {"whole": whole, "split": split, "move": move}
