@@ -217,9 +217,8 @@ class Planner:
                 return self._pull(home, other, f"{home.name} is overloaded")
             why = (f"{home.name} has nothing in flight to stall" if not home.in_flight else
                    f"{other.name} is as busy as {home.name}: a split cannot pay")
-            stay = _Option("whole", home, home, 0.0, 0.0, 0.0)
             return Decision("whole", home.name, home.name, push_back=self._push_back(
-                stay, home, other, facts), why=why)
+                "whole", False, home, other, facts), why=why)
         options = self._options(home, other, facts)
         if pin is not None:
             return self._decision(options[pin], options, home, other, facts, "pinned",
@@ -307,10 +306,11 @@ class Planner:
     def _decision(self, option: _Option, options: dict[Where, _Option], home: EngineLoad,
                   other: EngineLoad, facts: TurnFacts, reason: str,
                   pinned: bool = False) -> Decision:
+        pulled = option.where == "move" and option.prefill is not option.home
         return Decision(
             option.where, option.home.name, option.prefill.name,
-            push_back=self._push_back(option, home, other, facts),
-            pull=option.where == "move" and option.prefill is not option.home, pinned=pinned,
+            push_back=self._push_back(option.where, pulled, home, other, facts),
+            pull=pulled, pinned=pinned,
             why=f"{option.where} ({reason}): {_estimates_text(option, facts)}; waiting added: "
                 + ", ".join(f"{o.where} ~{o.cost_ms:.0f} ms" for o in options.values()),
             estimates={"ttft_ms": round(option.ttft_ms, 2),
@@ -323,7 +323,7 @@ class Planner:
                             f"history to {other.name}")
 
     @staticmethod
-    def _push_back(option: _Option, home: EngineLoad, other: EngineLoad,
+    def _push_back(where: Where, pulled: bool, home: EngineLoad, other: EngineLoad,
                    facts: TurnFacts) -> bool:
         """Keep a copy of the history on the pair's other engine after the turn, wherever it
         has room for it and neither engine is under memory pressure (there the copy would
@@ -331,12 +331,11 @@ class Planner:
         whichever engine waits less (a split computing only its delta, or a move to the
         copy), where without one the other engine would compute the whole history. A move
         that pulled leaves its copy on the old home."""
-        pulled = option.where == "move" and option.prefill is not option.home
         if pulled or not facts.can_push_back or home.pressure or other.pressure:
             return False
-        receiver = home if option.where == "move" else other  # the engine left without it
+        receiver = home if where == "move" else other  # the engine left without it
         copy = tokens_to_compute(facts.prompt_tokens or facts.history_tokens,
-                                 facts.helper_holds if option.where != "move"
+                                 facts.helper_holds if where != "move"
                                  else facts.home_holds, facts.block_size) + facts.expected_output
         return receiver.fits(copy)
 
