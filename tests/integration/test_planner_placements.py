@@ -4,8 +4,9 @@ turn's greedy output equals a single engine's, turn by turn.
 The placements are pinned (`--pin-placement`, a diagnostic option) so that each is played
 where it should be: `whole` on the session's home, `split` (the other engine computes, the
 home receives the KV it lacks), `move` (the session's new home pulls its history from the
-old one), one after another in one conversation and at an edited history; and unpinned, a
-move that recomputes because the session's home is down. (A whole turn that restores its
+old one), `move-copy` (the session moves to the engine holding a copy of its history, which
+serves the turn whole), one after another in one conversation and at an edited history; and
+unpinned, a move that recomputes because the session's home is down. (A whole turn that restores its
 history from the home's tier: test_tier.py.)
 """
 
@@ -29,9 +30,10 @@ from turnkv_server.launcher import ClusterState
 SCRIPT = ROUTER_SCRIPT
 EDITED_AT = SCRIPT.edited_at
 assert EDITED_AT is not None
-# Each session's turns placed as the list says, cycling: every placement after another, each
-# with a history behind it.
-PINS = ("whole", "split", "move", "split", "whole")
+# Each session's turns placed as the list says: every placement after another, each with a
+# history behind it (the split leaves the history on the other engine, where the move to the
+# copy finds it; a whole turn with a history: the edited and home-down tests).
+PINS = ("whole", "split", "move-copy", "move", "split")
 
 
 def planner_view(pins: tuple[str, ...]) -> ClusterSpec:
@@ -44,7 +46,8 @@ def planner_view(pins: tuple[str, ...]) -> ClusterSpec:
 
 CLUSTER = planner_view(PINS)
 # At the edited turn (the third: session turn index 2), each placement in turn.
-EDITED = {where: planner_view(("whole", "split", where)) for where in ("whole", "split", "move")}
+EDITED = {where: planner_view(("whole", "split", where))
+          for where in ("whole", "split", "move", "move-copy")}
 # Unpinned, probing the engines' health every second: a home that stops answering is seen down.
 HOME_DOWN = ClusterSpec("planner-home-down", TINY_ENGINES["turnkv"], RouterView(
     prefill=1, decode=1, args=("--health-interval", "1")))
@@ -69,25 +72,32 @@ def _turn(state: ClusterState, client: httpx.Client, messages: list[dict[str, An
                        extra={"cache_salt": session_id})
 
 
-def _check(ref: Completion | None, out: RoutedCompletion, turn: int, where: str,
+def _check(ref: Completion | None, out: RoutedCompletion, turn: int, pin: str,
            home_before: str | None) -> str:
     """The turn equals the reference and went where it was pinned; returns its home."""
     assert ref is not None
     verdict = compare(ref, out.completion)
     stats = out.stats
-    print(f"turn {turn} ({where}): {verdict.describe()}; {stats['placement']}; "
+    print(f"turn {turn} ({pin}): {verdict.describe()}; {stats['placement']}; "
           f"{stats['prompt_tokens']}")
-    assert verdict.acceptable, f"turn {turn} ({where}): {verdict.describe()}"
+    assert verdict.acceptable, f"turn {turn} ({pin}): {verdict.describe()}"
     placement = stats["placement"]
+    where = pin.split("-")[0]
     assert placement is not None and placement["where"] == where and placement["pinned"]
+    assert placement["pulled"] == (pin == "move"), placement
     home = placement["home"]
     assert stats["decode_node"] == home
-    if where == "whole":
+    if pin in ("whole", "move-copy"):
         assert stats["prefill_node"] is None and placement["prefill"] == home
     else:
         # Another engine computed the prompt and wrote its KV into the home.
         assert stats["prefill_node"] == placement["prefill"] != home
-    if where == "move" and home_before is not None:
+    if pin == "move-copy":
+        # The copy a push back or a split left there: not the whole history recomputed.
+        assert stats["moved"] and home != home_before
+        tokens = stats["prompt_tokens"]
+        assert tokens["decode_computed"] < tokens["total"], tokens
+    elif where == "move" and home_before is not None:
         assert stats["moved"] and placement["prefill"] == home_before != home
     elif home_before is not None:
         assert home == home_before and not stats["moved"]

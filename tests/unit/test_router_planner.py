@@ -215,8 +215,20 @@ def test_a_session_moves_to_its_copy_without_pulling() -> None:
     # (a split), the cheaper of the two.
     decision = Planner(measured()).decide(EngineLoad(HOME, in_flight=3), idle,
                                           history_turn(delta=400))
-    assert "move ~" in decision.why
+    assert "move-copy ~" in decision.why and "move ~" in decision.why
     assert (decision.where, decision.prefill, decision.pull) == ("split", HELPER, False)
+
+
+def test_of_two_moves_the_planner_takes_the_copy_where_it_costs_less() -> None:
+    """Both moves are weighed: pulling writes the whole history over the link after the old
+    home computed the delta; the copy's engine computes the delta alone."""
+    busy, idle = EngineLoad(HOME, in_flight=64, overloaded=True), EngineLoad(HELPER)
+    decision = Planner(measured()).decide(busy, idle, history_turn(delta=20))
+    assert (decision.where, decision.pull) == ("move", False)
+    # A copy far behind the history (a tenth of it): pulling computes less.
+    decision = Planner(measured()).decide(busy, idle, history_turn(delta=20,
+                                                                   helper_holds=400))
+    assert (decision.where, decision.pull) == ("move", True)
 
 
 def test_a_home_far_slower_at_decoding_moves_the_session() -> None:
@@ -280,14 +292,23 @@ def test_without_another_engine_the_turn_stays_whole() -> None:
     assert decision.where == "whole" and "no other engine" in decision.why
 
 
-@pytest.mark.parametrize("pin", ["whole", "split", "move"])
+@pytest.mark.parametrize("pin", ["whole", "split", "move", "move-copy"])
 def test_a_pinned_placement_is_followed_and_said(pin: str) -> None:
     planner = Planner(measured())
     home, helper = EngineLoad(HOME), EngineLoad(HELPER)
     assert planner.needs_prompt(home, helper, TurnFacts(), pin=pin)  # type: ignore[arg-type]
     decision = planner.decide(home, helper, history_turn(), pin=pin)  # type: ignore[arg-type]
-    assert decision.where == pin and decision.pinned and "pinned" in decision.why
-    assert decision.home == (HELPER if pin == "move" else HOME)
+    assert decision.where == pin.split("-")[0] and decision.pinned and "pinned" in decision.why
+    assert decision.home == (HELPER if pin.startswith("move") else HOME)
+    assert decision.pull == (pin == "move")
+    assert decision.prefill == (HOME if pin == "whole" else HELPER) or pin == "move"
+
+
+def test_a_move_pinned_to_a_copy_there_is_not_pulls() -> None:
+    decision = Planner(measured()).decide(EngineLoad(HOME), EngineLoad(HELPER),
+                                          history_turn(helper_holds=0), pin="move-copy")
+    assert (decision.where, decision.home, decision.prefill, decision.pull) == (
+        "move", HELPER, HOME, True)
 
 
 def test_push_back_wherever_the_helper_has_room_and_never_under_pressure() -> None:

@@ -16,7 +16,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, cast, get_type_hints
 
 from turnkv_server.mode_names import DEFAULT_MODE, ROUTER_MODES, RouterMode
-from turnkv_server.router.planner import WHERES, Where
+from turnkv_server.router.planner import CHOICES, Choice
 from turnkv_server.router.sessions import LeasePolicy
 from turnkv_server.router.tags import DEFAULT_TENANT
 from turnkv_server.router.tenants import TenantCaps, default_max_priority, load_tenant_caps
@@ -136,8 +136,9 @@ class RouterConfig:
     # A diagnostic: turns placed as told, not as the costs say (router/planner.py).
     pin_placement: str | None = field(default=None, metadata=cli(
         "turnkv mode, diagnostics only: place each session's turns as this comma-separated "
-        "list says (whole, split, move), its first turn as the first entry and so on, "
-        "cycling, whatever the costs say"))
+        "list says (whole; split; move, pulling the history; move-copy, to the other "
+        "engine's copy of it, pulling where there is none), its first turn as the first "
+        "entry and so on, cycling, whatever the costs say"))
     pair_pool: bool = field(default=False, metadata=cli(
         "turnkv mode: the pair as one pool: each session lives on one engine of its pair, "
         "which serves its turns whole (no KV moves; the pair holds twice the histories, and a "
@@ -216,16 +217,16 @@ class RouterConfig:
                                  "named in --api-keys)")
             self.caps_for(tenant)  # out of range: ValueError
 
-    def pins(self) -> tuple[Where, ...]:
+    def pins(self) -> tuple[Choice, ...]:
         """The placements `pin_placement` names, in order (empty: none pinned)."""
         if not self.pin_placement:
             return ()
         names = tuple(n.strip() for n in self.pin_placement.split(","))
-        wrong = [n for n in names if n not in WHERES]
+        wrong = [n for n in names if n not in CHOICES]
         if wrong:
             raise ValueError(f"--pin-placement: {', '.join(wrong)}: choose among "
-                             f"{', '.join(WHERES)}")
-        return cast(tuple[Where, ...], names)
+                             f"{', '.join(CHOICES)}")
+        return cast(tuple[Choice, ...], names)
 
     def caps_for(self, tenant: str) -> TenantCaps:
         """What `tenant`'s clients may ask (router/tenants.py): its own caps, the defaults

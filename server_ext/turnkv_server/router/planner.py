@@ -48,7 +48,10 @@ from typing import Literal
 from turnkv_server.router.costs import CostModel
 
 Where = Literal["whole", "split", "move"]
-WHERES: tuple[Where, ...] = ("whole", "split", "move")
+# The placements the planner weighs: a move either pulls the history over the link
+# ("move") or goes to the copy a push back left on the other engine ("move-copy").
+Choice = Literal["whole", "split", "move", "move-copy"]
+CHOICES: tuple[Choice, ...] = ("whole", "split", "move", "move-copy")
 # A move must cost this fraction less than the best placement on the home: its benefit is
 # estimated from one turn, its cost (the history's KV over the link) is sure.
 MOVE_MARGIN = 0.2
@@ -187,7 +190,7 @@ class Planner:
 
     @staticmethod
     def needs_prompt(home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
-                     pin: Where | None = None) -> bool:
+                     pin: Choice | None = None) -> bool:
         """Whether the decision needs the prompt's length (a /tokenize round trip): only where
         a split could pay (the home has other requests to stall, and a helper that has fewer),
         a push back may follow (the session splits), or a placement is pinned. An idle home
@@ -200,7 +203,7 @@ class Planner:
                 or helper.less_busy_than(home))
 
     def decide(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
-               pin: Where | None = None) -> Decision:
+               pin: Choice | None = None) -> Decision:
         """The turn's placement (`home`: the session's home, or a new session's; `helper`:
         the pair's other engine, None where there is none)."""
         other = helper if helper is not None and helper.healthy else None
@@ -221,18 +224,20 @@ class Planner:
                 "whole", False, home, other, facts), why=why)
         options = self._options(home, other, facts)
         if pin is not None:
-            return self._decision(options[pin], options, home, other, facts, "pinned",
-                                  pinned=True)
-        if home.overloaded and not other.overloaded and options["move"].fits:
-            return self._decision(options["move"], options, home, other, facts,
-                                  f"{home.name} is overloaded")
+            # No copy to move to: the move pulls the history instead.
+            pinned = options.get(pin) or options["move"]
+            return self._decision(pinned, options, home, other, facts, "pinned", pinned=True)
+        moves = [o for o in (options["move"], options.get("move-copy")) if o and o.fits]
+        if home.overloaded and not other.overloaded and moves:
+            return self._decision(min(moves, key=lambda o: o.cost_ms), options, home, other,
+                                  facts, f"{home.name} is overloaded")
         chosen, reason = self._choose(options)
         return self._decision(chosen, options, home, other, facts, reason)
 
     # -- the options ---------------------------------------------------------------------
 
     def _options(self, home: EngineLoad, other: EngineLoad, facts: TurnFacts
-                 ) -> dict[Where, _Option]:
+                 ) -> dict[Choice, _Option]:
         prompt = facts.prompt_tokens or 0
         block, out = facts.block_size, facts.expected_output
         costs = self.costs
@@ -254,38 +259,40 @@ class Planner:
         # the other engine, which decodes there from now on, at its own batch.
         move_ms = whole_ms + costs.transfer_ms(prompt) + costs.priors.split_overhead_ms
         moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
+        options: dict[Choice, _Option] = {"whole": whole, "split": split}
         if facts.helper_holds:
             # Move, to the copy: the other engine holds the history (a push back left it
             # there), so it serves the turn whole, computing what its copy lacks, and
             # nothing crosses the link at the turn. A whole turn of the other engine's.
             copy_ms = costs.prefill_ms(other.name, prompt, split_n)
-            to_copy = _Option("move", other, other, copy_ms, _stall(copy_ms, other),
-                              copy_ms * (1 + other.in_flight) + moved_decode,
-                              fits=other.fits(split_n + out) and other.less_busy_than(home))
-            if to_copy.fits:
-                return {"whole": whole, "split": split, "move": to_copy}
+            options["move-copy"] = _Option(
+                "move", other, other, copy_ms, _stall(copy_ms, other),
+                copy_ms * (1 + other.in_flight) + moved_decode,
+                fits=other.fits(split_n + out) and other.less_busy_than(home))
         # Only to a less busy engine: a decode step measured at a small batch includes the
         # steps that prefills held, so by its costs alone an engine measured while it started
         # its first prompts reads slower than a crowded one, and sessions would drain to it.
         # Nor to one home to as many sessions: requests in flight are a moment's load, the
         # sessions homed the load to come; a move that leaves one engine home to more
         # sessions than the other is paid back on every later turn of theirs.
-        move = _Option("move", home, other, move_ms, _stall(whole_ms, home),
-                       move_ms + whole_ms * home.in_flight + moved_decode,
-                       fits=(other.fits(prompt + out) and other.less_busy_than(home)
-                             and other.homes_fewer_than(home)))
-        return {"whole": whole, "split": split, "move": move}
+        options["move"] = _Option(
+            "move", home, other, move_ms, _stall(whole_ms, home),
+            move_ms + whole_ms * home.in_flight + moved_decode,
+            fits=(other.fits(prompt + out) and other.less_busy_than(home)
+                  and other.homes_fewer_than(home)))
+        return options
 
-    def _choose(self, options: dict[Where, _Option]) -> tuple[_Option, str]:
+    def _choose(self, options: dict[Choice, _Option]) -> tuple[_Option, str]:
         stay = [o for o in (options["whole"], options["split"]) if o.fits]
         best = min(stay, key=lambda o: o.cost_ms)
-        move = options["move"]
-        if move.fits and move.cost_ms < best.cost_ms * (1 - MOVE_MARGIN):
+        moves = [o for o in (options.get("move-copy"), options["move"]) if o and o.fits]
+        move = min(moves, key=lambda o: o.cost_ms) if moves else None
+        if move is not None and move.cost_ms < best.cost_ms * (1 - MOVE_MARGIN):
             best = move
         target = self.itl_target_ms
         if target is None or best.stall_ms <= target:
             return best, self._least_waiting(options, best)
-        within = [o for o in (*stay, move) if o.fits and o.stall_ms <= target]
+        within = [o for o in (*stay, *moves) if o.stall_ms <= target]
         if within:
             pick = min(within, key=lambda o: o.cost_ms)
             return pick, (f"{best.where} would stall {best.prefill.name}'s other requests "
@@ -294,8 +301,8 @@ class Planner:
         return pick, f"every placement stalls over the ITL target {target:g} ms: the least"
 
     @staticmethod
-    def _least_waiting(options: dict[Where, _Option], best: _Option) -> str:
-        cheaper = [o.where for o in options.values()
+    def _least_waiting(options: dict[Choice, _Option], best: _Option) -> str:
+        cheaper = [name for name, o in options.items()
                    if not o.fits and o.cost_ms < best.cost_ms]
         if cheaper:
             return f"the least waiting with room: {' and '.join(cheaper)} would end leases"
@@ -303,7 +310,7 @@ class Planner:
 
     # -- the decision --------------------------------------------------------------------
 
-    def _decision(self, option: _Option, options: dict[Where, _Option], home: EngineLoad,
+    def _decision(self, option: _Option, options: dict[Choice, _Option], home: EngineLoad,
                   other: EngineLoad, facts: TurnFacts, reason: str,
                   pinned: bool = False) -> Decision:
         pulled = option.where == "move" and option.prefill is not option.home
@@ -312,7 +319,7 @@ class Planner:
             push_back=self._push_back(option.where, pulled, home, other, facts),
             pull=pulled, pinned=pinned,
             why=f"{option.where} ({reason}): {_estimates_text(option, facts)}; waiting added: "
-                + ", ".join(f"{o.where} ~{o.cost_ms:.0f} ms" for o in options.values()),
+                + ", ".join(f"{name} ~{o.cost_ms:.0f} ms" for name, o in options.items()),
             estimates={"ttft_ms": round(option.ttft_ms, 2),
                        "stall_ms": round(option.stall_ms, 2),
                        "cost_ms": round(option.cost_ms, 2)})

@@ -39,7 +39,7 @@ from turnkv.protocol import CacheHints, FallbackReason, PrefetchOutcome, RouterT
 from turnkv_server.engine.requests import tokenize_request
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.placement import Engine, EnginePool, Placement
-from turnkv_server.router.planner import Decision, Where
+from turnkv_server.router.planner import Choice, Decision
 from turnkv_server.router.sessions import LeasePolicy, Session
 from turnkv_server.router.upstream import Upstream
 
@@ -222,7 +222,7 @@ class ModeContext:
     # placements of each session's turns pinned (cycling).
     fixed_pools: bool = False
     transfer_tokens_per_ms: float = 50.0
-    pins: tuple[Where, ...] = ()
+    pins: tuple[Choice, ...] = ()
     # The router's session TTLs (turnkv passes the engines the TTL a session's hints give it).
     session_policy: LeasePolicy = field(default_factory=LeasePolicy)
     # Counts each renew-only request sent for a hint between turns, by outcome ("sent",

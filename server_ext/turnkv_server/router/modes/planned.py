@@ -62,12 +62,12 @@ from turnkv_server.router.modes.turnkv import (
 )
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.planner import (
+    Choice,
     Decision,
     EngineLoad,
     Holdings,
     Planner,
     TurnFacts,
-    Where,
 )
 from turnkv_server.router.sessions import Session, SessionKey
 from turnkv_server.router.token_history import common_prefix_len
@@ -248,7 +248,7 @@ class Turnkv(PdTurnkv):
                           self._holdings.room(engine.name, engine.kv_tokens),
                           homed=self._homes.homed(engine.name), prefilling=engine.prefilling)
 
-    def _pin(self, session: Session | None) -> Where | None:
+    def _pin(self, session: Session | None) -> Choice | None:
         pins = self.ctx.pins
         if not pins:
             return None
