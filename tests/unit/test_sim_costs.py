@@ -25,11 +25,18 @@ def _record(sid: str, turn: int, start: float, prompt: int, computed: int, ttft_
             "started_at": start, "ended_at": start + ttft_ms / 1000 + 0.4, "error": None}
 
 
+def _keys(computed: int, prompt: int) -> float:
+    """Keys the last `computed` tokens of a `prompt`-token prompt attend to (a query at
+    position p, from 0, sees p keys)."""
+    start = prompt - computed
+    return (prompt * (prompt - 1) - start * (start - 1)) / 2
+
+
 def _result() -> dict[str, object]:
-    # Turns that ran alone, their TTFT exactly 100 + 0.5 x computed + 0.1 x computed x
-    # prompt / 1000 ms.
+    # Turns that ran alone, their TTFT exactly 100 + 0.5 x computed + 0.1 x the keys they
+    # attend to / 1000 ms.
     records = [_record("s", i, 10.0 * i, prompt, computed,
-                       100 + 0.5 * computed + 0.1 * computed * prompt / 1000)
+                       100 + 0.5 * computed + 0.1 * _keys(computed, prompt) / 1000)
                for i, (prompt, computed) in enumerate(
                    [(500, 500), (1200, 700), (2000, 800), (3000, 1000), (4000, 300)])]
     run = {"mode": "affinity", "status": {"state": "ok"}, "records": records,
@@ -42,6 +49,22 @@ def _result() -> dict[str, object]:
 def test_the_prefill_fit_recovers_the_curve_that_made_the_turns() -> None:
     fixed, per_token, per_kctx = fit_prefill(_result()["runs"])  # type: ignore[arg-type]
     assert (fixed, per_token, per_kctx) == pytest.approx((100, 0.5, 0.1), rel=1e-6)
+
+
+@pytest.mark.parametrize(("computed", "prompt", "ms"), [
+    # A whole prompt of 1,000: its tokens attend to 0..999 keys, 499,500 in all.
+    (1000, 1000, 10 + 1000 * 1 + 2 * 499.5),
+    # The last 100 of 1,100 (1,000 cached): 1,000..1,099 keys each, 104,950 in all.
+    (100, 1100, 10 + 100 * 1 + 2 * 104.95),
+    (0, 500, 0.0),
+])
+def test_a_prompts_attention_costs_the_keys_its_computed_tokens_attend_to(
+        computed: int, prompt: int, ms: float) -> None:
+    costs = ServiceCosts("c", prefill_fixed_ms=10, prefill_ms_per_token=1,
+                         prefill_ms_per_token_per_kctx=2, decode_fixed_ms=1,
+                         decode_ms_per_seq=1, transfer_tokens_per_ms=1, tier_tokens_per_ms=1,
+                         kv_capacity_tokens=1000, block_size=16, kv_bytes_per_token=1)
+    assert costs.prefill_ms(computed, prompt) == pytest.approx(ms)
 
 
 def test_calibration_takes_the_runs_cache_and_bytes_per_token() -> None:
@@ -130,3 +153,33 @@ def test_a_modes_own_work_per_turn_is_fitted_as_its_routings_overhead() -> None:
     assert dict(costs.routing_overhead_ms) == pytest.approx({"affinity": 0, "turnkv": 40})
     assert (costs.prefill_fixed_ms, costs.prefill_ms_per_token,
             costs.prefill_ms_per_token_per_kctx) == pytest.approx((100, 0.5, 0.1), rel=1e-6)
+
+
+def test_a_run_on_engines_of_more_cores_does_not_fit_the_simulated_engines_costs() -> None:
+    # The bench's `single-2core`: one engine on both cores, its prompts computed in half the
+    # time. The simulator's engines are the replayed modes' (one core each): the curve is
+    # theirs.
+    result = _result()
+    affinity = result["runs"][0]  # type: ignore[index]
+    affinity["config"] = {**affinity["config"], "cores_per_engine": 1}
+    wide = {**affinity, "mode": "single-2core",
+            "config": {**affinity["config"], "cores_per_engine": 2,
+                       "engines": [{"role": "single"}]},
+            "records": [{**r, "ttft_ms": r["ttft_ms"] / 2} for r in affinity["records"]]}
+    result["runs"] = [affinity, wide]
+    costs = calibrate(result)
+    assert (costs.prefill_fixed_ms, costs.prefill_ms_per_token,
+            costs.prefill_ms_per_token_per_kctx) == pytest.approx((100, 0.5, 0.1), rel=1e-6)
+
+
+def test_turns_alone_on_the_engine_their_record_names_fit_the_prefill() -> None:
+    # As above, with no counters: each record names the engine that served it
+    # (`decode_node`; `prefill_node` where another engine ran its prefill), as turnkv's do.
+    run = _result()["runs"][0]  # type: ignore[index]
+    run["mode"] = "turnkv"
+    twins = [{**r, "session_id": "t", "started_at": r["started_at"] + 0.01,
+              "prefill_node": "engine-1", "decode_node": "engine-0"}
+             for r in run["records"][1:]]
+    run["records"] = [{**r, "decode_node": "engine-0"} for r in run["records"]] + twins
+    fixed, per_token, per_kctx = fit_prefill([run])
+    assert (fixed, per_token, per_kctx) == pytest.approx((100, 0.5, 0.1), rel=1e-6)

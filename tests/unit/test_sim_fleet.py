@@ -48,6 +48,21 @@ def test_one_engine_one_session_computes_the_prompt_then_only_the_delta() -> Non
     assert second.ttft_ms == pytest.approx(10 + 203)
 
 
+def test_a_prompt_reaching_a_decoding_engine_waits_for_the_step_in_progress() -> None:
+    # a decodes from 1.010 s at 21 ms a step (boundaries at 1.094, 1.115, 1.136 s...). b's
+    # prompt arrives at 1.100 s, in a step: vLLM schedules it when that step ends (1.115 s),
+    # and computes its 90 tokens (100 ms) in the next: its first token at 1.215 s.
+    run = Fleet(FleetSpec("affinity", 1, costs())).run(
+        [session("a", (1000, 11, 0.0)), session("b", (90, 2, 0.0), start_s=1.1)])
+    by_session = {o.session: o for o in run.outcomes}
+    assert by_session["a"].ttft_ms == pytest.approx(1010)
+    assert by_session["b"].ttft_ms == pytest.approx(15 + 100)
+    assert by_session["b"].waited_ms == pytest.approx(15)
+    # a's decode: 5 steps of 21 ms, one of 100 (b's prefill in it), one of 22 (b's one
+    # decode step beside it), 3 of 21.
+    assert by_session["a"].decode_ms == pytest.approx(5 * 21 + 100 + 22 + 3 * 21)
+
+
 def test_turnkv_pair_serves_one_session_whole_on_its_idle_home() -> None:
     run = Fleet(FleetSpec("turnkv", 2, costs())).run(
         [session("a", (1000, 11, 0.0), (200, 11, 1.0))])

@@ -1,9 +1,11 @@
 """The cost model fitted from `turnkv bench` results (its results.json), by least squares.
 
 - prefill: turns that ran alone (no other turn of the run in flight on their engine, where
-  the run's counters tell each session's engine, else on any, from their start to their
-  first token), their time to the first token (P/D modes: the prefill phase) against the
-  tokens they computed and the prompt's length;
+  the records name it or the run's counters tell each session's, else on any, from their
+  start to their first token), their time to the first token (P/D modes: the prefill
+  phase) against the tokens they computed and the keys those attend to
+  (`ServiceCosts.prefill_ms`), from the runs on engines of the simulated engines' cores
+  (`on_simulated_engines`);
 - decode: each turn's median gap between output tokens against the turns decoding beside it
   (those in flight during its decode, per decoding engine);
 - each routing's own work per turn: how much longer its modes' turns that ran alone took than
@@ -31,7 +33,7 @@ import numpy as np
 from turnkv_server.bench.cli import VLLM_CPU_BLOCK_TOKENS
 from turnkv_server.sim.bench_modes import BENCH_ROUTINGS
 from turnkv_server.sim.bench_workloads import bench_homes
-from turnkv_server.sim.service_costs import ServiceCosts
+from turnkv_server.sim.service_costs import ServiceCosts, attended_keys
 
 _P_D = ("standard", "standard-nocache", "bidirectional", "push")
 
@@ -67,10 +69,17 @@ def _ok(run: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _beside(run: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], list[Mapping[str, Any]]]:
-    """The turns of the run that could have slowed a turn's prefill: where the run's sessions'
-    engines are known (`bench_homes`: pooled engines, one core each), those on its engine;
-    else all of them."""
+    """The turns of the run that could have slowed a turn's prefill: those on the engine that
+    computed it, where the records name their engines (`prefill_node`, else `decode_node`:
+    a turn is on both of its engines) or the run's counters tell each session's
+    (`bench_homes`: pooled engines, one core each); else all of them."""
     records = _ok(run)
+    if records and all(r.get("prefill_node") or r.get("decode_node") for r in records):
+        on: dict[str, list[Mapping[str, Any]]] = {}
+        for r in records:
+            for engine in {str(n) for n in (r.get("prefill_node"), r.get("decode_node")) if n}:
+                on.setdefault(engine, []).append(r)
+        return lambda r: on[r.get("prefill_node") or r["decode_node"]]
     homes = bench_homes(run)
     if not homes:
         return lambda _: records
@@ -107,7 +116,7 @@ def alone_turns(runs: Iterable[Mapping[str, Any]]) -> list[AloneTurn]:
 
 def _fit_curve(turns: Sequence[AloneTurn], overheads: Mapping[str, float]
                ) -> tuple[float, float, float]:
-    rows = [[1.0, t.computed, t.computed * t.prompt / 1000] for t in turns]
+    rows = [[1.0, t.computed, attended_keys(t.computed, t.prompt) / 1000] for t in turns]
     ys = [t.ms - overheads.get(t.routing or "", 0.0) for t in turns]
     coef = _nonnegative_lstsq(np.asarray(rows), np.asarray(ys))
     return float(coef[0]), float(coef[1]), float(coef[2])
@@ -115,12 +124,13 @@ def _fit_curve(turns: Sequence[AloneTurn], overheads: Mapping[str, float]
 
 def _curve_ms(curve: tuple[float, float, float], turn: AloneTurn) -> float:
     fixed, per_token, per_kctx = curve
-    return fixed + turn.computed * (per_token + per_kctx * turn.prompt / 1000)
+    return fixed + turn.computed * per_token + per_kctx * attended_keys(
+        turn.computed, turn.prompt) / 1000
 
 
 def fit_prefill_and_overheads(runs: Iterable[Mapping[str, Any]]
                               ) -> tuple[tuple[float, float, float], dict[str, float]]:
-    """The prefill curve `(fixed ms, ms per token, ms per token per 1k tokens of context)` and
+    """The prefill curve `(fixed ms, ms per token, ms per 1k keys attended)` and
     each routing's own work per turn in ms (`ServiceCosts.routing_overhead_ms`).
 
     A routing's overhead is how much more its turns that ran alone took than the curve
@@ -146,8 +156,8 @@ def fit_prefill_and_overheads(runs: Iterable[Mapping[str, Any]]
 
 
 def fit_prefill(runs: Iterable[Mapping[str, Any]]) -> tuple[float, float, float]:
-    """(fixed ms, ms per token, ms per token per 1k tokens of context), of the engines: each
-    routing's own overhead taken out (`fit_prefill_and_overheads`)."""
+    """(fixed ms, ms per token, ms per 1k keys attended: `ServiceCosts.prefill_ms`), of the
+    engines: each routing's own overhead taken out (`fit_prefill_and_overheads`)."""
     return fit_prefill_and_overheads(runs)[0]
 
 
@@ -202,11 +212,30 @@ def block_size(runs: Iterable[Mapping[str, Any]], default: int = 16) -> int:
     return found if found >= 8 else default
 
 
+def _cores_per_engine(run: Mapping[str, Any]) -> int | None:
+    cores = run.get("config", {}).get("cores_per_engine")
+    return int(cores) if cores else None
+
+
+def on_simulated_engines(runs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The runs whose engines are the ones the simulator replays: as many cores each as the
+    engines of the modes it has a routing for (`BENCH_ROUTINGS`). An engine of two cores
+    (the bench's `single-2core`) computes a prompt in about half the time: its turns would
+    pull the curve below what an engine of one core costs. Runs that do not record their
+    cores are kept."""
+    shapes = {_cores_per_engine(r) for r in runs if r["mode"] in BENCH_ROUTINGS} - {None}
+    if len(shapes) != 1:
+        return list(runs)
+    return [r for r in runs if _cores_per_engine(r) in shapes | {None}]
+
+
 def calibrate(result: Mapping[str, Any], modes: Sequence[str] | None = None,
               name: str = "calibrated") -> ServiceCosts:
-    """The cost model of a bench result's runs (of `modes`, default all that finished)."""
-    runs = [r for r in result["runs"] if (modes is None or r["mode"] in modes)
-            and r.get("status", {}).get("state", "ok") == "ok"]
+    """The cost model of a bench result's runs (of `modes`, default all that finished, on
+    the simulated engines: `on_simulated_engines`)."""
+    runs = on_simulated_engines([r for r in result["runs"]
+                                 if (modes is None or r["mode"] in modes)
+                                 and r.get("status", {}).get("state", "ok") == "ok"])
     if not runs:
         raise ValueError(f"no finished runs of {modes} in the result")
     (fixed, per_token, per_kctx), overheads = fit_prefill_and_overheads(runs)

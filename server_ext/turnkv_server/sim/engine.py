@@ -6,13 +6,15 @@ of it (vLLM's chunked prefill: `prefill_chunk_tokens` per step), so a step takes
 a decode step and the prefill's time per chunk (a prefill's cost, calibrated, already includes
 the decode work that shares its steps). A turn that decodes n tokens finishes when the clock
 has advanced n steps from its start; only the next finish is scheduled, and rescheduled when
-the batch or the step changes.
+the batch or the step changes. A prompt that reaches an engine while it decodes joins the
+next step: it waits for the one in progress to end (`steps_to_join_ms`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Generator
 from typing import Any
 
@@ -62,7 +64,11 @@ class SimEngine:
 
     def compute(self, ms: float, tokens: int) -> Generator[simpy.Event, Any, None]:
         """Compute `tokens` of a prompt for `ms` (the lane held), in chunks that share the
-        engine's steps with its decoding turns."""
+        engine's steps with its decoding turns, from the step after the next
+        (`steps_to_join_ms`)."""
+        join_ms = self.steps_to_join_ms()
+        if join_ms > 0:
+            yield self.env.timeout(join_ms / 1000)
         self._advance()
         self._prefilling += 1
         chunks = max(1, -(-tokens // self.costs.prefill_chunk_tokens))
@@ -92,6 +98,18 @@ class SimEngine:
         heapq.heappush(self._decoding, (self._steps + tokens, next(self._seq), done))
         self._reschedule()
         return done
+
+    def steps_to_join_ms(self) -> float:
+        """How long a prompt reaching the engine now waits to be in a step: none where nothing
+        decodes (the engine idles, and schedules it at once), else the rest of the step in
+        progress. vLLM schedules the next step once a step's forward pass returns, and on
+        CPU that pass runs in the scheduler's own thread (`UniProcExecutor.collective_rpc`
+        calls it inline), so no step is scheduled ahead of the one running; a GPU's
+        asynchronous scheduling would add one (not modelled)."""
+        if not self._decoding:
+            return 0.0
+        self._advance()
+        return (math.ceil(self._steps - 1e-9) - self._steps) * self.step_ms()
 
     def step_ms(self) -> float:
         step = self.costs.decode_step_ms(len(self._decoding))

@@ -1,9 +1,12 @@
 """What serving costs in the simulated fleet: parametric curves, fitted from `turnkv bench`
 results (`calibration`) or derived from published figures (`gpu_profiles`).
 
-- prefill: `fixed + computed x (per_token + per_token_per_kctx x context / 1000)` ms: a
-  step's fixed cost, a cost per computed token, and attention's growth with the context the
-  tokens attend to;
+- prefill: `fixed + computed x per_token + per_token_per_kctx x keys / 1000` ms: a step's
+  fixed cost, a cost per computed token, and attention, per key each computed token attends
+  to (`keys`: the computed tokens are the prompt's last, and a token at position p attends
+  to the p before it, as `bench.estimate.sum_keys` counts them). A whole prompt's tokens
+  attend to half its length on average, a short delta's to all of it: charging every
+  computed token the whole prompt would charge a long recompute twice its attention;
 - decode: `fixed + per_seq x batch` ms per step (a step reads the weights once, and each
   sequence's KV);
 - transfer and tier reads: tokens of KV per ms;
@@ -20,10 +23,16 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from turnkv_server.bench.estimate import sum_keys
 from turnkv_server.router.costs import Priors
 
 # The context at which `planner_priors` quotes a cost per token: a mid-length prompt.
 _PRIOR_CONTEXT = 2048
+
+
+def attended_keys(computed: int, context: int) -> float:
+    """Keys the last `computed` tokens of a `context`-token prompt attend to, summed."""
+    return sum_keys(max(0, context - computed), context)
 
 
 @dataclass(frozen=True)
@@ -49,11 +58,11 @@ class ServiceCosts:
     routing_overhead_ms: Mapping[str, float] = field(default_factory=dict)
 
     def prefill_ms(self, computed: int, context: int) -> float:
+        """Computing the last `computed` tokens of a `context`-token prompt."""
         if computed <= 0:
             return 0.0
-        per_token = self.prefill_ms_per_token + self.prefill_ms_per_token_per_kctx * (
-            context / 1000)
-        return self.prefill_fixed_ms + computed * per_token
+        return (self.prefill_fixed_ms + computed * self.prefill_ms_per_token
+                + self.prefill_ms_per_token_per_kctx * attended_keys(computed, context) / 1000)
 
     def decode_step_ms(self, batch: int) -> float:
         return self.decode_fixed_ms + self.decode_ms_per_seq * max(1, batch)
