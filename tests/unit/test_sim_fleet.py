@@ -12,6 +12,7 @@ from turnkv_server.sim.fleet import Fleet, FleetSpec
 from turnkv_server.sim.kv_cache import SessionKvCache
 from turnkv_server.sim.service_costs import ServiceCosts
 from turnkv_server.sim.sessions import SimSession, SimTurn
+from turnkv_server.sim.turnkv_routing import TurnkvRouting
 
 BLOCK = 16
 # Leases may pin the whole cache: with the connector's default cap (half of it), pinning b
@@ -172,3 +173,21 @@ def test_a_routings_overhead_is_added_to_each_of_its_turns_ttft(routing: str) ->
     after = Fleet(FleetSpec(routing, 2, slower)).run(sessions).outcomes
     assert [o.ttft_ms - b.ttft_ms for o, b in zip(after, before, strict=True)] == \
         pytest.approx([40.0, 40.0])
+
+
+def test_the_turnkv_planner_sees_the_room_the_sessions_histories_leave() -> None:
+    # The router shows the planner each engine's cache less what the sessions' histories
+    # hold there (`Holdings.room`: 90% of the cache is the leases' share); without it every
+    # engine looks empty to the planner, and it splits, moves and copies into full caches.
+    fleet = Fleet(FleetSpec("turnkv", 2, costs(capacity=10_000)))
+    routing = fleet.routing
+    assert isinstance(routing, TurnkvRouting)
+    a = session("a", (1000, 11, 0.0), (200, 11, 5.0))
+    fleet.env.process(routing.serve(a, 0))
+    fleet.env.run()
+    home = routing.places["a"].home
+    other = routing.partner[home.name]
+    assert routing.load(home).room_tokens == 9_000 - 1011
+    # The idle pair's turn was pushed back: the copy on the other engine counts there too.
+    assert other.cache.held("a") == 1008
+    assert routing.load(other).room_tokens == 9_000 - 1011

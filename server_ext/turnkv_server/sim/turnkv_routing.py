@@ -7,7 +7,9 @@ The planner's decisions are carried out as the `turnkv` mode carries them out
 (`router/modes/planned.py`): `whole` on the home; `split` computes on the other engine, which
 writes the KV the home lacks into it; `move` makes the other engine the home, pulling the
 history from the old one (which computes the delta) or recomputing it where the old one is
-lost; `push_back` copies the history to the other engine after the turn.
+lost; `push_back` copies the history to the other engine after the turn. The planner sees
+each engine's room as the router shows it (`Holdings`: what the sessions' histories and their
+copies hold there, counted from the placements, as `planned.py` counts them).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, replace
 import simpy
 
 from turnkv_server.router.costs import CostModel
-from turnkv_server.router.planner import Decision, EngineLoad, Planner, TurnFacts
+from turnkv_server.router.planner import Decision, EngineLoad, Holdings, Planner, TurnFacts
 from turnkv_server.sim.baseline_routing import RoundRobin, TurnProcess
 from turnkv_server.sim.engine import SimEngine
 from turnkv_server.sim.outcomes import FleetTraffic, SimTurnOutcome
@@ -42,6 +44,9 @@ PRESSURE_WINDOW_S = 30.0
 class _SessionPlace:
     home: SimEngine
     last_split: int | None = None  # the turn that last split
+    history: int = 0  # tokens of history after its last turn
+    copy_on: SimEngine | None = None  # the other engine's copy, as the router counts it
+    copy_tokens: int = 0
 
 
 class TurnkvRouting:
@@ -60,6 +65,7 @@ class TurnkvRouting:
         self.pairs = RoundRobin(engines[::2])
         self.places: dict[str, _SessionPlace] = {}
         self.decisions: dict[str, int] = {}
+        self.holdings = Holdings()
         self._pressure: dict[str, tuple[int, float]] = {}
 
     # -- where --------------------------------------------------------------------------------
@@ -78,10 +84,12 @@ class TurnkvRouting:
             place = self.places[sid] = _SessionPlace(home)
         return place
 
-    def _load(self, engine: SimEngine) -> EngineLoad:
+    def load(self, engine: SimEngine) -> EngineLoad:
+        """The engine as the router shows it to the planner."""
         return EngineLoad(engine.name, engine.healthy, engine.in_flight,
-                          pressure=self._under_pressure(engine), homed=engine.homed,
-                          prefilling=engine.prompts)
+                          pressure=self._under_pressure(engine),
+                          room_tokens=self.holdings.room(engine.name, engine.cache.capacity),
+                          homed=engine.homed, prefilling=engine.prompts)
 
     def _under_pressure(self, engine: SimEngine) -> bool:
         cache = engine.cache
@@ -94,7 +102,7 @@ class TurnkvRouting:
 
     def _decide(self, session: SimSession, turn: int, place: _SessionPlace) -> Decision:
         home, helper = place.home, self.partner[place.home.name]
-        home_load, helper_load = self._load(home), self._load(helper)
+        home_load, helper_load = self.load(home), self.load(helper)
         facts = TurnFacts(
             prompt_tokens=session.prompts[turn],
             home_holds=held_prefix(home, session) if home.healthy else 0,
@@ -151,13 +159,34 @@ class TurnkvRouting:
         if decision.where == "split":
             place.last_split = turn
         helper = self.partner[home.name]
-        if decision.push_back and helper.healthy:
+        pushed = decision.push_back and helper.healthy
+        if pushed:
             self.traffic.kv_moved_tokens += helper.cache.put(sid, keep, session.next_gap(turn))
+        self._hold(place, sid, old, prefill, decision, prompt, keep, pushed)
         if session.next_gap(turn) is None:
             self._forget(sid)
         return SimTurnOutcome(sid, turn, home.name, prefill.name, decision.where, prompt,
                               done.computed, done.cached, done.from_tier, received,
                               ttft_ms - done.ms, ttft_ms, decode_ms, out, start)
+
+    def _hold(self, place: _SessionPlace, sid: str, old: SimEngine, prefill: SimEngine,
+              decision: Decision, prompt: int, keep: int, pushed: bool) -> None:
+        """Count where the session's history and its copy now lie, as the router's
+        `finish` does: a push back's copy on the other engine; else the prompt on the engine
+        that computed it for the home (a split, a move that pulled); else, after a move that
+        recomputed, the old home's history as it was."""
+        home = place.home
+        if pushed:
+            place.copy_on, place.copy_tokens = self.partner[home.name], keep
+        elif prefill is not home:
+            place.copy_on, place.copy_tokens = prefill, prompt
+        elif decision.where == "move":
+            place.copy_on, place.copy_tokens = old, place.history
+        place.history = keep
+        held = {home.name: keep}
+        if place.copy_on is not None and place.copy_on is not home:
+            held[place.copy_on.name] = place.copy_tokens
+        self.holdings.hold(sid, held)
 
     def _engine(self, home: SimEngine, name: str) -> SimEngine:
         return home if name == home.name else self.partner[home.name]
@@ -171,3 +200,4 @@ class TurnkvRouting:
     def _forget(self, sid: str) -> None:
         place = self.places.pop(sid)
         place.home.homed -= 1
+        self.holdings.drop(sid)
