@@ -99,12 +99,15 @@ def test_vllms_factory_loads_the_spec_by_module_path() -> None:
 def store(manager: OffloadingManager, worker, ctx: ReqContext, new_keys: list,
           engine_blocks: list[int], job: int, kv: CpuKV):
     """One store as vLLM's offloading connector runs it: the manager places the chunks, the
-    worker copies, the manager marks them loadable."""
+    worker copies them a block per engine step (a short backlog: `store_pacing`) and reports
+    the job after the last, the manager marks them loadable."""
     out = manager.prepare_store(new_keys, ctx)
     assert out is not None and list(out.keys_to_store) == new_keys
     src = GPULoadStoreSpec(engine_blocks, group_sizes=[len(engine_blocks)], block_indices=[0])
     assert worker.submit_store(job, src, out.store_spec)
-    (result,) = worker.get_finished()
+    steps = [worker.get_finished() for _ in engine_blocks]
+    assert steps[:-1] == [[]] * (len(engine_blocks) - 1)
+    (result,) = steps[-1]
     assert (result.job_id, result.success) == (job, True)
     assert result.transfer_size == len(engine_blocks) * LAYERS * kv.page_bytes
     manager.complete_store(new_keys, ctx)
@@ -133,6 +136,36 @@ def test_blocks_stored_through_vllms_manager_load_back_exactly(bpc: int) -> None
     assert [r.job_id for r in worker.get_finished()] == [2]
     manager.complete_load(prompt, ctx2)
     assert [kv.block_bytes(b) for b in (0, 1, 3, 4)] == originals
+    worker.shutdown()
+
+
+def test_a_store_vllm_waits_on_is_copied_at_once() -> None:
+    """Before reusing a block a pending store reads (or letting a preempted request go), vLLM
+    asks the worker to finish the store (`wait`): it is copied whole there, not a block a step,
+    and reported by the next `get_finished` with every byte."""
+    kv = cpu_kv(num_blocks=16, seed=9)
+    spec = create(kv, {"host_blocks": 8})
+    manager, worker = spec.get_manager(), spec.get_worker(canonical(kv))
+    ctx = ReqContext(req_id="turn-1")
+    manager.on_new_request(ctx)
+    prompt = keys("w", 4)
+    out = manager.prepare_store(prompt, ctx)
+    assert out is not None
+    src = GPULoadStoreSpec([3, 8, 1, 6], group_sizes=[4], block_indices=[0])
+    assert worker.submit_store(7, src, out.store_spec)
+    assert worker.get_finished() == []  # one block of four copied
+    originals = [kv.block_bytes(b) for b in (3, 8, 1, 6)]
+    worker.wait({7})
+    (result,) = worker.get_finished()
+    assert result.success and result.transfer_size == 4 * LAYERS * kv.page_bytes
+    manager.complete_store(prompt, ctx)
+    for rows in kv.rows:
+        rows.zero_()
+    ctx2 = ReqContext(req_id="turn-2")
+    manager.on_new_request(ctx2)
+    assert worker.submit_load(9, manager.prepare_load(prompt, ctx2),
+                              GPULoadStoreSpec([0, 2, 4, 5], group_sizes=[4], block_indices=[0]))
+    assert [kv.block_bytes(b) for b in (0, 2, 4, 5)] == originals
     worker.shutdown()
 
 

@@ -25,9 +25,10 @@ limit. So each spec here is vLLM's, less its worker:
   /dev/shm that the scheduler's tiers read and write too, so the worker writes into the region's
   views exactly where vLLM's own worker would.
 
-Both replace only `get_worker`, with `HostCopyWorker`: the memory copy of `host_copy`, addressed
-by `addressing`. Settings (`settings`): ``host_blocks`` or ``cpu_bytes_to_use``,
-``offload_prompt_only`` (default false here), and vLLM's own keys passed through.
+Both replace only `get_worker`, with `HostCopyWorker`: the memory copy of `host_copy`,
+addressed by `addressing`, its stores paced over the engine's steps by `store_pacing`. Settings
+(`settings`): ``host_blocks`` or ``cpu_bytes_to_use``, ``offload_prompt_only`` (default false
+here), and vLLM's own keys passed through.
 
 This is the one module of the tier that reads vLLM: its spec classes, `OffloadingConfig`, the
 load/store specs' fields (`block_ids`, `group_sizes`, `block_indices`) and `CanonicalKVCaches`.
@@ -58,6 +59,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from turnkv_server.tier.addressing import GroupCopy, plan_copies
 from turnkv_server.tier.host_copy import HostCopier, LayerRef, allocate_host_tensors
 from turnkv_server.tier.settings import TierSettings, resolve, vllm_extra_config
+from turnkv_server.tier.store_pacing import StorePart, StoreQueue
 
 logger = logging.getLogger(__name__)
 
@@ -132,49 +134,58 @@ def _plan(engine_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec, bpc: int) -> 
 
 
 class HostCopyWorker(OffloadingWorker):
-    """vLLM's `OffloadingWorker` (upstream `kv_offload/base.py`) with synchronous host copies:
-    each job is done when `submit_*` returns, and reported by the next `get_finished`."""
+    """vLLM's `OffloadingWorker` (upstream `kv_offload/base.py`) over host copies. A load is
+    copied when submitted (the forward pass that reads it follows in the same step); a store is
+    queued and copied a few blocks per step (`store_pacing`), each job reported by the
+    `get_finished` after its last block, or copied at once when vLLM waits on it."""
 
     def __init__(self, copier: HostCopier, release: Callable[[], None] | None = None) -> None:
         self._copier = copier
         self._release = release
+        self._stores = StoreQueue()
+        self._storing: dict[int, tuple[int, float]] = {}  # job: bytes and seconds so far
         self._finished: list[TransferResult] = []
 
-    def _run(
-        self, job_id: int, copy: Callable[[list[GroupCopy]], int], plan: list[GroupCopy]
-    ) -> bool:
+    def _copy(self, part: StorePart | None, job_id: int,
+              copy: Callable[[list[GroupCopy]], int], plan: list[GroupCopy]) -> None:
         start = time.perf_counter()
         copied = copy(plan)
-        self._finished.append(
-            TransferResult(
-                job_id=job_id,
-                success=True,
-                transfer_size=copied,
-                transfer_time=time.perf_counter() - start,
-            )
-        )
-        return True
+        spent = time.perf_counter() - start
+        if part is not None:
+            before_bytes, before_s = self._storing.pop(job_id, (0, 0.0))
+            copied, spent = copied + before_bytes, spent + before_s
+            if not part.last:
+                self._storing[job_id] = (copied, spent)
+                return
+        self._finished.append(TransferResult(job_id=job_id, success=True,
+                                             transfer_size=copied, transfer_time=spent))
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
-        bpc = self._copier.blocks_per_chunk
-        return self._run(job_id, self._copier.store, _plan(src_spec, dst_spec, bpc))
+        self._stores.add(job_id, _plan(src_spec, dst_spec, self._copier.blocks_per_chunk))
+        return True
 
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec
     ) -> bool:
-        bpc = self._copier.blocks_per_chunk
-        return self._run(job_id, self._copier.load, _plan(dst_spec, src_spec, bpc))
+        plan = _plan(dst_spec, src_spec, self._copier.blocks_per_chunk)
+        self._copy(None, job_id, self._copier.load, plan)
+        return True
 
     def get_finished(self) -> list[TransferResult]:
+        for part in self._stores.take(self._stores.blocks_this_step()):
+            self._copy(part, part.job_id, self._copier.store, part.copies)
         finished, self._finished = self._finished, []
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
-        return  # every job finished inside its submit
+        for part in self._stores.take_jobs(sorted(job_ids)):
+            self._copy(part, part.job_id, self._copier.store, part.copies)
 
     def shutdown(self) -> None:
+        self._stores.clear()
+        self._storing.clear()
         self._finished.clear()
         # Drop the host views before the region closes: an mmap with live views cannot close.
         self._copier.close()
