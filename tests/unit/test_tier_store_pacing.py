@@ -38,15 +38,15 @@ def test_a_short_backlog_goes_a_block_a_step_and_the_job_is_last_with_its_last_b
 
 def test_a_long_backlog_drains_by_a_share_of_it_per_step() -> None:
     queue = StoreQueue()
-    queue.add(1, [copy(0, list(range(40)))])
+    queue.add(1, [copy(0, list(range(70)))])
     queue.add(2, [copy(0, list(range(100, 120)))])
-    assert queue.blocks_this_step() == 8  # a share of 60 blocks, rounded up
+    assert queue.blocks_this_step() == 3  # a share of 90 blocks, rounded up
     taken = [queue.blocks_this_step()]
     queue.take(taken[0])
     while queue.pending_blocks:
         taken.append(queue.blocks_this_step())
         queue.take(taken[-1])
-    assert sum(taken) == 60 and taken[-1] == 1 and taken == sorted(taken, reverse=True)
+    assert sum(taken) == 90 and taken[-1] == 1 and taken == sorted(taken, reverse=True)
 
 
 def test_a_step_crosses_jobs_and_groups_in_submission_order() -> None:
