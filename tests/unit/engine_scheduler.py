@@ -63,10 +63,12 @@ def kv_transfer_config(tier: bool) -> KVTransferConfig:
 
 class EngineScheduler:
     """vLLM's scheduler over `blocks` KV blocks of `BLOCK` tokens, turnkv its connector
-    (`tier`: under MultiConnector, `DeferredTier` below it)."""
+    (`tier`: under MultiConnector, `DeferredTier` below it; `kv_transfer`: this config
+    instead)."""
 
-    def __init__(self, model_dir: Path, blocks: int, tier: bool = False) -> None:
-        config = engine_config(model_folder(model_dir), kv_transfer_config(tier),
+    def __init__(self, model_dir: Path, blocks: int, tier: bool = False,
+                 kv_transfer: KVTransferConfig | None = None) -> None:
+        config = engine_config(model_folder(model_dir), kv_transfer or kv_transfer_config(tier),
                                blocks=blocks, max_len=MAX_LEN, max_seqs=16)
         self.scheduler = scheduler(config)
         init_none_hash(sha256)

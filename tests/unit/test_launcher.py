@@ -80,7 +80,9 @@ def test_a_tier_puts_the_turnkv_connector_first_under_vllms_multiconnector() -> 
         "MultiConnector", "recompute", "e1")
     turnkv, tier = tiered["kv_connector_extra_config"]["connectors"]
     assert turnkv == {k: v for k, v in plain.items() if k != "engine_id"}
-    assert tier["kv_connector"] == "OffloadingConnector"
+    # vLLM's offloading connector with its store fence over the blocks the peer writes.
+    assert (tier["kv_connector"], tier["kv_connector_module_path"]) == (
+        "HostTierConnector", "turnkv_server.tier.offloading_connector")
     extra = tier["kv_connector_extra_config"]
     assert (extra["spec_name"], extra["spec_module_path"], extra["host_blocks"]) == (
         "HostOffloadingSpec", "turnkv_server.tier.vllm_spec", 64)
@@ -92,6 +94,7 @@ def test_a_tier_puts_the_turnkv_connector_first_under_vllms_multiconnector() -> 
     assert kv_transfer_config("single", "single", "e2", tier_host_blocks=64) is None
     offload = kv_transfer_config("affinity", "engine", "e2", tier_host_blocks=64)
     assert offload is not None and offload["kv_connector"] == "OffloadingConnector"
+    assert "kv_connector_module_path" not in offload
     assert offload["kv_connector_extra_config"]["eviction_policy"] == "lru"
     aggregated = kv_transfer_config("affinity", "engine", "e2", tier_host_blocks=64,
                                     engine_leases=True)

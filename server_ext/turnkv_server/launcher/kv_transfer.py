@@ -13,7 +13,9 @@ A turnkv engine with a lower tier (`tier_host_blocks`) loads two connectors unde
 `MultiConnector`: turnkv's first, so that KV the peer engine pushes wins (MultiConnector loads
 from the first connector that reports tokens), then vLLM's `OffloadingConnector` with this
 project's host-memory spec (`turnkv_server.tier`), which serves what neither the prefix cache
-nor the peer has: a session whose blocks were evicted under pressure. `host_tier` with a
+nor the peer has: a session whose blocks were evicted under pressure. Beside turnkv the
+offloading connector is `HostTierConnector` (`tier.offloading_connector`), vLLM's with its
+store fence covering the blocks the peer writes. `host_tier` with a
 `disk_tier` puts this project's bounded, checked disk tier below host memory.
 
 Every turnkv engine is configured with ``"kv_load_failure_policy": "recompute"`` (at the top,
@@ -32,6 +34,8 @@ from turnkv_server.router.config import RouterConfig
 NIXL_CONNECTOR_MODULE = "turnkv_server.engine.nixl_tuning"
 TURNKV_CONNECTOR_MODULE = "turnkv_server.connector.vllm_connector"
 TIER_SPEC_MODULE = "turnkv_server.tier.vllm_spec"
+TIER_CONNECTOR_MODULE = "turnkv_server.tier.offloading_connector"
+TIER_CONNECTOR_CLASS = "HostTierConnector"
 DISK_TIER_MODULE = "turnkv_server.tier.disk"
 DISK_TIER_CLASS = "CheckedDiskTier"
 SESSION_ORDER_MODULE = "turnkv_server.tier.session_order"
@@ -74,7 +78,8 @@ def kv_transfer_config(
             "kv_load_failure_policy": "recompute",
             "engine_id": engine_id,
             "kv_connector_extra_config": {
-                "connectors": [turnkv, host_tier(tier_host_blocks, tier_disk)]},
+                "connectors": [turnkv, host_tier(tier_host_blocks, tier_disk,
+                                                 beside_turnkv=True)]},
         }
     config: dict[str, Any] = {
         "kv_connector": "NixlPushConnector" if mode == "push" else "NixlConnector",
@@ -126,12 +131,14 @@ def disk_tier(root_dir: str, max_bytes: int) -> dict[str, Any]:
 
 
 def host_tier(host_blocks: int, disk: dict[str, Any] | None = None,
-              session_order: bool = True) -> dict[str, Any]:
+              session_order: bool = True, beside_turnkv: bool = False) -> dict[str, Any]:
     """vLLM's `OffloadingConnector` over this project's host-memory spec, `host_blocks` engine
     blocks big; replies are stored too (vLLM's default stores prompts only, and an agent's
     next turn starts with its last reply). Its evictions follow the sessions' hints
     (`session_order`), else vLLM's LRU. With `disk` (a `disk_tier` entry) the host tier is
-    the primary of vLLM's tiering manager, with that disk tier below it."""
+    the primary of vLLM's tiering manager, with that disk tier below it. `beside_turnkv`:
+    under `MultiConnector` after turnkv's connector, whose receives write blocks vLLM's own
+    offloading connector does not fence (`tier.offloading_connector`); alone, vLLM's own."""
     if host_blocks < 1:
         raise ValueError("the host tier needs at least one block")
     extra: dict[str, Any] = {
@@ -149,8 +156,8 @@ def host_tier(host_blocks: int, disk: dict[str, Any] | None = None,
     if disk is not None:
         extra["spec_name"] = "HostTieringOffloadingSpec"
         extra["secondary_tiers"] = [dict(disk)]
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
+    connector: dict[str, Any] = {"kv_connector": "OffloadingConnector"}
+    if beside_turnkv:
+        connector = {"kv_connector": TIER_CONNECTOR_CLASS,
+                     "kv_connector_module_path": TIER_CONNECTOR_MODULE}
+    return {**connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}

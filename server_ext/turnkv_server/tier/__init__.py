@@ -9,10 +9,14 @@ gives it a worker that runs on CPU hosts. See docs/tier.md.
 - `addressing`: which engine block goes to which host chunk slot, per transfer;
 - `host_copy`: the copy between the engine's KV tensors and the host buffer (torch, CPU);
 - `vllm_spec`: the specs vLLM loads by module path (`HostOffloadingSpec`,
-  `HostTieringOffloadingSpec`) and their worker;
+  `HostTieringOffloadingSpec`) and their worker, its stores paced over the engine's steps
+  (`store_pacing`);
+- `offloading_connector`: `HostTierConnector`, vLLM's `OffloadingConnector` whose store fence
+  also covers the blocks the turnkv connector's peer writes (loaded beside turnkv);
 - `disk`: `CheckedDiskTier`, a bounded, checksummed disk tier below host memory, loaded by
   vLLM's tiering as a secondary tier; its index (`disk_index`) and chunk files (`disk_files`)
-  are plain Python. `vllm_spec` and `disk` are the only modules here that import vLLM.
+  are plain Python. `vllm_spec`, `offloading_connector` and `disk` are the only modules here
+  that import vLLM.
 
 Importing this package imports nothing of vLLM.
 """

@@ -30,8 +30,9 @@ addressed by `addressing`, its stores paced over the engine's steps by `store_pa
 (`settings`): ``host_blocks`` or ``cpu_bytes_to_use``, ``offload_prompt_only`` (default false
 here), and vLLM's own keys passed through.
 
-This is the one module of the tier that reads vLLM: its spec classes, `OffloadingConfig`, the
-load/store specs' fields (`block_ids`, `group_sizes`, `block_indices`) and `CanonicalKVCaches`.
+This module reads vLLM's spec classes (`offloading_connector` its connector, `disk` its
+tiering), `OffloadingConfig`, the load/store specs' fields (`block_ids`, `group_sizes`,
+`block_indices`) and `CanonicalKVCaches`.
 Everything below it takes plain numbers and tensors.
 """
 
