@@ -96,6 +96,11 @@ class EngineScheduler:
         """One engine step: schedule, then what the model runner would return (one token per
         request whose prompt is computed; `kv`: the connector's worker half's report)."""
         output = self.scheduler.schedule()
+        self.finish_step(output, kv)
+        return output
+
+    def finish_step(self, output: SchedulerOutput, kv: KVConnectorOutput | None = None) -> None:
+        """The second half of `step`, for a test that runs a worker between the two."""
         ids = list(output.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -107,7 +112,6 @@ class EngineScheduler:
             for out in outputs.outputs:
                 if out.finished:
                     self.replies[out.request_id] = out.kv_transfer_params
-        return output
 
     def run_until_finished(self, rid: str, max_steps: int = 50) -> None:
         for _ in range(max_steps):
