@@ -179,3 +179,18 @@ def test_the_host_tier_keeps_a_finished_turns_kv_when_its_blocks_are_written_aga
     scratch = 0  # vLLM's null block: nothing of the test's requests
     for block, (chunk, original) in sorted(stored.items()):
         assert tier.host_bytes(chunk, scratch) == original, f"engine block {block}"
+
+
+def test_the_tier_connector_is_found_by_name_where_its_stats_arrive() -> None:
+    """The API server rebuilds each `MultiConnector` child's stats by the child's class name
+    (upstream `build_kv_connector_stats`); a connector loaded by module path only is not found
+    there, and the engine answers 503 from its first stats on."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from turnkv_server.tier.offloading_connector import HostTierConnector
+
+    assert KVConnectorFactory.get_connector_class_by_name("HostTierConnector") is \
+        HostTierConnector
+    stats = MultiConnector.build_kv_connector_stats({"HostTierConnector": {}})
+    assert stats is not None

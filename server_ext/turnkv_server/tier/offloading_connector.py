@@ -22,7 +22,10 @@ anyway.
 
 from __future__ import annotations
 
+import contextlib
+
 from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
@@ -59,3 +62,12 @@ class HostTierConnector(OffloadingConnector):
                 allocated.update(block.block_id for block in blocks.blocks[group.group_idx]
                                  if not block.is_null)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+
+# Under `MultiConnector` each child's stats reach the API server as plain data and are found
+# again by the child's class name in vLLM's connector registry (upstream
+# `kv_connector/v1/multi_connector.py`, `build_kv_connector_stats`): unregistered, the API
+# server's output handler fails on the first stats and the engine answers 503. Loading the
+# connector by module path imports this module in both processes.
+with contextlib.suppress(ValueError):  # registered already (imported under two names)
+    KVConnectorFactory.register_connector("HostTierConnector", __name__, "HostTierConnector")
