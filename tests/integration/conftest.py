@@ -41,8 +41,9 @@ SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "tier-pool
             "tier-admission", "security",
             "load", "shared-sessions",
             "usage-turnkv", "stock-clients", "api-routes", "api-routes-affinity", "faults",
-            "planner-whole-split-move-split-whole", "planner-whole-split-whole",
-            "planner-whole-split-split", "planner-whole-split-move", "planner-home-down",
+            "planner-whole-split-move-copy-move-split", "planner-whole-split-whole",
+            "planner-whole-split-split", "planner-whole-split-move",
+            "planner-whole-split-move-copy", "planner-home-down",
             "router-turnkv", "router-affinity", "api-routes-standard", "router-standard",
             "router-cluster", "api-routes-bidirectional", "router-bidirectional",
             "api-routes-push", "router-push", "connector", "connector-launcher")
