@@ -57,9 +57,14 @@ class HostTierConnector(OffloadingConnector):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         if num_external_tokens == 0:
+            # The blocks the engine's own prefix cache hit hold these tokens already and are
+            # not written again: fencing them would flush (and store again) a session's whole
+            # history every turn. Only the blocks past the hit are new to this request.
             allocated: set[int] = getattr(self.scheduler, _ALLOCATED_THIS_STEP)
             for group in self.scheduler.config.kv_group_configs:
-                allocated.update(block.block_id for block in blocks.blocks[group.group_idx]
+                hit = request.num_computed_tokens // group.tokens_per_block
+                allocated.update(block.block_id
+                                 for block in blocks.blocks[group.group_idx][hit:]
                                  if not block.is_null)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
