@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from turnkv_server.cli import app
-from turnkv_server.sim.calibration import calibrate, fit_prefill
+from turnkv_server.sim.calibration import calibrate, fit_join_wait, fit_prefill
 from turnkv_server.sim.fleet import FleetSpec
 from turnkv_server.sim.gpu_profiles import PROFILES
 from turnkv_server.sim.policy_specs import parse_policy
@@ -183,3 +183,36 @@ def test_turns_alone_on_the_engine_their_record_names_fit_the_prefill() -> None:
     run["records"] = [{**r, "decode_node": "engine-0"} for r in run["records"]] + twins
     fixed, per_token, per_kctx = fit_prefill([run])
     assert (fixed, per_token, per_kctx) == pytest.approx((100, 0.5, 0.1), rel=1e-6)
+
+
+def _arrivals(mode: str, steps: float, host_tier_blocks: int | None) -> dict[str, object]:
+    """Ten prompts on one engine, each computed alone: the odd ones reach it while another
+    session's turn decodes there (one sequence: a 50 ms step), and take `steps` decode steps
+    beyond the curve `_JOIN_COSTS` holds; the even ones reach it idle and take the curve."""
+    costs = _JOIN_COSTS
+    records = []
+    for i in range(10):
+        start, prompt, computed = 10.0 * i, 1000 + 100 * i, 300
+        ms = costs.prefill_ms(computed, prompt) + (steps * 50 if i % 2 else 0.0)
+        records.append({**_record("s", i, start, prompt, computed, ms), "session_id": f"s{i}"})
+        if i % 2:
+            # Its first token 4.9 s before the arrival, its decode on past it.
+            beside = _record(f"d{i}", 0, start - 5, 500, 500, costs.prefill_ms(500, 500))
+            records.append({**beside, "ended_at": start + 3})
+    return {"mode": mode, "status": {"state": "ok"}, "records": records,
+            "config": {"host_tier_blocks": host_tier_blocks, "block_size": 16}}
+
+
+_JOIN_COSTS = ServiceCosts("hand", 100.0, 0.5, 0.1, 40.0, 10.0, 50.0, 50.0, 8192, 16, 1)
+
+
+def test_a_prompt_reaching_a_decoding_engine_is_fitted_its_wait_beyond_the_step() -> None:
+    # Without a tier the prompts that met a decoding turn took 2.5 steps more than the idle
+    # ones, with one 1.5: less the half step the rest of the step in progress averages, 2
+    # and 1 more steps.
+    runs = [_arrivals("affinity", 2.5, None), _arrivals("affinity-offload", 1.5, 4)]
+    assert fit_join_wait(runs, _JOIN_COSTS) == pytest.approx((2.0, 1.0))
+    # Prompts that waited less than half a step more wait nothing more; a P/D mode's prompts
+    # reach a prefill engine, which decodes nothing: none of them are read.
+    assert fit_join_wait([_arrivals("affinity", 0.2, None)], _JOIN_COSTS) == (0.0, 0.0)
+    assert fit_join_wait([_arrivals("standard", 2.5, None)], _JOIN_COSTS) == (0.0, 0.0)

@@ -64,6 +64,22 @@ def test_a_prompt_reaching_a_decoding_engine_waits_for_the_step_in_progress() ->
     assert by_session["a"].decode_ms == pytest.approx(5 * 21 + 100 + 22 + 3 * 21)
 
 
+@pytest.mark.parametrize(("tier_tokens", "wait_ms"), [
+    # As above, with the fitted wait beyond the step in progress: on an engine without a
+    # tier 1 step more (15 + 21 ms), on one with a tier 2 (15 + 2 x 21 ms).
+    (0, 15 + 21),
+    (4096, 15 + 2 * 21),
+])
+def test_a_prompt_reaching_a_decoding_engine_waits_the_fitted_steps_beyond(
+        tier_tokens: int, wait_ms: float) -> None:
+    fitted = replace(costs(), join_wait_steps=1.0, tier_join_wait_steps=2.0)
+    run = Fleet(FleetSpec("affinity", 1, fitted, tier_tokens=tier_tokens)).run(
+        [session("a", (1000, 11, 0.0)), session("b", (90, 2, 0.0), start_s=1.1)])
+    b = next(o for o in run.outcomes if o.session == "b")
+    assert b.waited_ms == pytest.approx(wait_ms)
+    assert b.ttft_ms == pytest.approx(wait_ms + 100)
+
+
 def test_turnkv_pair_serves_one_session_whole_on_its_idle_home() -> None:
     run = Fleet(FleetSpec("turnkv", 2, costs())).run(
         [session("a", (1000, 11, 0.0), (200, 11, 1.0))])

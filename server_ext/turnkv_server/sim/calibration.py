@@ -12,6 +12,8 @@
   the prefill curve says, above the routing that took least (`fit_prefill_and_overheads`);
 - transfer: `standard` turns, the time from the prefill's end to the first token less one
   decode step, against the prompt's tokens (the whole prompt's KV moves);
+- the wait of a prompt that reaches an engine decoding other turns (`fit_join_wait`), on
+  engines without and with a host tier;
 - the tier reads at the transfer rate (both are copies between memory regions of the same
   host here: no bench turn times a tier read on its own);
 - the KV cache: the runs' own size (`kv_cache_tokens`), the block size the runs' configured
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from statistics import median
 from typing import Any, NamedTuple
@@ -32,6 +35,7 @@ import numpy as np
 
 from turnkv_server.bench.cli import VLLM_CPU_BLOCK_TOKENS
 from turnkv_server.sim.bench_modes import BENCH_ROUTINGS
+from turnkv_server.sim.bench_tiers import tier_tokens
 from turnkv_server.sim.bench_workloads import bench_homes
 from turnkv_server.sim.service_costs import ServiceCosts, attended_keys
 
@@ -182,6 +186,60 @@ def fit_decode(runs: Iterable[Mapping[str, Any]]) -> tuple[float, float]:
     return float(coef[0]), float(coef[1])
 
 
+# The median of fewer turns than this is one or two turns' noise: no wait is fitted from it.
+MIN_JOIN_TURNS = 5
+
+
+def _waits_in_steps(run: Mapping[str, Any], costs: ServiceCosts
+                    ) -> dict[bool, list[float]]:
+    """The run's turns whose prompt ran alone on the engine that decodes them (no other
+    prompt there in flight at or after their start), by whether other turns decoded there
+    as they arrived: each one's time to the first token beyond the prefill curve and its
+    routing's overhead, in decode steps of the batch it met."""
+    routing = BENCH_ROUTINGS.get(run["mode"])
+    out: dict[bool, list[float]] = {False: [], True: []}
+    if routing not in ("affinity", "turnkv"):
+        return out  # a P/D prompt reaches a prefill engine, which decodes nothing
+    beside = _beside(run)
+    for r in _ok(run):
+        n = _computed(r)
+        if not n or n < 16 or r.get("prefill_node") not in (None, r.get("decode_node")):
+            continue
+        start = r["started_at"]
+        first = start + r["ttft_ms"] / 1000
+        others = [o for o in beside(r) if o is not r and o["started_at"] < first
+                  and o["ended_at"] > start]
+        if any(o["started_at"] + o["ttft_ms"] / 1000 > start for o in others):
+            continue
+        left = r["ttft_ms"] - costs.prefill_ms(n, r["prompt_tokens"]) \
+            - costs.turn_overhead_ms(routing)
+        out[bool(others)].append(left / costs.decode_step_ms(len(others)))
+    return out
+
+
+def fit_join_wait(runs: Iterable[Mapping[str, Any]], costs: ServiceCosts, created: str = "~"
+                  ) -> tuple[float, float]:
+    """Decode steps a prompt reaching an engine that decodes other turns waits beyond the
+    rest of the step in progress (`ServiceCosts.join_wait_steps`), on engines without and
+    with a host tier (`tier_join_wait_steps`): the median of such turns' time beyond the
+    curve (`_waits_in_steps`) less the median of those that reached an idle engine, less the
+    half step the rest of the one in progress is on average. None (0) where either median
+    has fewer than `MIN_JOIN_TURNS` turns."""
+    groups: dict[bool, dict[bool, list[float]]] = {False: {False: [], True: []},
+                                                   True: {False: [], True: []}}
+    for run in runs:
+        tier = tier_tokens(run, created) > 0
+        for decoding, waits in _waits_in_steps(run, costs).items():
+            groups[tier][decoding].extend(waits)
+
+    def steps(group: dict[bool, list[float]]) -> float:
+        if min(len(group[False]), len(group[True])) < MIN_JOIN_TURNS:
+            return 0.0
+        return max(0.0, median(group[True]) - median(group[False]) - 0.5)
+
+    return steps(groups[False]), steps(groups[True])
+
+
 def fit_transfer(runs: Iterable[Mapping[str, Any]], step_ms: float) -> float | None:
     """Tokens per ms moved from the prefill to the decode engine, or None without P/D turns."""
     tokens = ms = 0.0
@@ -246,10 +304,12 @@ def calibrate(result: Mapping[str, Any], modes: Sequence[str] | None = None,
     config = sized[0].get("config", {}) if sized else {}
     kv_bytes = int(config["kv_cache_bytes"] / capacity) if config.get("kv_cache_bytes") \
         else 0
-    return ServiceCosts(name, fixed, per_token, per_kctx, d0, d1, rate, rate, capacity,
-                        block_size(result["runs"]), kv_bytes, routing_overhead_ms=overheads,
-                        source=f"turnkv bench {result.get('workload', {}).get('name')} on "
-                               f"{result.get('model')}, {result.get('created', '?')}")
+    costs = ServiceCosts(name, fixed, per_token, per_kctx, d0, d1, rate, rate, capacity,
+                         block_size(result["runs"]), kv_bytes, routing_overhead_ms=overheads,
+                         source=f"turnkv bench {result.get('workload', {}).get('name')} on "
+                                f"{result.get('model')}, {result.get('created', '?')}")
+    plain, tier = fit_join_wait(runs, costs, result.get("created", "~"))
+    return replace(costs, join_wait_steps=plain, tier_join_wait_steps=tier)
 
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:

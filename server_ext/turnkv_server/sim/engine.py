@@ -7,7 +7,8 @@ a decode step and the prefill's time per chunk (a prefill's cost, calibrated, al
 the decode work that shares its steps). A turn that decodes n tokens finishes when the clock
 has advanced n steps from its start; only the next finish is scheduled, and rescheduled when
 the batch or the step changes. A prompt that reaches an engine while it decodes joins the
-next step: it waits for the one in progress to end (`steps_to_join_ms`).
+next step: it waits for the one in progress to end, and the fitted steps beyond
+(`steps_to_join_ms`).
 """
 
 from __future__ import annotations
@@ -105,11 +106,15 @@ class SimEngine:
         progress. vLLM schedules the next step once a step's forward pass returns, and on
         CPU that pass runs in the scheduler's own thread (`UniProcExecutor.collective_rpc`
         calls it inline), so no step is scheduled ahead of the one running; a GPU's
-        asynchronous scheduling would add one (not modelled)."""
+        asynchronous scheduling would add one (not modelled). The bench's engines took more
+        than that (the decoding turns' outputs and, with a host tier, their blocks' copies to
+        it share the engine's core): the fitted steps beyond (`ServiceCosts.join_wait`) are
+        added."""
         if not self._decoding:
             return 0.0
         self._advance()
-        return (math.ceil(self._steps - 1e-9) - self._steps) * self.step_ms()
+        rest = math.ceil(self._steps - 1e-9) - self._steps
+        return (rest + self.costs.join_wait(self.tier is not None)) * self.step_ms()
 
     def step_ms(self) -> float:
         step = self.costs.decode_step_ms(len(self._decoding))

@@ -11,7 +11,11 @@ results (`calibration`) or derived from published figures (`gpu_profiles`).
   sequence's KV);
 - transfer and tier reads: tokens of KV per ms;
 - a routing's own work per turn (`routing_overhead_ms`: the router's and the connector's, on
-  top of what the engines compute), added to each of its turns' time to the first token.
+  top of what the engines compute), added to each of its turns' time to the first token;
+- a prompt reaching an engine that decodes other turns: the rest of the step in progress
+  (`SimEngine.steps_to_join_ms`), and `join_wait_steps` more decode steps (on an engine with a
+  host tier `tier_join_wait_steps`): what such prompts took on the bench's engines beyond
+  that, fitted (`calibration.fit_join_wait`), not modelled step by step.
 
 The planner's own cost model (`router.costs.CostModel`) starts from `planner_priors()` and
 learns per engine from the simulated turns as the router does from real ones.
@@ -56,6 +60,10 @@ class ServiceCosts:
     # Per routing (`affinity`, `standard`, `turnkv`), ms a turn spends in the routing's own
     # work beyond what its engines compute; a routing not named spends none.
     routing_overhead_ms: Mapping[str, float] = field(default_factory=dict)
+    # Decode steps a prompt reaching an engine that decodes other turns waits beyond the rest
+    # of the step in progress, on an engine without a host tier and on one with one.
+    join_wait_steps: float = 0.0
+    tier_join_wait_steps: float = 0.0
 
     def prefill_ms(self, computed: int, context: int) -> float:
         """Computing the last `computed` tokens of a `context`-token prompt."""
@@ -72,6 +80,10 @@ class ServiceCosts:
 
     def tier_read_ms(self, tokens: int) -> float:
         return tokens / self.tier_tokens_per_ms if tokens > 0 else 0.0
+
+    def join_wait(self, tier: bool) -> float:
+        """`join_wait_steps` for an engine with a host tier (`tier`) or without."""
+        return self.tier_join_wait_steps if tier else self.join_wait_steps
 
     def turn_overhead_ms(self, routing: str) -> float:
         return self.routing_overhead_ms.get(routing, 0.0)

@@ -10,24 +10,18 @@ from dataclasses import replace
 from statistics import median
 from typing import Any
 
-from turnkv_server.bench.cli import VLLM_CPU_BLOCK_TOKENS
-from turnkv_server.mode_names import has_host_tier
 from turnkv_server.sim.bench_modes import BENCH_ROUTINGS
+from turnkv_server.sim.bench_tiers import tier_tokens
 from turnkv_server.sim.bench_workloads import bench_homes, preset_prefix, replay_records
 from turnkv_server.sim.calibration import calibrate
 from turnkv_server.sim.fleet import Fleet, FleetSpec
 from turnkv_server.sim.service_costs import ServiceCosts
 from turnkv_server.sim.summary import summarize
 
-# The bench's modes as simulated routings (`bench_modes`), on two engines; whether a mode has a
-# host tier below each engine's cache is the bench's own table's (`mode_names.has_host_tier`).
+# The bench's modes as simulated routings (`bench_modes`), on two engines; the host tier below
+# each engine's cache the run's (`bench_tiers`).
 ROUTINGS = BENCH_ROUTINGS
 ENGINES = 2
-# Modes that gained their host tier after results were first made with them, and when (UTC, as
-# a result's `created` reads), for runs that do not record their own (`host_tier_blocks` in
-# their `config`): before that, a run's `config` named the bench's tier size for every mode,
-# not whether its mode had one.
-TIER_SINCE = {"turnkv": "2026-12-03T18:52:30"}
 
 
 def _bench_figures(result: Mapping[str, Any], mode: str) -> dict[str, float | None]:
@@ -38,25 +32,6 @@ def _bench_figures(result: Mapping[str, Any], mode: str) -> dict[str, float | No
             if s.get("recompute_fraction") is not None]
     return {"ttft_later_p50_ms": median(later) if later else None,
             "hit_rate": median(hits) if hits else None, "runs": len(summaries)}
-
-
-def tier_tokens(run: Mapping[str, Any], created: str = "~") -> int:
-    """Tokens of one engine's host tier in the bench run (0: it had none): the blocks its
-    cluster had (`host_tier_blocks`), where the run does not record that the bench's tier
-    (`tier_host_blocks`, as many as `bound`'s cache holds) if its mode has one, or where an
-    older result does not say, `bound`'s cache at the run's bytes per token. `created`: the
-    result's (default: made after every change of `TIER_SINCE`)."""
-    config = run.get("config", {})
-    block = int(config.get("block_size") or VLLM_CPU_BLOCK_TOKENS)
-    if "host_tier_blocks" in config:
-        return int(config["host_tier_blocks"] or 0) * block
-    if not has_host_tier(run["mode"]) or created < TIER_SINCE.get(run["mode"], ""):
-        return 0
-    if config.get("tier_host_blocks"):
-        return int(config["tier_host_blocks"]) * block
-    per_token = (config.get("kv_cache_bytes") or 0) / max(1, run.get("kv_cache_tokens") or 1)
-    size = config.get("bound_kv_cache_bytes")
-    return int(size / per_token) if size and per_token else 0
 
 
 def simulate_run(run: Mapping[str, Any], costs: ServiceCosts, concurrency: int | None,
