@@ -9,8 +9,9 @@ import pytest
 
 from turnkv_server.sim.bench_workloads import bench_homes, replay_records
 from turnkv_server.sim.fleet import Fleet, FleetSpec
+from turnkv_server.sim.report import validation_table
 from turnkv_server.sim.service_costs import ServiceCosts
-from turnkv_server.sim.validation import simulate_run
+from turnkv_server.sim.validation import bench_figures, simulate_run
 
 _COSTS = ServiceCosts("test", 50.0, 1.0, 0.0, 40.0, 5.0, 50.0, 50.0, 4096, 16, 100)
 
@@ -76,3 +77,16 @@ def test_a_runs_recorded_host_tier_decides_its_replays_tier(
     if host_tier != "absent":
         run["config"]["host_tier_blocks"] = host_tier
     assert simulate_run(run, _COSTS, None, created=created)["tier_tokens"] == tier
+
+
+def test_the_table_sets_the_bench_runs_range_beside_their_median() -> None:
+    # Three affinity runs of the bench, later TTFT p50 900, 1,000 and 1,500 ms: the median
+    # 1,000 is the row's; the range 900-1,500 says how far the bench's own repeats differ.
+    summaries = [{"mode": "affinity", "status": {"state": "ok"}, "recompute_fraction": 0.25,
+                  "ttft_ms_later": {"p50": p50}} for p50 in (1500.0, 900.0, 1000.0)]
+    bench = bench_figures({"summaries": summaries}, "affinity")
+    assert (bench["ttft_later_p50_ms"], bench["ttft_later_p50_range_ms"]) == (1000, (900, 1500))
+    row = {"workload": "agent", "mode": "affinity", "source": "r.json", "bench": bench,
+           "sim": {"ttft_later_p50_ms": 1100.0, "hit_rate": 0.75},
+           "error": {"ttft_later_p50_ms": 0.1, "hit_rate": 0.0}}
+    assert "| 1,000 | 900-1,500 | 1,100 | +10.0% |" in validation_table([row])

@@ -41,17 +41,21 @@ def summary_table(summaries: Sequence[Mapping[str, Any]]) -> str:
 
 
 def validation_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    lines = ["| workload | mode | bench run | bench TTFT later p50 ms | sim | error "
-             "| bench hit rate | sim | error |", "|" + "---|" * 9]
+    lines = ["| workload | mode | bench run | bench TTFT later p50 ms | its runs | sim | error "
+             "| bench hit rate | sim | error |", "|" + "---|" * 10]
     for r in rows:
         b, s, e = r["bench"], r["sim"], r["error"]
         if s is None:
             lines.append(f"| {r['workload']} | {r['mode']} | {r['source']} | no bench data "
-                         f"| | | | | |")
+                         f"| | | | | | |")
             continue
+        spread = b.get("ttft_later_p50_range_ms")
+        runs = f"{_ms(spread[0])}-{_ms(spread[1])}" if spread else "-"
         lines.append(
             f"| {r['workload']} | {r['mode']} | {r['source']} "
-            f"| {_ms(b['ttft_later_p50_ms'])} | {_ms(s['ttft_later_p50_ms'])} "
+            f"| {_ms(b['ttft_later_p50_ms'])} "
+            f"| {runs} "
+            f"| {_ms(s['ttft_later_p50_ms'])} "
             f"| {_signed(e['ttft_later_p50_ms'])} | {_pct(b['hit_rate'])} "
             f"| {_pct(s['hit_rate'])} | {_signed(e['hit_rate'])} |")
     return "\n".join(lines) + "\n"

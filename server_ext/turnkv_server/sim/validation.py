@@ -24,13 +24,16 @@ ROUTINGS = BENCH_ROUTINGS
 ENGINES = 2
 
 
-def _bench_figures(result: Mapping[str, Any], mode: str) -> dict[str, float | None]:
+def bench_figures(result: Mapping[str, Any], mode: str) -> dict[str, Any]:
+    """The bench's figures for `mode`: the medians over its finished runs, the later TTFT's
+    range over them, and how many there were."""
     summaries = [s for s in result["summaries"] if s["mode"] == mode
                  and s["status"]["state"] == "ok"]
     later = [s["ttft_ms_later"]["p50"] for s in summaries if s["ttft_ms_later"]["p50"]]
     hits = [1 - s["recompute_fraction"] for s in summaries
             if s.get("recompute_fraction") is not None]
     return {"ttft_later_p50_ms": median(later) if later else None,
+            "ttft_later_p50_range_ms": (min(later), max(later)) if later else None,
             "hit_rate": median(hits) if hits else None, "runs": len(summaries)}
 
 
@@ -50,8 +53,9 @@ def simulate_run(run: Mapping[str, Any], costs: ServiceCosts, concurrency: int |
 
 
 def validate(result: Mapping[str, Any], modes: Sequence[str]) -> list[dict[str, Any]]:
-    """One row per mode: the bench's figures (median over its runs), the simulator's (median
-    over the same runs replayed) and the relative error of each."""
+    """One row per mode: the bench's figures (median over its runs; the later TTFT's range
+    over them too, to read an error against how much the bench's own repeats differ), the
+    simulator's (median over the same runs replayed) and the relative error of each."""
     costs = calibrate(result)
     concurrency = result.get("workload", {}).get("concurrency")
     prefix = preset_prefix(result.get("workload", {}).get("name", ""))
@@ -59,7 +63,7 @@ def validate(result: Mapping[str, Any], modes: Sequence[str]) -> list[dict[str, 
     for mode in modes:
         runs = [r for r in result["runs"] if r["mode"] == mode
                 and r.get("status", {}).get("state") == "ok"]
-        bench = _bench_figures(result, mode)
+        bench = bench_figures(result, mode)
         if not runs or mode not in ROUTINGS:
             rows.append({"mode": mode, "bench": bench, "sim": None, "error": None})
             continue
@@ -69,6 +73,6 @@ def validate(result: Mapping[str, Any], modes: Sequence[str]) -> list[dict[str, 
                "hit_rate": median(s["hit_rate"] or 0 for s in sims)}
         row: dict[str, Any] = {"mode": mode, "bench": bench, "sim": sim}
         rows.append({**row, "error": {
-            k: None if not bench[k] else round(sim[k] / bench[k] - 1, 4)  # type: ignore[operator]
+            k: None if not bench[k] else round(sim[k] / bench[k] - 1, 4)
             for k in ("ttft_later_p50_ms", "hit_rate")}})
     return rows
