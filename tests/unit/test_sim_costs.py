@@ -141,6 +141,21 @@ def test_hits_that_are_all_multiples_of_two_blocks_do_not_double_the_block() -> 
     assert calibrate(result).block_size == 128
 
 
+def test_kv_a_mode_the_simulator_does_not_replay_moved_does_not_set_the_block() -> None:
+    # The affinity run's hits are whole 128-token blocks; a `bidirectional` run's
+    # `prefill_reused` is the KV it moved, the whole prompt (500, 1,200, ... tokens): the
+    # block stays 128, not gcd(128, 500) = 4 (below 8, the default 16).
+    result = _result()
+    affinity = result["runs"][0]  # type: ignore[index]
+    for i, record in enumerate(affinity["records"]):
+        record["prefill_cached"] = 128 * (i + 1)
+    moved = {**affinity, "mode": "bidirectional",
+             "records": [{**r, "prefill_cached": None, "prefill_reused": r["prompt_tokens"]}
+                         for r in affinity["records"]]}
+    result["runs"] = [affinity, moved]
+    assert calibrate(result).block_size == 128
+
+
 def test_a_modes_own_work_per_turn_is_fitted_as_its_routings_overhead() -> None:
     # The same turns, alone on their engine, under two modes: turnkv's each 40 ms slower than
     # affinity's. The prefill curve is affinity's; the 40 ms is turnkv's overhead.
