@@ -152,6 +152,8 @@ async def measure(args: argparse.Namespace, urls: list[str]) -> None:
     bodies = [turn_body(i, args.stream) for i in range(args.turns)]
     await run_turns(driver, warm, check=True)
     _, answer = await driver.post("/v1/chat/completions", bodies[0])
+    if not args.stream:  # what the planner decided for a measured turn
+        print("a turn's placement:", orjson.loads(answer)["turnkv"]["placement"])
     profiler = cProfile.Profile() if args.profile else None
     cpu, wall = time.process_time(), time.perf_counter()
     if profiler is not None:
