@@ -137,11 +137,12 @@ def _prompt_tokens(plan: TurnPlan, prefill: PrefillResult | None,
                           prefill_reused=prefill.cached_tokens, prefill_computed=computed)
 
 
-def finish(turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats, completion_tokens: int,
+def finish(turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats, counted_tokens: int,
            first_token_ms: float | None, usage: dict[str, Any] | None,
            reply: dict[str, Any] | None, metrics: Any = None) -> None:
-    """The rest, once the decode engine's answer is whole: its usage, its per-request
-    `metrics` and, non-streamed, its `kv_transfer_params` (`reply`)."""
+    """The rest, once the decode engine's answer is whole: its usage (its completion tokens,
+    else the `counted_tokens` a stream brought: a whole answer's count is its usage's alone),
+    its per-request `metrics` and, non-streamed, its `kv_transfer_params` (`reply`)."""
     tokens = stats.prompt_tokens
     if plan.alone is not None and plan.alone.prompt_token_ids is None and usage:
         # The router did not tokenize the prompt (affinity): the engine's usage counts it.
@@ -176,7 +177,7 @@ def finish(turn: Turn, plan: TurnPlan, stats: p.RouterTurnStats, completion_toke
             stats.fallback = "transfer_failed"
             stats.fallback_detail = ("the prefill engine's KV did not arrive; the decode engine "
                                      "recomputed it")
-    stats.completion_tokens = completion_tokens
+    stats.completion_tokens = int((usage or {}).get("completion_tokens") or 0) or counted_tokens
     stats.times.first_token_ms = first_token_ms
     stats.times.total_ms = (time.perf_counter() - turn.accepted_at) * 1000
 

@@ -86,7 +86,7 @@ class Turns:
                                                              home)
             prefix_id = tag.prefix_id
         turn = Turn(path=api.path, body=body, tag=tag, session=session,
-                    want_token_ids=api.wants_token_ids(body), stream=api.stream(body),
+                    want_token_ids=api.wants_token_ids(body), stream=bool(body.get("stream")),
                     prefix_id=prefix_id, api=api,
                     session_source=source if session is not None else None,
                     inferred_ticket=inferred_ticket)
@@ -246,13 +246,14 @@ class Turns:
             decode.close()
         answer = api_of(turn).read_whole(data)
         turn.output_token_ids = answer.output_token_ids
-        stats.finish(turn, decode.plan, turn_stats, answer.completion_tokens, None,
-                     answer.usage, answer.reply, answer.metrics)
+        stats.finish(turn, decode.plan, turn_stats, 0, None, answer.usage, answer.reply,
+                     answer.metrics)
         decode.complete(answer.reply, turn_stats)
         await self._remember(turn, decode.plan, turn_stats,
                              api_of(turn).reply(data) if self._infers(turn) else None)
         api_of(turn).write_whole(data, turn, decode.plan, turn_stats)
-        await api_of(turn).answered(data)
+        if api_of(turn).keeps_answers:
+            await api_of(turn).answered(data)
         return Response(orjson.dumps(data), media_type="application/json",
                         headers=stats.headers(turn_stats))
 
@@ -267,14 +268,14 @@ class Turns:
                     first_token_ms = (time.perf_counter() - turn.accepted_at) * 1000
                 if seen.last and decode.state == "open":
                     answer = relay.answer
-                    stats.finish(turn, decode.plan, turn_stats,
-                                 answer.completion_tokens or len(turn.output_token_ids),
+                    stats.finish(turn, decode.plan, turn_stats, len(turn.output_token_ids),
                                  first_token_ms, answer.usage, answer.reply, answer.metrics)
                     decode.complete(answer.reply, turn_stats)
                     await self._remember(turn, decode.plan, turn_stats, relay.message)
                     written = relay.write(turn_stats)
                     # Kept before the client has it all: its next request may follow at once.
-                    await api_of(turn).answered(relay.whole)
+                    if api_of(turn).keeps_answers:
+                        await api_of(turn).answered(relay.whole)
                     for out in written:
                         yield out
                     continue

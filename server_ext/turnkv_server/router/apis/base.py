@@ -14,8 +14,9 @@ only how a request is read and written:
   turn's stats back, whole or streamed (`Relay`, one streamed answer event by event);
 - the shape of its errors (`router.errors`).
 
-`Api` instances may carry one turn's own context (the Responses API's state): `answered` is
-called with the client's whole answer once the turn is served.
+`Api` instances may carry one turn's own context (the Responses API's state): where an API
+keeps what it answered (`keeps_answers`), `answered` is called with the client's whole answer
+once the turn is served.
 """
 
 from __future__ import annotations
@@ -52,10 +53,6 @@ class Answer:
     reply: dict[str, Any] | None = None
     # vLLM's per-request timing.
     metrics: Any = None
-
-    @property
-    def completion_tokens(self) -> int:
-        return int((self.usage or {}).get("completion_tokens") or 0)
 
 
 @dataclass(frozen=True)
@@ -143,9 +140,9 @@ class Api(ABC):
     # Whether the engines report a turn's prompt and output token IDs on this route: without
     # them the session keeps no token history (the modes plan as they do for `affinity`).
     gives_token_ids: bool = True
-
-    def stream(self, body: dict[str, Any]) -> bool:
-        return bool(body.get("stream"))
+    # Whether the API keeps the answers it gave (the Responses API's state): only then does
+    # the pipeline tell it a turn was answered (`answered`).
+    keeps_answers: bool = False
 
     def wants_token_ids(self, body: dict[str, Any]) -> bool:
         """The client itself asked for token IDs (the router otherwise strips them)."""
@@ -197,7 +194,8 @@ class Api(ABC):
         return RelayedReply.of_response(data)
 
     async def answered(self, whole: dict[str, Any] | None) -> None:
-        """The turn was served: `whole` is the client's whole answer where there is one."""
+        """The turn was served: `whole` is the client's whole answer where there is one (called
+        where the API `keeps_answers`)."""
         return None
 
     def rejected(self, status: int, content: bytes) -> Response:

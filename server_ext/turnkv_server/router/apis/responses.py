@@ -50,6 +50,7 @@ class ResponsesApi(Api):
     (`previous_response_id`)."""
 
     path = "/v1/responses"
+    keeps_answers = True
 
     def __init__(self, response_id: str, echo: dict[str, Any], wants_messages: bool,
                  keeper: Keeper | None = None) -> None:
