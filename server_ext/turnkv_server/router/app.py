@@ -110,7 +110,7 @@ class Router:
         them) and makes the request one turn of its API after. Errors come in the API's
         shape."""
         headers = Headers.of_raw(request.headers.raw)
-        tenant = self.tenants.tenant_of(headers, api.key_header)
+        tenant = self.tenants.sole_tenant or self.tenants.tenant_of(headers, api.key_header)
         if tenant is None:
             return api.error_response(401, "missing or unknown API key")
         try:
@@ -133,7 +133,8 @@ class Router:
                                              keys.retention_ttl)
             tag, ticket = found if found is not None else (None, None)
             source = "inferred" if tag is not None else None
-        tag = self.tenants.capped_tag(tenant, tag)
+        if self.tenants.caps_hints:
+            tag = self.tenants.capped_tag(tenant, tag)
         prepared = (Prepared(api, body, tag, keys.prefix_id) if resolved is None
                     else resolved.prepare(body, tag, keys.prefix_id))
         body = prepared.body

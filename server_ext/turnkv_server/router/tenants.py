@@ -58,6 +58,10 @@ class TenantCaps:
         return hints.model_copy(update=changes) if changes else hints
 
 
+# Caps that change no hint a client may send (`CacheHints` allows no more).
+UNCAPPED = TenantCaps(MAX_PRIORITY, 0.0)
+
+
 def default_max_priority(keyed: bool) -> int:
     """The priority cap of a tenant the operator set none for: 0 where API keys make several
     tenants (none above another; clients may still lower theirs), none without keys (one
@@ -103,6 +107,12 @@ class Tenants:
         self._admin_key = admin_key
         default = TenantCaps(default_max_priority(bool(self._keys)))
         self._caps_for = caps_for or (lambda tenant: default)
+        # What a request needs of this class, known once: without keys there is one tenant,
+        # which nothing authenticates or salts, and whose hints only the operator's caps
+        # change; the app reads the tenant per request only where either is in play.
+        self.enforced = bool(self._keys)
+        self.sole_tenant = None if self.enforced else DEFAULT_TENANT
+        self.caps_hints = self.enforced or self._caps_for(DEFAULT_TENANT) != UNCAPPED
         # Each tenant's caps, as `caps_for` made them on its first hint (they never change).
         self._caps: dict[str, TenantCaps] = {}
         # Salts are not derivable from tenant names by a client. Per process, unless routers
@@ -113,10 +123,6 @@ class Tenants:
         """Salt with `secret`, which every router of a deployment shares: a tenant's cached
         prefixes then match whichever router serves it."""
         self._secret = secret
-
-    @property
-    def enforced(self) -> bool:
-        return bool(self._keys)
 
     def tenant_for(self, authorization: str | None) -> str | None:
         """The tenant of a request, or None when keys are enforced and this one is unknown."""
