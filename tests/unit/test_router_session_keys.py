@@ -68,6 +68,42 @@ def test_each_key_names_the_session_in_the_documented_order() -> None:
     assert keys({}, {}) == (None, None)
 
 
+# Each peer's field as a request's only one (beside turnkv's own tag, for those that name no
+# session), and what it makes of the request's keys.
+ALONE: list[tuple[dict[str, Any], dict[str, str], tuple[str | None, str | None]]] = [
+    ({"session_id": "b"}, {}, ("b", "vllm")),
+    ({}, {"X-Session-ID": "h"}, ("h", "vllm")),
+    ({"vllm_xargs": {"session_id": "x"}}, {}, ("x", "vllm")),
+    ({"conversation_id": "c"}, {}, ("c", "vllm")),
+    ({}, {"x-claude-code-session-id": "cc"}, ("cc", "agent")),
+    ({}, {"session_id": "cx"}, ("cx", "agent")),
+    ({}, {"Session-Id": "cx2"}, ("cx2", "agent")),
+    ({"nvext": {"session_control": {"session_id": "d"}}}, {}, ("d", "dynamo")),
+    ({}, {"X-Dynamo-Session-ID": "dh"}, ("dh", "dynamo")),
+    ({"prompt_cache_key": "k"}, CODEX, ("k", "prompt_cache_key")),
+]
+
+
+@pytest.mark.parametrize(("body", "headers", "named"), ALONE)
+def test_each_peer_key_alone_is_read(body: dict[str, Any], headers: dict[str, str],
+                                     named: tuple[str | None, str | None]) -> None:
+    """Peers' fields are read only where a request carries one: each is one of them."""
+    assert keys(body, headers) == named
+
+
+def test_each_peer_hint_alone_is_read() -> None:
+    tag = {"turnkv": {"session_id": "s"}}
+    found = read_keys({**tag, "prompt_cache_retention": "24h"}, {}, "t")
+    assert found.tag is not None and found.tag.hints.ttl == MAX_TTL_SECONDS
+    found = read_keys({**tag, "nvext": {"agent_hints": {"priority": 3}}}, {}, "t")
+    assert found.tag is not None and found.tag.hints.priority == 3
+    found = read_keys(dict(tag), {"X-Dynamo-Session-ID": "s", "X-Dynamo-Session-Final": "1"},
+                      "t")
+    assert found.tag is not None and found.tag.hints.final
+    sessionless = read_keys({"prompt_cache_key": "k"}, {}, "t")
+    assert sessionless.tag is None and sessionless.prefix_id is not None
+
+
 def test_every_key_leaves_the_body_and_other_fields_stay() -> None:
     body = {"model": "m", "session_id": "a", "conversation_id": "b",
             "vllm_xargs": {"session_id": "c", "priority_boost": 1},

@@ -246,6 +246,14 @@ RETENTION_KEEP = "24h"
 RETENTION_DEFAULT = "in_memory"
 
 
+# Every field the readers above look for, in the body and among the headers (as `tags.Headers`
+# keeps the names): a request that carries none of them (most) has nothing here to read.
+BODY_FIELDS = frozenset({"nvext", "prompt_cache_key", "session_id", "vllm_xargs",
+                         "conversation_id", "prompt_cache_retention"})
+HEADER_FIELDS = frozenset({_DYNAMO_SESSION, _DYNAMO_FINAL, _VLLM_SESSION,
+                           HEADER_CLAUDE_CODE_SESSION, *HEADERS_CODEX_SESSION})
+
+
 @dataclass(frozen=True)
 class PeerSessions:
     """What a request's peers' fields name, each already a turnkv session ID."""

@@ -18,9 +18,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from turnkv import protocol as p
-from turnkv_server.router.peer_sessions import foreign_id, read_dialects, read_peer_sessions
+from turnkv_server.router.peer_sessions import (
+    BODY_FIELDS,
+    HEADER_FIELDS,
+    Dialects,
+    PeerSessions,
+    foreign_id,
+    read_dialects,
+    read_peer_sessions,
+)
 
 DEFAULT_TENANT = "default"
+# What a request without peers' fields names by them: nothing.
+NO_DIALECTS, NO_PEERS = Dialects(), PeerSessions()
 
 
 class BadRequest(Exception):
@@ -117,8 +127,11 @@ def read_keys(body: dict[str, Any], headers: Mapping[str, str],
             else:
                 merged[key] = value
     native = bool(merged)
-    dialects = read_dialects(body, headers, tenant)
-    peers = read_peer_sessions(body, headers)
+    # Peers' fields are read where the request carries one: most carry none. (Codex's
+    # `originator` and `User-Agent` alone name nothing: they say what its cache key is.)
+    peered = not (BODY_FIELDS.isdisjoint(body) and HEADER_FIELDS.isdisjoint(headers))
+    dialects = read_dialects(body, headers, tenant) if peered else NO_DIALECTS
+    peers = read_peer_sessions(body, headers) if peered else NO_PEERS
     source: p.SessionSource | None = "tag" if "session_id" in merged else None
     if source is None:
         # Codex sends its conversation ID as the key; anyone else's names a shared prefix.
@@ -131,7 +144,8 @@ def read_keys(body: dict[str, Any], headers: Mapping[str, str],
         source, session_id = next(((s, i) for s, i in named if i is not None), (None, None))
         if session_id is not None:
             merged["session_id"] = session_id
-    merged = dialects.under(merged)
+    if peered:
+        merged = dialects.under(merged)
     if not merged:
         return RequestKeys(None, None, dialects.prefix_id, retention_ttl=peers.retention_ttl)
     if peers.retention_ttl is not None and "session_id" in merged \
