@@ -150,7 +150,7 @@ class GoalNotMet(AssertionError):
 # passes through"). Strict, and for the goal's own assertions only: a turn that does not run,
 # or is not served whole, fails; the day the goal is met, this mark must go.
 @pytest.mark.xfail(strict=True, raises=GoalNotMet, reason="a default turn enters more than "
-                   "eight router files, one of them from two files")
+                   "eight router files")
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_default_turn_reads_in_at_most_eight_router_files_each_entered_once(
         stream: bool) -> None:

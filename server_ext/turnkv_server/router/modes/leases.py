@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,12 +119,17 @@ class Prefetches:
         self._pending: dict[SessionKey, _Prefetch] = {}
 
     def schedule(self, key: SessionKey, engines: list[Engine], turn: Turn,
-                 lease: dict[str, Any], pause_s: float | None) -> None:
-        """After `turn`: prefetch its history on `engines` `LEAD_S` before `pause_s` (its
-        `next_turn_in`) is over, under `lease`; nothing without a long enough pause."""
+                 lease: dict[str, Any], pause_s: float | None,
+                 pays: Callable[[Engine], bool] | None = None) -> None:
+        """After `turn`: prefetch its history on `engines` (those where it `pays`, asked only
+        when a prefetch is due) `LEAD_S` before `pause_s` (its `next_turn_in`) is over, under
+        `lease`; nothing without a long enough pause."""
         self.cancel(key)
-        if pause_s is not None and pause_s >= MIN_PAUSE_S and engines and turn.output_token_ids:
-            self._start(key, _Prefetch(list(engines), turn, lease), pause_s)
+        if pause_s is None or pause_s < MIN_PAUSE_S or not turn.output_token_ids:
+            return
+        engines = [e for e in engines if pays is None or pays(e)]
+        if engines:
+            self._start(key, _Prefetch(engines, turn, lease), pause_s)
 
     def rescheduled(self, key: SessionKey, pause_s: float | None,
                     lease: dict[str, Any]) -> None:

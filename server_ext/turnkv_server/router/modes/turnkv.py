@@ -266,9 +266,9 @@ class PdTurnkv(Mode):
             # session is back (the prefill engine's copy arrives with the push back, below).
             engines = [decode] if prefill is decode else [prefill, decode]
             self._prefetches.schedule(
-                turn.session.key, [e for e in engines if self._prefetch_pays(e)], turn,
+                turn.session.key, engines, turn,
                 prefetch_lease(turn.session, hints, self.ctx.session_policy),
-                hints.next_turn_in)
+                hints.next_turn_in, pays=self._prefetch_pays)
         if plan.alone is not None and plan.alone.held and end.stats is not None:
             computed = end.stats.prompt_tokens.decode_computed
             self._judge_short_delta(decode.name, plan.alone.new_tokens, computed)
