@@ -3,7 +3,9 @@ engines' name for the session, which life of it (its epoch: engines ignore reque
 released life) and the turn's hints (TTL, priority, expected return, `final`); and before a
 hinted return, the prefetch that makes the leased history resident again. Shared by the modes
 whose engines run the connector: `turnkv` (P/D pairs) and `affinity` with `--engine-leases`
-(aggregated engines).
+(aggregated engines). The `turnkv` mode's forms keep them through `LeasedMode`, which is all a
+turn served whole by one engine needs of the mode's machinery, and back off engines whose
+leases lost a held history (`Backoff`, which the P/D form also uses for failed push backs).
 
 The prefetch: a session that said it comes back in T seconds has its history
 made resident on its engines shortly before T, so that its turn finds the KV in their caches
@@ -37,7 +39,7 @@ from typing import Any
 from turnkv.protocol import CacheHints, PrefetchOutcome
 from turnkv_server.engine.protocol import KEY, Receive, Send, TurnParams
 from turnkv_server.engine.requests import one_token_request
-from turnkv_server.router.modes.base import Turn, tokenize
+from turnkv_server.router.modes.base import Mode, ModeContext, Turn, TurnPlan, tokenize
 from turnkv_server.router.modes.engine_orders import CONTROL_TIMEOUT_S, EngineOrders
 from turnkv_server.router.placement import Engine
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey
@@ -59,6 +61,10 @@ def engine_ttl(policy: LeasePolicy, hints: CacheHints) -> float | None:
     if hints.ttl is None and hints.next_turn_in is None:
         return None
     return policy.ttl(hints)
+
+
+def send_or_none(transfer_id: str | None) -> Send | None:
+    return Send(transfer_id) if transfer_id is not None else None
 
 
 def turn_hints(turn: Turn) -> CacheHints:
@@ -189,3 +195,73 @@ class Prefetches:
         if status is None or status >= 400:
             log.info("prefetch on %s failed (%s); the turn restores what it needs itself",
                      engine.name, status or "unreachable")
+
+
+# -- the modes that keep leases, and their backoffs --------------------------------------------
+
+class LeasedMode(Mode):
+    """A mode whose engines hold the sessions' leases (the `turnkv` mode, each of its forms):
+    every request of a turn carries the lease (`_params`), a turn waits for its session's
+    prefetch in flight (`begin`), and a hinted pause after it gets one (`_schedule_prefetch`).
+    A turn its home serves alone, with nothing sent, needs nothing else of the mode's
+    machinery."""
+
+    def __init__(self, ctx: ModeContext, orders: EngineOrders) -> None:
+        super().__init__(ctx)
+        # Push backs, releases, give-ups, renewals and prefetches run on after their turn.
+        self._orders = orders
+        self._prefetches = Prefetches(ctx.upstream, orders)
+
+    async def begin(self, turn: Turn) -> None:
+        if turn.session is not None:
+            turn.prefetch = await self._prefetches.before_turn(turn.session.key)
+
+    def _params(self, turn: Turn, send: Send | None = None,
+                receive: Receive | None = None) -> dict[str, Any]:
+        return lease_params(turn, self.ctx.session_policy, send, receive)
+
+    def _schedule_prefetch(self, turn: Turn, plan: TurnPlan) -> None:
+        """After a whole reply, a hinted pause ahead: the turn's engines make the history
+        resident shortly before the session is back (a prefill engine's copy arrives with
+        the push back)."""
+        hints = turn_hints(turn)
+        if turn.session is None or hints.final:
+            return
+        prefill, decode = plan.placement.prefill, plan.placement.decode
+        self._prefetches.schedule(
+            turn.session.key, [decode] if prefill is decode else [prefill, decode], turn,
+            prefetch_lease(turn.session, hints, self.ctx.session_policy), hints.next_turn_in,
+            pays=self._prefetch_pays)
+
+    def _prefetch_pays(self, engine: Engine) -> bool:
+        """Whether a prefetch on `engine` can pay: the P/D form does not count what its
+        engines hold, so always; the planner says where it does (`Turnkv`)."""
+        return True
+
+
+class Backoff:
+    """Per-engine backoffs: after a miss (a decode engine whose leases lost a held history, a
+    push back whose receive failed), an engine is avoided for a while, twice as long after
+    each further miss (up to a cap), and no longer once a try succeeds."""
+
+    def __init__(self, first_s: float, max_s: float, clock: Callable[[], float]) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self._clock = clock
+        # Engine name -> (until when it is avoided, the current backoff).
+        self._until: dict[str, tuple[float, float]] = {}
+
+    def active(self, engine: str) -> bool:
+        until, _ = self._until.get(engine, (0.0, 0.0))
+        return self._clock() < until
+
+    def record(self, engine: str, missed: bool) -> float | None:
+        """A try on `engine` missed (start or double its backoff: returns its length in
+        seconds) or succeeded (end it: None)."""
+        if not missed:
+            self._until.pop(engine, None)
+            return None
+        _, backoff = self._until.get(engine, (0.0, self.first_s / 2))
+        backoff = min(backoff * 2, self.max_s)
+        self._until[engine] = (self._clock() + backoff, backoff)
+        return backoff

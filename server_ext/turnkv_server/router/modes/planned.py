@@ -53,13 +53,8 @@ from turnkv_server.router.modes.base import (
     gives_token_ids,
     tokenize,
 )
-from turnkv_server.router.modes.leases import turn_hints
-from turnkv_server.router.modes.turnkv import (
-    HELD_TAIL_TOKENS,
-    PdTurnkv,
-    send_or_none,
-    transfer_id,
-)
+from turnkv_server.router.modes.leases import send_or_none, turn_hints
+from turnkv_server.router.modes.turnkv import HELD_TAIL_TOKENS, PdTurnkv, transfer_id
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.planner import (
     Choice,
@@ -179,7 +174,7 @@ class Turnkv(PdTurnkv):
 
     async def begin(self, turn: Turn) -> None:
         # Named here, as every hook the turn pipeline calls, so that a turn reads this class
-        # and what it calls, not its bases too: the wait for a prefetch is the P/D form's.
+        # and what it calls, not its bases too: the wait for a prefetch is the leases'.
         await super().begin(turn)
 
     async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
@@ -318,7 +313,10 @@ class Turnkv(PdTurnkv):
         decision = plan.decision
         if decision is not None and end.how == "complete" and end.stats is not None:
             self._observe(turn, plan, decision, end)
-        super().finish(turn, plan, end)
+        if plan.prefill_send or plan.decode_send or (plan.alone is not None and plan.alone.held):
+            super().finish(turn, plan, end)  # the P/D form: sends, push back, a held delta
+        elif end.how == "complete":  # the home alone, nothing sent: only the lease's prefetch
+            self._schedule_prefetch(turn, plan)
 
     def _observe(self, turn: Turn, plan: TurnPlan, decision: Decision, end: TurnEnd) -> None:
         stats = end.stats

@@ -15,10 +15,14 @@ form") tells the whole path; in short, per turn:
    them, hints between turns renew them (`hinted`).
 
 A send whose receiver will not come (a cut stream, an empty output, a refused request, an
-ended session) is given up at once (`TurnParams.abandon`). Misses back off (`Backoff`): a
-decode engine that lost a short delta's history skips short deltas, and a push back whose
-receive failed stops push backs to that engine, for a while. Everything reaches the engines as
-`kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`).
+ended session) is given up at once (`TurnParams.abandon`). Misses back off
+(`leases.Backoff`): a decode engine that lost a short delta's history skips short deltas, and
+a push back whose receive failed stops push backs to that engine, for a while. Everything
+reaches the engines as `kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`).
+
+What every turn of the mode needs of the leases (each request's lease params, the wait for a
+prefetch, the prefetch after a hinted turn) is `leases.LeasedMode`'s, which this form extends:
+a turn the planner's home serves alone, sending nothing, needs nothing of this module.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from turnkv.protocol import CacheHints, FallbackReason
@@ -40,7 +43,6 @@ from turnkv_server.engine.protocol import (
 from turnkv_server.engine.requests import one_token_request
 from turnkv_server.router.modes.base import (
     DecodeAlone,
-    Mode,
     ModeContext,
     Turn,
     TurnEnd,
@@ -51,11 +53,12 @@ from turnkv_server.router.modes.base import (
 from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
 from turnkv_server.router.modes.leases import (
-    Prefetches,
+    Backoff,
+    LeasedMode,
     engine_ttl,
     lease_key,
-    lease_params,
     prefetch_lease,
+    send_or_none,
     turn_hints,
 )
 from turnkv_server.router.placement import Engine, Placement
@@ -97,44 +100,14 @@ def lost_history(computed: int | None, delta: int) -> bool:
     return computed is not None and computed > delta + HELD_TAIL_TOKENS
 
 
-class Backoff:
-    """Per-engine backoffs: after a miss, an engine is avoided for a while, twice as long after
-    each further miss (up to a cap), and no longer once a try succeeds."""
-
-    def __init__(self, first_s: float, max_s: float, clock: Callable[[], float]) -> None:
-        self.first_s = first_s
-        self.max_s = max_s
-        self._clock = clock
-        # Engine name -> (until when it is avoided, the current backoff).
-        self._until: dict[str, tuple[float, float]] = {}
-
-    def active(self, engine: str) -> bool:
-        until, _ = self._until.get(engine, (0.0, 0.0))
-        return self._clock() < until
-
-    def record(self, engine: str, missed: bool) -> float | None:
-        """A try on `engine` missed (start or double its backoff: returns its length in
-        seconds) or succeeded (end it: None)."""
-        if not missed:
-            self._until.pop(engine, None)
-            return None
-        _, backoff = self._until.get(engine, (0.0, self.first_s / 2))
-        backoff = min(backoff * 2, self.max_s)
-        self._until[engine] = (self._clock() + backoff, backoff)
-        return backoff
-
-
-class PdTurnkv(Mode):
+class PdTurnkv(LeasedMode):
     """The P/D form (`--fixed-pools`), and the machinery the planner's form reuses."""
 
     affinity = True
     serves_without_prefill = True
 
     def __init__(self, ctx: ModeContext) -> None:
-        super().__init__(ctx)
-        # Push backs, releases, give-ups and renewals run on after their turn.
-        self._orders = EngineOrders(ctx, wait_before_renewal_s=PUSH_BACK_TIMEOUT_S)
-        self._prefetches = Prefetches(ctx.upstream, self._orders)
+        super().__init__(ctx, EngineOrders(ctx, wait_before_renewal_s=PUSH_BACK_TIMEOUT_S))
         # Decode engines whose turns skip short deltas; prefill engines turns keep nothing to
         # push back to.
         self._pressure = Backoff(PRESSURE_BACKOFF_S, PRESSURE_BACKOFF_MAX_S, ctx.clock)
@@ -146,11 +119,7 @@ class PdTurnkv(Mode):
             raise ValueError(f"turnkv mode needs the side channel (HOST:PORT) of every engine; "
                              f"missing: {', '.join(missing)}")
 
-    # -- before the turn ---------------------------------------------------------------------
-
-    async def begin(self, turn: Turn) -> None:
-        if turn.session is not None:
-            turn.prefetch = await self._prefetches.before_turn(turn.session.key)
+    # -- before the turn (`begin`, the wait for a prefetch, is `LeasedMode`'s) ----------------
 
     async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
         session = turn.session
@@ -237,10 +206,6 @@ class PdTurnkv(Mode):
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(task), PUSH_BACK_WAIT_S)
 
-    def _params(self, turn: Turn, send: Send | None = None,
-                receive: Receive | None = None) -> dict[str, Any]:
-        return lease_params(turn, self.ctx.session_policy, send, receive)
-
     # -- after it ----------------------------------------------------------------------------
 
     def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
@@ -260,15 +225,7 @@ class PdTurnkv(Mode):
                 # prefill engine's send (a request dropped before it reached the engine).
                 self._orders.abandon(prefill, model, plan.prefill_send)
             return
-        hints = turn_hints(turn)
-        if turn.session is not None and not hints.final:
-            # A hinted pause ahead: both engines make the history resident shortly before the
-            # session is back (the prefill engine's copy arrives with the push back, below).
-            engines = [decode] if prefill is decode else [prefill, decode]
-            self._prefetches.schedule(
-                turn.session.key, engines, turn,
-                prefetch_lease(turn.session, hints, self.ctx.session_policy),
-                hints.next_turn_in, pays=self._prefetch_pays)
+        self._schedule_prefetch(turn, plan)
         if plan.alone is not None and plan.alone.held and end.stats is not None:
             computed = end.stats.prompt_tokens.decode_computed
             self._judge_short_delta(decode.name, plan.alone.new_tokens, computed)
@@ -295,11 +252,6 @@ class PdTurnkv(Mode):
                                     cache_salt=turn.body.get("cache_salt"))
         turn.session.mode_state.push_back = self._orders.spawn(
             self._push_back(prefill, decode, request, plan.decode_send))
-
-    def _prefetch_pays(self, engine: Engine) -> bool:
-        """Whether a prefetch on `engine` can pay: the P/D form does not count what its
-        engines hold, so always; the planner says where it does (`Turnkv`)."""
-        return True
 
     def forget_session(self, session: Session) -> None:
         self._prefetches.cancel(session.key)
@@ -374,10 +326,6 @@ class PdTurnkv(Mode):
             if not landed:
                 self._orders.abandon(decode, request.get("model"), transfer_id)
 
-
-
-def send_or_none(transfer_id: str | None) -> Send | None:
-    return Send(transfer_id) if transfer_id is not None else None
 
 
 def transfer_id(turn: Turn, direction: str) -> str:
