@@ -3,20 +3,21 @@
 The turns are `scripts/router_latency.py`'s: 16 sessions, the same one-message prompt every
 turn, in the default `turnkv` mode, whose planner serves an idle home's turn whole (one engine
 request). The engines are two stand-ins (`tests/support/standin_chat.py`: token IDs, usage,
-`kv_transfer_params`; whole, or streamed as vLLM streams) served by aiohttp in a child
-process, so their CPU is never counted. Two ways to run the router:
+`kv_transfer_params`; whole, or streamed as vLLM streams) served by aiohttp where their CPU
+is not counted. Two ways to run the router:
 
 - as deployed (the default): `python -m turnkv_server.router` under uvicorn, driven over HTTP
-  by this process; measured is the router process's CPU time (its code, uvicorn, Starlette,
-  its aiohttp client, the event loop). Sample it meanwhile with `py-spy record --pid PID`
-  (the PID is printed).
+  by this process, the stand-ins in a thread of it (a third busy process would take the
+  router's core from it on a 2-core machine and inflate its figure); measured is the router
+  process's CPU time (its code, uvicorn, Starlette, its aiohttp client, the event loop).
+  Sample it meanwhile with `py-spy record --pid PID` (the PID is printed).
 - `--in-process`: the router's ASGI app (`create_app`) in this process, driven by a minimal
   ASGI driver (one scope, one body message, the answer's messages collected) instead of an
-  HTTP server; measured is this process's CPU time, which leaves uvicorn, the sockets and the
-  health probes out. The driver's own share is measured by driving a trivial app that answers
-  the same bytes, reported as the floor and not subtracted. `--profile FILE` runs the turns
-  under cProfile (slower: the figure printed is then the profiled one) and prints the top
-  functions.
+  HTTP server, the stand-ins in a child process; measured is this process's CPU time, which
+  leaves uvicorn, the sockets and the health probes out. The driver's own share is measured
+  by driving a trivial app that answers the same bytes, reported as the floor and not
+  subtracted. `--profile FILE` runs the turns under cProfile (slower: the figure printed is
+  then the profiled one) and prints the top functions.
 
 The difference of the two is what uvicorn and the sockets cost. Everything runs on one shared
 machine: compare interleaved runs, not absolute figures.
@@ -36,8 +37,9 @@ import pstats
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -63,8 +65,8 @@ Asgi = Any  # an ASGI application
 Post = Callable[[bytes], Awaitable[tuple[int, bytes]]]
 
 
-def serve_engines(count: int, pipe: Connection) -> None:
-    """The child process: `count` stand-in engines; their URLs go back through `pipe`."""
+async def serve_standins(count: int) -> list[str]:
+    """`count` stand-in engines on the running event loop; their URLs."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         return await answer_chat(request, orjson.loads(await request.read()))
@@ -72,21 +74,36 @@ def serve_engines(count: int, pipe: Connection) -> None:
     async def health(_: web.Request) -> web.StreamResponse:
         return web.json_response({})
 
+    urls = []
+    for _ in range(count):
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    return urls
+
+
+def serve_engines(count: int, pipe: Connection) -> None:
+    """A child process's life: `count` stand-in engines; their URLs go back through `pipe`."""
+
     async def serve() -> None:
-        urls = []
-        for _ in range(count):
-            app = web.Application()
-            app.router.add_get("/health", health)
-            app.router.add_post("/v1/chat/completions", chat)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
-        pipe.send(urls)
+        pipe.send(await serve_standins(count))
         await asyncio.Event().wait()
 
     asyncio.run(serve())
+
+
+def engines_in_a_thread(count: int) -> list[str]:
+    """`count` stand-in engines on an event loop of their own in a daemon thread of this
+    process."""
+    loop = asyncio.new_event_loop()
+    urls = loop.run_until_complete(serve_standins(count))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return urls
 
 
 def turn_body(i: int, stream: bool) -> bytes:
@@ -246,21 +263,29 @@ def main() -> None:
     args = parser.parse_args()
     if args.profile and not args.in_process:
         parser.error("--profile needs --in-process (sample the deployed router with py-spy)")
-    measure = measure_in_process if args.in_process else measure_deployed
+    if not args.in_process:
+        # Only the router process's CPU is counted: the stand-ins share this process, so the
+        # machine runs two busy processes, as the router and its engines' clients would.
+        run(measure_deployed(args, engines_in_a_thread(2)))
+        return
+    # In process this process's CPU is the router's: the stand-ins go to a child process.
     ours, theirs = multiprocessing.Pipe()
     engines = multiprocessing.get_context("spawn").Process(
         target=serve_engines, args=(2, theirs), daemon=True)
     engines.start()
     try:
-        urls = ours.recv()
-        try:
-            import uvloop
-            uvloop.run(measure(args, urls))
-        except ImportError:
-            asyncio.run(measure(args, urls))
+        run(measure_in_process(args, ours.recv()))
     finally:
         engines.terminate()
         engines.join()
+
+
+def run(measurement: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+        uvloop.run(measurement)
+    except ImportError:
+        asyncio.run(measurement)
 
 
 if __name__ == "__main__":
