@@ -19,8 +19,7 @@ It checks and measures:
     python scripts/gpu_check.py --device cpu --quick            # the same, in host memory
 
 Needs torch, NIXL (the wheel for the machine's CUDA), pyzmq and msgspec; nothing of vLLM.
-Layer-by-layer writes are not exercised: on a GPU the connector sends a request's KV in one
-write when it ends (`connector/worker_side.py` says why).
+Layer-by-layer writes, gated by CUDA events, are `scripts/gpu_layer_writes.py`'s.
 """
 
 from __future__ import annotations
@@ -181,10 +180,13 @@ def serve_sender(conn: Any, shape: Shape, layout: str, device: str) -> None:
 
 
 class RemoteSender:
-    def __init__(self, shape: Shape, layout: str, device: str) -> None:
+    """A sending engine in a process of its own, run by `serve` (`serve_sender`'s commands)."""
+
+    def __init__(self, shape: Shape, layout: str, device: str,
+                 serve: Callable[..., None] = serve_sender) -> None:
         context = mp.get_context("spawn")
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=serve_sender, args=(child, shape, layout, device),
+        self.process = context.Process(target=serve, args=(child, shape, layout, device),
                                        daemon=True)
         self.process.start()
         self.address: str = self.conn.recv()

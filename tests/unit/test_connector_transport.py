@@ -150,6 +150,39 @@ def test_layers_written_during_the_request_are_not_written_again(
     assert untouched(receiver, but=(7, 1, 5))
 
 
+class KernelStillRunning:
+    """A GPU layer's event: its kernel writes the layer's bytes when it completes, so a write
+    posted before `synchronize` returned would carry the old bytes."""
+
+    def __init__(self, engine: Engine, layer: int, block: int, value: float) -> None:
+        self.engine, self.layer, self.block, self.value = engine, layer, block, value
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.engine.buffer[self.layer, self.block] = self.value
+
+
+def test_a_layer_is_written_only_once_its_kernels_completed(pair: Pair) -> None:
+    sender, receiver, address = pair
+    sender.agent.expect("t1", PROMPT)
+    receiver.receive("rx", "t1", address, [6], first_block=1)
+    wait_until(registered(sender, "t1"))
+    unwanted = KernelStillRunning(sender, 0, 0, 50.0)
+    sender.agent.write_layer("t1", 0, [(0, 0)], ready=unwanted)  # block 0: nobody asked
+    layer_0 = KernelStillRunning(sender, 0, 1, 70.0)
+    sender.agent.write_layer("t1", 0, [(1, 1)], ready=layer_0)
+    wait_until(lambda: bool((receiver.buffer[0, 6] == 70.0).all()))
+    # Layer 0 is not written again at the end: what arrived is what the kernel left.
+    sender.buffer[0, 1] = 90.0
+    sender.send("tx", "t1", [0, 1])
+    wait_until(receiver.received("rx"))
+    assert bool((receiver.buffer[0, 6] == 70.0).all())
+    assert torch.equal(receiver.buffer[1, 6], sender.buffer[1, 1])
+    assert (unwanted.waits, layer_0.waits) == (0, 1)
+    assert untouched(receiver, but=(6,))
+
+
 def test_a_fully_streamed_transfer_still_notifies(pair: Pair) -> None:
     sender, receiver, address = pair
     sender.agent.expect("t1", PROMPT)

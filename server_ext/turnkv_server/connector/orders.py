@@ -9,6 +9,7 @@ imports it without the scheduler half's logic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,13 @@ class StreamOrder:
     transfer_id: str
     blocks: list[tuple[int, int]]
     restart: bool = False
+
+
+class LayerReady(Protocol):
+    """Completes once a streamed layer's KV is in memory: on a GPU, a CUDA event recorded
+    after the layer's kernels (the worker half's `layer_computed`)."""
+
+    def synchronize(self) -> None: ...
 
 
 @dataclass

@@ -40,6 +40,7 @@ import zmq
 from turnkv_server.connector import side_channel as sc
 from turnkv_server.connector.identity import Fingerprint
 from turnkv_server.connector.incoming import NOTIF_PREFIX
+from turnkv_server.connector.orders import LayerReady
 from turnkv_server.connector.outcomes import Outcomes
 from turnkv_server.connector.outgoing import CANCELLED, Outgoing, Outgoings, Registration
 from turnkv_server.connector.sending_peers import SendingPeers
@@ -118,10 +119,10 @@ class Sending:
         self._end(out, "the sender gave the blocks up", failed=True)
 
     def write_layer(self, transfer_id: str, layer: int, blocks: list[tuple[int, int]],
-                    restart: bool) -> None:
-        """Layer `layer` of `blocks` ((index in the request, block ID)) is final: write it if
-        the receiver registered. `restart`: the request was preempted and computes again,
-        so nothing streamed so far can be trusted."""
+                    restart: bool, ready: LayerReady | None = None) -> None:
+        """Layer `layer` of `blocks` ((index in the request, block ID)) is computed: write it
+        if the receiver registered, once `ready` completes. `restart`: the request was
+        preempted and computes again, so nothing streamed so far can be trusted."""
         out = self.transfers.get(transfer_id)
         reg = None if out is None else out.reg
         if out is None or reg is None:
@@ -132,6 +133,9 @@ class Sending:
         if not wanted or peer is None:
             return
         ranges = self.writer.table.layer_ranges[layer]
+        if ready is not None:
+            # A GPU runs ahead of the host: wait here, not in the step, for the layer's kernels.
+            ready.synchronize()
         try:
             handle = self.writer.post(peer, [b for _, b in wanted],
                                       [reg.blocks[k - reg.first_block] for k, _ in wanted],

@@ -51,6 +51,7 @@ from turnkv_server.connector import side_channel as sc
 from turnkv_server.connector.blocktable import BlockTable
 from turnkv_server.connector.cluster_secret import ClusterKeys
 from turnkv_server.connector.identity import Fingerprint
+from turnkv_server.connector.orders import LayerReady
 from turnkv_server.connector.outcomes import Outcomes, TransferResults
 from turnkv_server.connector.receiving import Receiving
 from turnkv_server.connector.sending import Sending
@@ -164,11 +165,11 @@ class TransferAgent:
                       tuple(token_ids))
 
     def write_layer(self, transfer_id: str, layer: int, blocks: list[tuple[int, int]],
-                    restart: bool = False) -> None:
-        """Layer `layer` of `blocks` ((index in the request, block ID) pairs) is final: write
-        it now if a receiver has registered `transfer_id`. `restart`: the request was
-        preempted and computes again."""
-        self._command(self.sending.write_layer, transfer_id, layer, blocks, restart)
+                    restart: bool = False, ready: LayerReady | None = None) -> None:
+        """Layer `layer` of `blocks` ((index in the request, block ID) pairs) is computed:
+        write it if a receiver has registered `transfer_id`, once `ready` (a GPU's event after
+        the layer) has completed. `restart`: the request was preempted and computes again."""
+        self._command(self.sending.write_layer, transfer_id, layer, blocks, restart, ready)
 
     def refuse(self, transfer_id: str) -> None:
         """This engine has nothing to send under `transfer_id`: fail its registration."""

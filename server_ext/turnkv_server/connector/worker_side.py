@@ -7,9 +7,11 @@ IDs that vLLM must recompute. It never waits on the network: a step costs a queu
 dictionary swap, and each layer of a step that completes blocks of a sending request one more
 queue put (the layer-by-layer writes).
 
-Layer-by-layer writes run on CPU caches only. On a GPU the model's kernels run ahead of the
-host, so a layer's blocks are final only once a CUDA event recorded after the layer has
-completed; that is not built, and a GPU cache is sent in one write when its request ends.
+On a GPU the model's kernels run ahead of the host: when vLLM says a layer is computed, its
+KV may not be in memory yet. Each such layer gets a CUDA event recorded on the forward's
+stream, and the transfer thread waits for it before it writes the layer (the step never
+waits). The last write, when the request ends, needs none: vLLM has read the step's sampled
+tokens back by then, so every kernel before it has completed.
 
 The engine's fingerprint gains the KV tensors' description (`layout.describe_layout`) when the
 cache is registered, before the transfer agent offers it to peers.
@@ -23,6 +25,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from turnkv_server.connector.blocktable import BlockTable, find_block_dim
 from turnkv_server.connector.identity import Fingerprint
@@ -54,13 +58,15 @@ class WorkerSide:
         self.layer_writes = layer_writes
         self._layer_index: dict[str, int] = {}
         self._streams: list[StreamOrder] = []
+        self._on_gpu = False
 
     def register_kv_caches(self, caches: Mapping[str, Any], num_blocks: int) -> None:
         """Describe and register the cache (torch tensors by layer name), start the thread."""
         layers = list(caches.values())
         self._layer_index = {name: i for i, name in enumerate(caches)}
         device = layers[0].device
-        self.layer_writes &= device.type == "cpu"
+        self._on_gpu = device.type == "cuda"
+        self.layer_writes &= device.type in ("cpu", "cuda")
         mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         table = BlockTable.from_layers(layers, num_blocks, mem_type, device.index or 0)
         # What the blocks' bytes mean, beside where they are: peers compare it in the hello.
@@ -117,8 +123,9 @@ class WorkerSide:
         if layer is None:
             return
         agent = self._agent()
+        ready = _recorded_event() if self._on_gpu else None
         for stream in self._streams:
-            agent.write_layer(stream.transfer_id, layer, stream.blocks, stream.restart)
+            agent.write_layer(stream.transfer_id, layer, stream.blocks, stream.restart, ready)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         if self.agent is None:
@@ -164,3 +171,11 @@ class WorkerSide:
         if self.agent is None:
             raise RuntimeError("the turnkv connector's KV caches were never registered")
         return self.agent
+
+
+def _recorded_event() -> torch.cuda.Event:
+    """An event on the current stream, after the kernels enqueued so far (the layer's).
+    Blocking: the transfer thread sleeps while it waits instead of spinning a core."""
+    event = torch.cuda.Event(blocking=True)
+    event.record()
+    return event
