@@ -1,24 +1,24 @@
-"""The planner (`router.planner`) and its cost model (`router.costs`): where a turn runs and
-what moves, from what the turns measured."""
+"""The planner (`router.planner`, with its weighing, `router.weighing`) and its cost model:
+where a turn runs and what moves, from what the turns measured."""
 
 from __future__ import annotations
 
 import pytest
 
-from turnkv_server.router.costs import (
-    CostModel,
-    Ewma,
-    Priors,
-    batch_bucket,
-    context_bucket,
-)
 from turnkv_server.router.planner import (
     SPLIT_MEMORY_TURNS,
+    CostModel,
     EngineLoad,
-    Planner,
+    Ewma,
+    Priors,
     TurnFacts,
+    batch_bucket,
+    context_bucket,
     tokens_to_compute,
 )
+
+# The planner the modes run: the decision, with its weighing of placements.
+from turnkv_server.router.weighing import WeighingPlanner as Planner
 
 HOME, HELPER = "decode-0", "prefill-0"
 

@@ -1,5 +1,5 @@
 """Where a turn runs and what moves: the `turnkv` mode's decision per turn, from measured costs
-(`router.costs`).
+(the cost model, `CostModel`, below).
 
 Each session has a home, the engine of its pair that holds its history and decodes its turns;
 neither engine is fixed as prefill or decode. Per turn the planner weighs:
@@ -16,11 +16,7 @@ neither engine is fixed as prefill or decode. Per turn the planner weighs:
   KV is pulled from the old home (which computes the delta and writes the whole prompt's KV),
   or recomputed when the old home is down.
 
-A placement's cost is its own time to the first token, plus the time it stalls each other
-request decoding on the engine that computes, plus the turn's decode at that engine's batch:
-the waiting it adds across all requests. The cheapest goes, with the ITL target as a
-constraint: a placement that would stall others longer than the target is refused while one
-within it is possible. A `move` must beat staying by a margin, so that sessions do not bounce.
+Where the prompt's length is known, each placement is weighed by its cost (`router.weighing`).
 
 Memory is a constraint too: a placement that would have an engine take more KV than it has
 room for (`EngineLoad.room_tokens`: its cache less what the sessions' leases hold there, as the
@@ -37,6 +33,27 @@ only the delta or a move to the copy, where without one the other engine would c
 whole history. An idle home's turn is not tokenized and pushes nothing: copies are made once a
 session's engine has had others in flight. Under pressure no copy is made (a copy on both
 engines halves the sessions the pair holds).
+
+The cost model (`CostModel`): what serving costs on each engine, as the turns measure it.
+Fed once per served turn (`observe_*`), read once per planned turn; pure and in memory, so that
+the router's own cost per turn stays within its budget. Each figure is an exponentially weighted
+mean per engine and per bucket (context length for prefill, batch for decode): online, bounded
+(a handful of buckets per engine) and following the load as it changes.
+
+- prefill: the engine's own timing of the request that computed a prompt
+  (`times.engine_prefill_ms`, vLLM's per-request metrics) over the tokens it computed, by the
+  prompt's length, since attention makes a token of a long context dearer. It includes the
+  other requests' decode steps sharing those steps, so it is what their tokens waited too;
+- decode: the turn's time after its first token over its tokens after the first, by the
+  engine's requests in flight as the turn ends (its batch; streamed turns only, which time
+  their first token);
+- transfer: tokens of KV per ms between engines. No turn's stats time a transfer (the engines
+  report what moved, not how long it took), so this is a setting (`--transfer-tokens-per-ms`),
+  not a measurement.
+
+Until a bucket has a measurement, the nearest measured bucket of the same engine answers (a
+cost per token varies by a small factor across context lengths, by orders across hardware),
+then the prior (`Priors`).
 """
 
 from __future__ import annotations
@@ -45,16 +62,11 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from turnkv_server.router.costs import CostModel
-
 Where = Literal["whole", "split", "move"]
 # The placements the planner weighs: a move either pulls the history over the link
 # ("move") or goes to the copy a push back left on the other engine ("move-copy").
 Choice = Literal["whole", "split", "move", "move-copy"]
 CHOICES: tuple[Choice, ...] = ("whole", "split", "move", "move-copy")
-# A move must cost this fraction less than the best placement on the home: its benefit is
-# estimated from one turn, its cost (the history's KV over the link) is sure.
-MOVE_MARGIN = 0.2
 # Turns after a split during which the session still counts as one that splits.
 SPLIT_MEMORY_TURNS = 3
 # Of an engine's cache, the share leases may hold before it counts as full: the rest is
@@ -162,16 +174,6 @@ class Decision:
     estimates: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class _Option:
-    where: Where
-    prefill: EngineLoad
-    home: EngineLoad
-    ttft_ms: float  # to the first token
-    stall_ms: float  # of each other request decoding on `prefill`
-    cost_ms: float  # waiting added across all requests
-    fits: bool = True  # the engines have room for the KV it adds (see the module's text)
-
 
 def tokens_to_compute(prompt_len: int, held: int, block: int | None) -> int:
     """Tokens an engine holding the first `held` tokens of a `prompt_len`-token prompt
@@ -222,107 +224,13 @@ class Planner:
                    f"{other.name} is as busy as {home.name}: a split cannot pay")
             return Decision("whole", home.name, home.name, push_back=self._push_back(
                 "whole", False, home, other, facts), why=why)
-        options = self._options(home, other, facts)
-        if pin is not None:
-            # No copy to move to: the move pulls the history instead.
-            pinned = options.get(pin) or options["move"]
-            return self._decision(pinned, options, home, other, facts, "pinned", pinned=True)
-        moves = [o for o in (options["move"], options.get("move-copy")) if o and o.fits]
-        if home.overloaded and not other.overloaded and moves:
-            return self._decision(min(moves, key=lambda o: o.cost_ms), options, home, other,
-                                  facts, f"{home.name} is overloaded")
-        chosen, reason = self._choose(options)
-        return self._decision(chosen, options, home, other, facts, reason)
+        return self._weigh(home, other, facts, pin)
 
-    # -- the options ---------------------------------------------------------------------
-
-    def _options(self, home: EngineLoad, other: EngineLoad, facts: TurnFacts
-                 ) -> dict[Choice, _Option]:
-        prompt = facts.prompt_tokens or 0
-        block, out = facts.block_size, facts.expected_output
-        costs = self.costs
-        # Whole: the home computes what it lacks, stalling its other requests meanwhile.
-        whole_n = tokens_to_compute(prompt, facts.home_holds, block)
-        whole_ms = costs.prefill_ms(home.name, prompt, whole_n)
-        home_decode = out * costs.decode_step_ms(home.name, home.in_flight + 1)
-        whole = _Option("whole", home, home, whole_ms, _stall(whole_ms, home),
-                        whole_ms * (1 + home.in_flight) + home_decode)
-        # Split: the helper computes what it lacks and writes what the home lacks.
-        split_n = tokens_to_compute(prompt, facts.helper_holds, block)
-        split_compute = costs.prefill_ms(other.name, prompt, split_n)
-        split_ms = (split_compute + costs.transfer_ms(whole_n)
-                    + costs.priors.split_overhead_ms)
-        split = _Option("split", other, home, split_ms, _stall(split_compute, other),
-                        split_ms + split_compute * other.in_flight + home_decode,
-                        fits=other.fits(split_n))
-        # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
-        # the other engine, which decodes there from now on, at its own batch.
-        move_ms = whole_ms + costs.transfer_ms(prompt) + costs.priors.split_overhead_ms
-        moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
-        options: dict[Choice, _Option] = {"whole": whole, "split": split}
-        if facts.helper_holds:
-            # Move, to the copy: the other engine holds the history (a push back left it
-            # there), so it serves the turn whole, computing what its copy lacks, and
-            # nothing crosses the link at the turn. A whole turn of the other engine's.
-            copy_ms = costs.prefill_ms(other.name, prompt, split_n)
-            options["move-copy"] = _Option(
-                "move", other, other, copy_ms, _stall(copy_ms, other),
-                copy_ms * (1 + other.in_flight) + moved_decode,
-                fits=other.fits(split_n + out) and other.less_busy_than(home))
-        # Only to a less busy engine: a decode step measured at a small batch includes the
-        # steps that prefills held, so by its costs alone an engine measured while it started
-        # its first prompts reads slower than a crowded one, and sessions would drain to it.
-        # Nor to one home to as many sessions: requests in flight are a moment's load, the
-        # sessions homed the load to come; a move that leaves one engine home to more
-        # sessions than the other is paid back on every later turn of theirs.
-        options["move"] = _Option(
-            "move", home, other, move_ms, _stall(whole_ms, home),
-            move_ms + whole_ms * home.in_flight + moved_decode,
-            fits=(other.fits(prompt + out) and other.less_busy_than(home)
-                  and other.homes_fewer_than(home)))
-        return options
-
-    def _choose(self, options: dict[Choice, _Option]) -> tuple[_Option, str]:
-        stay = [o for o in (options["whole"], options["split"]) if o.fits]
-        best = min(stay, key=lambda o: o.cost_ms)
-        moves = [o for o in (options.get("move-copy"), options["move"]) if o and o.fits]
-        move = min(moves, key=lambda o: o.cost_ms) if moves else None
-        if move is not None and move.cost_ms < best.cost_ms * (1 - MOVE_MARGIN):
-            best = move
-        target = self.itl_target_ms
-        if target is None or best.stall_ms <= target:
-            return best, self._least_waiting(options, best)
-        within = [o for o in (*stay, *moves) if o.stall_ms <= target]
-        if within:
-            pick = min(within, key=lambda o: o.cost_ms)
-            return pick, (f"{best.where} would stall {best.prefill.name}'s other requests "
-                          f"~{best.stall_ms:.0f} ms, over the ITL target {target:g} ms")
-        pick = min(stay, key=lambda o: o.stall_ms)
-        return pick, f"every placement stalls over the ITL target {target:g} ms: the least"
-
-    @staticmethod
-    def _least_waiting(options: dict[Choice, _Option], best: _Option) -> str:
-        cheaper = [name for name, o in options.items()
-                   if not o.fits and o.cost_ms < best.cost_ms]
-        if cheaper:
-            return f"the least waiting with room: {' and '.join(cheaper)} would end leases"
-        return "the least waiting"
-
-    # -- the decision --------------------------------------------------------------------
-
-    def _decision(self, option: _Option, options: dict[Choice, _Option], home: EngineLoad,
-                  other: EngineLoad, facts: TurnFacts, reason: str,
-                  pinned: bool = False) -> Decision:
-        pulled = option.where == "move" and option.prefill is not option.home
-        return Decision(
-            option.where, option.home.name, option.prefill.name,
-            push_back=self._push_back(option.where, pulled, home, other, facts),
-            pull=pulled, pinned=pinned,
-            why=f"{option.where} ({reason}): {_estimates_text(option, facts)}; waiting added: "
-                + ", ".join(f"{name} ~{o.cost_ms:.0f} ms" for name, o in options.items()),
-            estimates={"ttft_ms": round(option.ttft_ms, 2),
-                       "stall_ms": round(option.stall_ms, 2),
-                       "cost_ms": round(option.cost_ms, 2)})
+    def _weigh(self, home: EngineLoad, other: EngineLoad, facts: TurnFacts,
+               pin: Choice | None) -> Decision:
+        """A turn whose prompt's length is known: each placement weighed by its cost
+        (`weighing.WeighingPlanner`, the planner the modes run)."""
+        raise NotImplementedError
 
     def _pull(self, home: EngineLoad, other: EngineLoad, reason: str) -> Decision:
         return Decision("move", other.name, home.name, pull=True,
@@ -352,15 +260,124 @@ def _splits_expected(facts: TurnFacts) -> bool:
         facts.turns_since_split < SPLIT_MEMORY_TURNS
 
 
-def _stall(compute_ms: float, engine: EngineLoad) -> float:
-    """How long the engine's other requests wait for a computation: not at all without any."""
-    return compute_ms if engine.in_flight > 0 else 0.0
+
+# -- the cost model -------------------------------------------------------------------------
+
+# Weight of a new measurement: the mean follows a change of load within about ten turns, and
+# one odd turn (a preemption, a cold cache) moves it by a fifth.
+EWMA_WEIGHT = 0.2
+# Context-length buckets: powers of two from this many tokens up (below: the first bucket).
+FIRST_CONTEXT_BUCKET = 256
+MAX_CONTEXT_BUCKET = 1 << 20
+# Prompts computing fewer tokens than this teach no cost per token (a step's fixed cost).
+MIN_PREFILL_TOKENS = 16
 
 
-def _estimates_text(option: _Option, facts: TurnFacts) -> str:
-    held = f"home holds {facts.home_holds}, helper {facts.helper_holds}"
-    stall = (f", stalls {option.prefill.in_flight} other request"
-             f"{'s' if option.prefill.in_flight != 1 else ''} ~{option.stall_ms:.0f} ms"
-             if option.stall_ms else "")
-    return (f"{facts.prompt_tokens} prompt tokens ({held}); prefill on {option.prefill.name}, "
-            f"decode on {option.home.name}; ~{option.ttft_ms:.0f} ms to first token{stall}")
+@dataclass(frozen=True)
+class Priors:
+    """The costs assumed before an engine has measured anything (cold start).
+
+    The planner compares placements of one turn over the same engines, so what decides on a
+    cold start is the ratio of the token counts and of the requests each placement would stall,
+    which the prior's scale does not change; its scale matters only against the fixed costs of
+    a split (its overhead and transfer). Both engines start equal, and a few turns replace the
+    prior with what they measured. The values are those of a mid-sized model on one GPU: a
+    prefill of a few thousand tokens per second with other sessions decoding beside it, a
+    decode step of tens of ms, KV moving at tens of tokens per ms over the engines' link."""
+
+    prefill_ms_per_token: float = 0.2
+    decode_step_ms: float = 30.0
+    transfer_tokens_per_ms: float = 50.0
+    # A split's fixed cost: a second request, the receiver's registration and the first
+    # layer's write before the home can step.
+    split_overhead_ms: float = 5.0
+
+
+def context_bucket(tokens: int) -> int:
+    """The bucket of a prompt of `tokens` tokens: the power of two at or above it."""
+    bucket = FIRST_CONTEXT_BUCKET
+    while bucket < tokens and bucket < MAX_CONTEXT_BUCKET:
+        bucket <<= 1
+    return bucket
+
+
+def batch_bucket(in_flight: int) -> int:
+    """The bucket of a batch of `in_flight` requests: 1, 2, 4, 8, ... (a step's cost grows with
+    the batch by far less than in proportion)."""
+    bucket = 1
+    while bucket < in_flight:
+        bucket <<= 1
+    return bucket
+
+
+class Ewma:
+    """Exponentially weighted means by bucket."""
+
+    def __init__(self, weight: float = EWMA_WEIGHT) -> None:
+        self._weight = weight
+        self._means: dict[int, float] = {}
+
+    def add(self, bucket: int, value: float) -> None:
+        mean = self._means.get(bucket)
+        self._means[bucket] = value if mean is None else mean + self._weight * (value - mean)
+
+    def nearest(self, bucket: int) -> float | None:
+        """The bucket's mean, else the nearest measured bucket's (on a log scale), else None."""
+        if bucket in self._means:
+            return self._means[bucket]
+        if not self._means:
+            return None
+        near = min(self._means, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return self._means[near]
+
+
+class CostModel:
+    """Per engine: prefill ms per computed token by context length, decode ms per step by
+    batch; and the transfer rate between engines."""
+
+    def __init__(self, priors: Priors | None = None) -> None:
+        self.priors = priors or Priors()
+        self._prefill: dict[str, Ewma] = {}
+        self._decode: dict[str, Ewma] = {}
+
+    def observe_prefill(self, engine: str, prompt_tokens: int, computed: int | None,
+                        engine_ms: float | None) -> None:
+        """`engine` computed `computed` tokens of a `prompt_tokens`-token prompt in
+        `engine_ms` (None: not reported). A prompt of a few tokens is mostly a step's fixed
+        cost, not a cost per token: it is not counted."""
+        if computed is None or engine_ms is None or computed < MIN_PREFILL_TOKENS \
+                or engine_ms < 0:
+            return
+        self._prefill.setdefault(engine, Ewma()).add(context_bucket(prompt_tokens),
+                                                     engine_ms / computed)
+
+    def observe_decode(self, engine: str, batch: int, first_token_ms: float | None,
+                       total_ms: float, completion_tokens: int) -> None:
+        """A turn decoded `completion_tokens` tokens on `engine` among `batch` requests in
+        flight, its first at `first_token_ms`, its last at `total_ms` (both from the turn's
+        start)."""
+        if first_token_ms is None or completion_tokens < 2 or total_ms < first_token_ms:
+            return
+        step = (total_ms - first_token_ms) / (completion_tokens - 1)
+        self._decode.setdefault(engine, Ewma()).add(batch_bucket(max(1, batch)), step)
+
+    def prefill_ms_per_token(self, engine: str, context_tokens: int) -> tuple[float, bool]:
+        """(ms per computed token of a `context_tokens` prompt on `engine`, measured)."""
+        found = self._prefill.get(engine)
+        mean = found.nearest(context_bucket(context_tokens)) if found else None
+        return (self.priors.prefill_ms_per_token, False) if mean is None else (mean, True)
+
+    def prefill_ms(self, engine: str, context_tokens: int, computed: int) -> float:
+        return computed * self.prefill_ms_per_token(engine, context_tokens)[0]
+
+    def decode_step_ms(self, engine: str, batch: int) -> float:
+        found = self._decode.get(engine)
+        mean = found.nearest(batch_bucket(max(1, batch))) if found else None
+        return self.priors.decode_step_ms if mean is None else mean
+
+    def transfer_ms(self, tokens: int) -> float:
+        return tokens / self.priors.transfer_tokens_per_ms
+
+    def measured(self, engine: str) -> bool:
+        """Whether `engine` has measured a prefill yet."""
+        return engine in self._prefill

@@ -1,7 +1,7 @@
 """turnkv's router in the fleet: engines in pairs, each session homed on one engine of a pair,
-and every turn placed by turnkv's own planner (`router.planner.Planner`, imported), which
-learns each engine's costs from the simulated turns through `router.costs.CostModel`, as the
-router learns them from real ones.
+and every turn placed by turnkv's own planner (`router.weighing.WeighingPlanner`, imported),
+which learns each engine's costs from the simulated turns through `router.planner.CostModel`, as
+the router learns them from real ones.
 
 The planner's decisions are carried out as the `turnkv` mode carries them out
 (`router/modes/planned.py`): `whole` on the home; `split` computes on the other engine, which
@@ -19,8 +19,15 @@ from dataclasses import dataclass, replace
 
 import simpy
 
-from turnkv_server.router.costs import CostModel
-from turnkv_server.router.planner import Decision, EngineLoad, Holdings, Planner, TurnFacts
+from turnkv_server.router.planner import (
+    CostModel,
+    Decision,
+    EngineLoad,
+    Holdings,
+    Planner,
+    TurnFacts,
+)
+from turnkv_server.router.weighing import WeighingPlanner
 from turnkv_server.sim.baseline_routing import RoundRobin, TurnProcess
 from turnkv_server.sim.engine import SimEngine
 from turnkv_server.sim.outcomes import FleetTraffic, SimTurnOutcome
@@ -58,7 +65,7 @@ class TurnkvRouting:
             raise ValueError("turnkv serves engines in pairs: an even number, at least 2")
         self.env = env
         self.traffic = traffic
-        self.planner = Planner(CostModel(engines[0].costs.planner_priors()), itl_target_ms)
+        self.planner = WeighingPlanner(CostModel(engines[0].costs.planner_priors()), itl_target_ms)
         self.partner = {a.name: b for a, b in zip(engines[::2], engines[1::2], strict=True)}
         self.partner.update({b.name: a for a, b in zip(engines[::2], engines[1::2],
                                                        strict=True)})

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnkv_server.engine.protocol import Receive, Send
-from turnkv_server.router.costs import CostModel, Priors
 from turnkv_server.router.modes.base import (
     DecodeAlone,
     ModeContext,
@@ -58,14 +57,16 @@ from turnkv_server.router.modes.turnkv import HELD_TAIL_TOKENS, PdTurnkv, transf
 from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.planner import (
     Choice,
+    CostModel,
     Decision,
     EngineLoad,
     Holdings,
-    Planner,
+    Priors,
     TurnFacts,
 )
 from turnkv_server.router.sessions import Session, SessionKey
 from turnkv_server.router.token_history import common_prefix_len
+from turnkv_server.router.weighing import WeighingPlanner
 
 # Weight of a turn's output length in the session's expected output.
 OUTPUT_WEIGHT = 0.5
@@ -161,7 +162,7 @@ class Turnkv(PdTurnkv):
     def __init__(self, ctx: ModeContext) -> None:
         super().__init__(ctx)
         priors = Priors(transfer_tokens_per_ms=ctx.transfer_tokens_per_ms)
-        self.planner = Planner(CostModel(priors), ctx.itl_target_ms)
+        self.planner = WeighingPlanner(CostModel(priors), ctx.itl_target_ms)
         self._homes = PairPool()
         self._places: OrderedDict[SessionKey, SessionPlace] = OrderedDict()
         self._holdings = Holdings()

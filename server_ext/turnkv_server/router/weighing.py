@@ -1,0 +1,163 @@
+"""The planner's weighing of a turn whose prompt's length it knows (`WeighingPlanner`, the
+planner the modes run): each placement's estimated cost from the cost model, the cheapest
+under the ITL target, and the decision that names it. A turn whose prompt is not read (an
+idle home's, served whole) is decided by `Planner.decide` alone (`router.planner`).
+
+A placement's cost is its own time to the first token, plus the time it stalls each other
+request decoding on the engine that computes, plus the turn's decode at that engine's batch:
+the waiting it adds across all requests. The cheapest goes, with the ITL target as a
+constraint: a placement that would stall others longer than the target is refused while one
+within it is possible. A `move` must beat staying by a margin, so that sessions do not bounce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from turnkv_server.router.planner import (
+    Choice,
+    Decision,
+    EngineLoad,
+    Planner,
+    TurnFacts,
+    Where,
+    tokens_to_compute,
+)
+
+# A move must cost this fraction less than the best placement on the home: its benefit is
+# estimated from one turn, its cost (the history's KV over the link) is sure.
+MOVE_MARGIN = 0.2
+
+
+@dataclass(frozen=True)
+class _Option:
+    where: Where
+    prefill: EngineLoad
+    home: EngineLoad
+    ttft_ms: float  # to the first token
+    stall_ms: float  # of each other request decoding on `prefill`
+    cost_ms: float  # waiting added across all requests
+    fits: bool = True  # the engines have room for the KV it adds (see the module's text)
+
+
+
+class WeighingPlanner(Planner):
+    """The planner, with its weighing of placements by their costs."""
+
+    def _weigh(self, home: EngineLoad, other: EngineLoad, facts: TurnFacts,
+               pin: Choice | None) -> Decision:
+        options = self._options(home, other, facts)
+        if pin is not None:
+            # No copy to move to: the move pulls the history instead.
+            pinned = options.get(pin) or options["move"]
+            return self._decision(pinned, options, home, other, facts, "pinned", pinned=True)
+        moves = [o for o in (options["move"], options.get("move-copy")) if o and o.fits]
+        if home.overloaded and not other.overloaded and moves:
+            return self._decision(min(moves, key=lambda o: o.cost_ms), options, home, other,
+                                  facts, f"{home.name} is overloaded")
+        chosen, reason = self._choose(options)
+        return self._decision(chosen, options, home, other, facts, reason)
+
+    # -- the options ---------------------------------------------------------------------
+
+    def _options(self, home: EngineLoad, other: EngineLoad, facts: TurnFacts
+                 ) -> dict[Choice, _Option]:
+        prompt = facts.prompt_tokens or 0
+        block, out = facts.block_size, facts.expected_output
+        costs = self.costs
+        # Whole: the home computes what it lacks, stalling its other requests meanwhile.
+        whole_n = tokens_to_compute(prompt, facts.home_holds, block)
+        whole_ms = costs.prefill_ms(home.name, prompt, whole_n)
+        home_decode = out * costs.decode_step_ms(home.name, home.in_flight + 1)
+        whole = _Option("whole", home, home, whole_ms, _stall(whole_ms, home),
+                        whole_ms * (1 + home.in_flight) + home_decode)
+        # Split: the helper computes what it lacks and writes what the home lacks.
+        split_n = tokens_to_compute(prompt, facts.helper_holds, block)
+        split_compute = costs.prefill_ms(other.name, prompt, split_n)
+        split_ms = (split_compute + costs.transfer_ms(whole_n)
+                    + costs.priors.split_overhead_ms)
+        split = _Option("split", other, home, split_ms, _stall(split_compute, other),
+                        split_ms + split_compute * other.in_flight + home_decode,
+                        fits=other.fits(split_n))
+        # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
+        # the other engine, which decodes there from now on, at its own batch.
+        move_ms = whole_ms + costs.transfer_ms(prompt) + costs.priors.split_overhead_ms
+        moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
+        options: dict[Choice, _Option] = {"whole": whole, "split": split}
+        if facts.helper_holds:
+            # Move, to the copy: the other engine holds the history (a push back left it
+            # there), so it serves the turn whole, computing what its copy lacks, and
+            # nothing crosses the link at the turn. A whole turn of the other engine's.
+            copy_ms = costs.prefill_ms(other.name, prompt, split_n)
+            options["move-copy"] = _Option(
+                "move", other, other, copy_ms, _stall(copy_ms, other),
+                copy_ms * (1 + other.in_flight) + moved_decode,
+                fits=other.fits(split_n + out) and other.less_busy_than(home))
+        # Only to a less busy engine: a decode step measured at a small batch includes the
+        # steps that prefills held, so by its costs alone an engine measured while it started
+        # its first prompts reads slower than a crowded one, and sessions would drain to it.
+        # Nor to one home to as many sessions: requests in flight are a moment's load, the
+        # sessions homed the load to come; a move that leaves one engine home to more
+        # sessions than the other is paid back on every later turn of theirs.
+        options["move"] = _Option(
+            "move", home, other, move_ms, _stall(whole_ms, home),
+            move_ms + whole_ms * home.in_flight + moved_decode,
+            fits=(other.fits(prompt + out) and other.less_busy_than(home)
+                  and other.homes_fewer_than(home)))
+        return options
+
+    def _choose(self, options: dict[Choice, _Option]) -> tuple[_Option, str]:
+        stay = [o for o in (options["whole"], options["split"]) if o.fits]
+        best = min(stay, key=lambda o: o.cost_ms)
+        moves = [o for o in (options.get("move-copy"), options["move"]) if o and o.fits]
+        move = min(moves, key=lambda o: o.cost_ms) if moves else None
+        if move is not None and move.cost_ms < best.cost_ms * (1 - MOVE_MARGIN):
+            best = move
+        target = self.itl_target_ms
+        if target is None or best.stall_ms <= target:
+            return best, self._least_waiting(options, best)
+        within = [o for o in (*stay, *moves) if o.stall_ms <= target]
+        if within:
+            pick = min(within, key=lambda o: o.cost_ms)
+            return pick, (f"{best.where} would stall {best.prefill.name}'s other requests "
+                          f"~{best.stall_ms:.0f} ms, over the ITL target {target:g} ms")
+        pick = min(stay, key=lambda o: o.stall_ms)
+        return pick, f"every placement stalls over the ITL target {target:g} ms: the least"
+
+    @staticmethod
+    def _least_waiting(options: dict[Choice, _Option], best: _Option) -> str:
+        cheaper = [name for name, o in options.items()
+                   if not o.fits and o.cost_ms < best.cost_ms]
+        if cheaper:
+            return f"the least waiting with room: {' and '.join(cheaper)} would end leases"
+        return "the least waiting"
+
+    # -- the decision --------------------------------------------------------------------
+
+    def _decision(self, option: _Option, options: dict[Choice, _Option], home: EngineLoad,
+                  other: EngineLoad, facts: TurnFacts, reason: str,
+                  pinned: bool = False) -> Decision:
+        pulled = option.where == "move" and option.prefill is not option.home
+        return Decision(
+            option.where, option.home.name, option.prefill.name,
+            push_back=self._push_back(option.where, pulled, home, other, facts),
+            pull=pulled, pinned=pinned,
+            why=f"{option.where} ({reason}): {_estimates_text(option, facts)}; waiting added: "
+                + ", ".join(f"{name} ~{o.cost_ms:.0f} ms" for name, o in options.items()),
+            estimates={"ttft_ms": round(option.ttft_ms, 2),
+                       "stall_ms": round(option.stall_ms, 2),
+                       "cost_ms": round(option.cost_ms, 2)})
+
+
+def _stall(compute_ms: float, engine: EngineLoad) -> float:
+    """How long the engine's other requests wait for a computation: not at all without any."""
+    return compute_ms if engine.in_flight > 0 else 0.0
+
+
+def _estimates_text(option: _Option, facts: TurnFacts) -> str:
+    held = f"home holds {facts.home_holds}, helper {facts.helper_holds}"
+    stall = (f", stalls {option.prefill.in_flight} other request"
+             f"{'s' if option.prefill.in_flight != 1 else ''} ~{option.stall_ms:.0f} ms"
+             if option.stall_ms else "")
+    return (f"{facts.prompt_tokens} prompt tokens ({held}); prefill on {option.prefill.name}, "
+            f"decode on {option.home.name}; ~{option.ttft_ms:.0f} ms to first token{stall}")
