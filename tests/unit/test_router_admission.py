@@ -31,7 +31,7 @@ from turnkv_server.router.session_service import (
 )
 from turnkv_server.router.sessions import Session, SessionKey, SessionTable, held_tokens
 from turnkv_server.router.stats import RouterMetrics
-from turnkv_server.router.tags import DEFAULT_TENANT
+from turnkv_server.router.tenants import DEFAULT_TENANT
 
 # -- the rule --------------------------------------------------------------------------------------
 

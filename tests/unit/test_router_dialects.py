@@ -22,10 +22,10 @@ from tests.support.fuzz_seed import fuzz
 from tests.support.local_servers import serving
 from tests.unit.test_router_affinity import StandIn
 from turnkv.protocol import MAX_TTL_SECONDS, CacheHints, TurnTag
-from turnkv_server.router.app import create_app
+from turnkv_server.router.app import create_app, extract_tag
 from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.errors import BadRequest
 from turnkv_server.router.peer_sessions import PROMPT_CACHE_PREFIX, DialectError
-from turnkv_server.router.tags import BadRequest, extract_tag
 
 DYNAMO = "X-Dynamo-Session-ID"
 FINAL = "X-Dynamo-Session-Final"

@@ -5,12 +5,13 @@ import pytest
 from turnkv.protocol import CacheHints, TurnTag
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, prefill_request
 from turnkv_server.router.apis.chat import strip_token_ids
+from turnkv_server.router.app import extract_tag
+from turnkv_server.router.errors import BadRequest
 from turnkv_server.router.modes.base import NixlPeer
 from turnkv_server.router.modes.bidirectional import trim_offer
 from turnkv_server.router.placement import EnginePool
 from turnkv_server.router.sessions import LeasePolicy, SessionKey, SessionTable
-from turnkv_server.router.tags import DEFAULT_TENANT, BadRequest, extract_tag
-from turnkv_server.router.tenants import Tenants
+from turnkv_server.router.tenants import DEFAULT_TENANT, Tenants
 from turnkv_server.router.token_history import common_prefix_len, prefix_break
 
 
@@ -262,7 +263,7 @@ def test_unreachable_engines_give_503_with_retry_after() -> None:
 
 @pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]], [1, "x"], [True, 2]])
 def test_a_batch_of_prompts_is_refused(prompt: object) -> None:
-    from turnkv_server.router.tags import check_supported as _check_supported
+    from turnkv_server.router.app import check_supported as _check_supported
 
     # vLLM would serve each prompt as its own request with the same kv_transfer_params: two
     # receivers of one transfer.
@@ -272,7 +273,7 @@ def test_a_batch_of_prompts_is_refused(prompt: object) -> None:
 
 @pytest.mark.parametrize("prompt", ["text", [1, 2, 3], ["one"], [[1, 2]], []])
 def test_one_prompt_passes(prompt: object) -> None:
-    from turnkv_server.router.tags import check_supported as _check_supported
+    from turnkv_server.router.app import check_supported as _check_supported
 
     _check_supported({"prompt": prompt})
 

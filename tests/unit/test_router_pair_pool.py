@@ -22,7 +22,7 @@ from turnkv_server.router.modes.base import DecodeAlone, ModeContext, Turn, Turn
 from turnkv_server.router.modes.planned import PairPool
 from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import Session, SessionKey
-from turnkv_server.router.tags import DEFAULT_TENANT
+from turnkv_server.router.tenants import DEFAULT_TENANT
 from turnkv_server.router.upstream import Upstream
 
 

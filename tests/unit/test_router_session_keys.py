@@ -1,4 +1,4 @@
-"""Session keys in one order (`turnkv_server.router.tags.read_keys`, docs/protocol.md "Session
+"""Session keys in one order (`turnkv_server.router.app.read_keys`, docs/protocol.md "Session
 keys"): turnkv's tag, Dynamo's, vLLM's `session_id`/`X-Session-ID` (and the multi-turn
 client's `conversation_id`), the Responses lineage, Claude Code's and Codex's headers, Codex's
 `prompt_cache_key`; `prompt_cache_retention`. Then through the router in front of stand-in
@@ -18,13 +18,13 @@ import pytest
 from tests.unit.test_router_affinity import StandIn
 from tests.unit.test_router_dialects import router_with_tenants
 from turnkv.protocol import MAX_TTL_SECONDS, CacheHints, TurnTag
+from turnkv_server.router.app import read_keys
 from turnkv_server.router.peer_sessions import (
     FOREIGN_PREFIX,
     PROMPT_CACHE_PREFIX,
     DialectError,
     foreign_id,
 )
-from turnkv_server.router.tags import read_keys
 
 CODEX = {"originator": "codex_cli_rs"}
 

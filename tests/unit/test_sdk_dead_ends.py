@@ -18,7 +18,7 @@ import pytest
 
 import turnkv
 from turnkv.session_api import refusal
-from turnkv_server.router.app import error_response
+from turnkv_server.router.errors import error_response
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 FAST = turnkv.RetryPolicy(attempts=2, initial_wait_s=0.01)

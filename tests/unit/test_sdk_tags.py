@@ -13,7 +13,7 @@ import pytest
 import turnkv
 from turnkv import protocol as p
 from turnkv.tagging import tag_headers
-from turnkv_server.router.tags import extract_tag
+from turnkv_server.router.app import extract_tag
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
 

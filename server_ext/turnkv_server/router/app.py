@@ -1,5 +1,5 @@
-"""The router's HTTP front: routes, authentication and reading a request; a turn itself is
-`turn.Turns.serve`'s.
+"""The router's HTTP front: its state, the turns' routes, authentication and reading a request;
+a turn itself is `turn.Turns.serve`'s, the other routes are `routes`'.
 
 Tenants (`tenants`): with API keys configured, a request needs `Authorization: Bearer <key>`,
 and each tenant's turns get a `cache_salt`: vLLM hashes it into the first block's hash, so two
@@ -7,22 +7,28 @@ tenants never hit each other's cached prefixes even for identical prompts, and t
 reveal another tenant's prompts. Every hint a tenant's clients send (in a turn's tag, or
 between turns) is held to the tenant's caps before anything orders leases by it.
 
-The turnkv tag travels in the body (`"turnkv": {...}`) or, for clients that cannot change the
-body, in `X-TurnKV-*` headers; `tags` reads it.
+A request's keys: turnkv's own tag (the body's `turnkv` field, the `X-TurnKV-*`
+headers under it), then the session keys of other stacks in one order (docs/protocol.md,
+"Session keys"): Dynamo's, vLLM's, the Responses lineage, the coding agents' headers
+(`peer_sessions`), Codex's `prompt_cache_key`. A request none of them names is left
+to the content (`inferred_sessions`). And what the router refuses to serve.
+
+The turnkv tag wins field by field; the first key that names a session names it, and the
+tag's hints go with that session. Either way the tag is validated by the same pydantic models
+the SDK uses, and every key is removed before the request reaches an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
@@ -33,23 +39,163 @@ from turnkv_server.router.apis.messages import MESSAGES
 from turnkv_server.router.apis.responses import RESPONSES_ERRORS
 from turnkv_server.router.apis.responses_state import ResponsesService
 from turnkv_server.router.config import RouterConfig
-from turnkv_server.router.errors import error_response, install_error_handlers
+from turnkv_server.router.errors import RETRY_AFTER_S, BadRequest, install_error_handlers
 from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
-from turnkv_server.router.peer_sessions import DialectError
-from turnkv_server.router.placement import Engine, EnginePool
+from turnkv_server.router.peer_sessions import (
+    BODY_FIELDS,
+    HEADER_FIELDS,
+    DialectError,
+    Dialects,
+    PeerSessions,
+    foreign_id,
+    read_dialects,
+    read_peer_sessions,
+)
+from turnkv_server.router.placement import EnginePool
 from turnkv_server.router.responses_store import ResponsesGauges, responses_store
+from turnkv_server.router.routes import add_routes, health_loop
 from turnkv_server.router.session_service import Admission, ClientLeft, SessionService
 from turnkv_server.router.session_store import RedisStore, StoreUnavailable
-from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey, SessionTable
+from turnkv_server.router.sessions import LeasePolicy, SessionTable
 from turnkv_server.router.stats import RouterMetrics
-from turnkv_server.router.tags import BadRequest, Headers, check_supported, read_keys
-from turnkv_server.router.tenants import Tenants
+from turnkv_server.router.tenants import DEFAULT_TENANT, Tenants
 from turnkv_server.router.turn import Relayed, TurnFailed, Turns
-from turnkv_server.router.upstream import EngineConnectionError, EngineRejected, Upstream
+from turnkv_server.router.upstream import EngineRejected, Upstream
 
-RETRY_AFTER_S = "2"
+# What a request without peers' fields names by them: nothing.
+NO_DIALECTS, NO_PEERS = Dialects(), PeerSessions()
+
+_HEADER_FIELDS: dict[str, tuple[str, ...]] = {name.lower(): path for name, path in {
+    p.HEADER_SESSION: ("session_id",),
+    p.HEADER_TURN: ("turn",),
+    p.HEADER_PREFIX: ("prefix_id",),
+    p.HEADER_TTL: ("hints", "ttl"),
+    p.HEADER_NEXT_TURN_IN: ("hints", "next_turn_in"),
+    p.HEADER_FINAL: ("hints", "final"),
+    p.HEADER_PRIORITY: ("hints", "priority"),
+}.items()}
+
+
+class Headers(dict[str, str]):
+    """A request's headers, read once: each name's first value, under the name in lower case,
+    where its readers look it up (`dict.get`, in C: a turn looks up a dozen names among its
+    keys, and Starlette's own mapping scans every header for each)."""
+
+    @classmethod
+    def of_raw(cls, raw: list[tuple[bytes, bytes]]) -> Headers:
+        # Reversed: a name sent twice keeps its first value, as Starlette's `get` does.
+        return cls({name.decode("latin-1").lower(): value.decode("latin-1")
+                    for name, value in reversed(raw)})
+
+    @classmethod
+    def of(cls, headers: Mapping[str, str]) -> Headers:
+        """`headers` under lower-case names (a caller's mapping of any case)."""
+        if isinstance(headers, Headers):
+            return headers
+        return cls({name.lower(): value for name, value in headers.items()})
+
+
+@dataclass(frozen=True)
+class RequestKeys:
+    """What a request names: its tag (the session and hints, from whichever key named it),
+    which key that was, and for a request with no session the prefix that places it."""
+
+    tag: p.TurnTag | None
+    source: p.SessionSource | None  # None: no key named a session
+    prefix_id: str | None  # a sessionless request's (`prompt_cache_key`)
+    # turnkv's own tag came (the body's field or an `X-TurnKV-*` header): its client reads
+    # the stats chunk of a stream.
+    native: bool = False
+    # `prompt_cache_retention: 24h`: the TTL asked for, for a session named later (inferred).
+    retention_ttl: float | None = None
+
+
+def extract_tag(body: dict[str, Any], headers: Mapping[str, str],
+                tenant: str = DEFAULT_TENANT) -> p.TurnTag | None:
+    """Pop the tag from ``body`` (mutates it), merge the headers under it and peers' keys
+    under both; raises `DialectError` for a peer's field it cannot read."""
+    return read_keys(body, headers, tenant).tag
+
+
+def read_keys(body: dict[str, Any], headers: Mapping[str, str],
+              tenant: str = DEFAULT_TENANT, lineage: str | None = None) -> RequestKeys:
+    """The request's keys, in the documented order (docs/protocol.md, "Session keys"); pops
+    every one from `body` (mutates it). `lineage`: the session a chain of Responses names (its
+    root response's ID, or its `conversation`), from the Responses route; None elsewhere."""
+    headers = Headers.of(headers)
+    raw = body.pop("turnkv", None)
+    if raw is not None and not isinstance(raw, dict):
+        raise BadRequest("'turnkv' must be an object", param="turnkv")
+    merged: dict[str, Any] = {}
+    for header, path in _HEADER_FIELDS.items():
+        value = headers.get(header)
+        if value is None:
+            continue
+        target = merged
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+        target[path[-1]] = value
+    if raw:
+        for key, value in raw.items():
+            if key == "hints" and isinstance(value, dict):
+                merged.setdefault("hints", {}).update(value)
+            else:
+                merged[key] = value
+    native = bool(merged)
+    # Peers' fields are read where the request carries one: most carry none. (Codex's
+    # `originator` and `User-Agent` alone name nothing: they say what its cache key is.)
+    peered = not (BODY_FIELDS.isdisjoint(body) and HEADER_FIELDS.isdisjoint(headers))
+    dialects = read_dialects(body, headers, tenant) if peered else NO_DIALECTS
+    peers = read_peer_sessions(body, headers) if peered else NO_PEERS
+    source: p.SessionSource | None = "tag" if "session_id" in merged else None
+    if source is None:
+        # Codex sends its conversation ID as the key; anyone else's names a shared prefix.
+        codex_key = foreign_id(dialects.cache_key) if peers.from_codex and dialects.cache_key \
+            else None
+        named: tuple[tuple[p.SessionSource, str | None], ...] = (
+            ("dynamo", dialects.session_id), ("vllm", peers.vllm),
+            ("lineage", foreign_id(lineage) if lineage else None), ("agent", peers.agent),
+            ("prompt_cache_key", codex_key))
+        source, session_id = next(((s, i) for s, i in named if i is not None), (None, None))
+        if session_id is not None:
+            merged["session_id"] = session_id
+    if peered:
+        merged = dialects.under(merged)
+    if not merged:
+        return RequestKeys(None, None, dialects.prefix_id, retention_ttl=peers.retention_ttl)
+    if peers.retention_ttl is not None and "session_id" in merged \
+            and isinstance(merged.get("hints", {}), dict):
+        merged["hints"] = {"ttl": peers.retention_ttl, **merged.get("hints", {})}
+    try:
+        return RequestKeys(p.TurnTag.model_validate(merged), source, None, native,
+                           peers.retention_ttl)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise BadRequest(f"invalid turnkv.{where}: {first['msg']}",
+                         param=f"turnkv.{where}") from exc
+
+
+def check_supported(body: dict[str, Any]) -> None:
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise BadRequest("n > 1 is not supported: each choice would need its own KV transfer",
+                         param="n")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # vLLM serves a list of prompts as one request per prompt, all with the same
+        # kv_transfer_params: they would share one KV transfer.
+        raise BadRequest("a batch of prompts is not supported: send one request per prompt",
+                         param="prompt")
+    if "kv_transfer_params" in body:
+        raise BadRequest("kv_transfer_params is set by the router, not by clients",
+                         param="kv_transfer_params")
+    for name in ("model", "cache_salt"):
+        if not isinstance(body.get(name, ""), str):
+            raise BadRequest(f"{name} must be a string", param=name)
 
 
 class Router:
@@ -83,25 +229,6 @@ class Router:
                            upstream=self.upstream, sessions=self.sessions,
                            admission=self.admission, metrics=self.metrics,
                            retries=config.retries, inferred=self.inferred)
-
-    async def health_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self._probe(e) for e in self.pool.engines()))
-            self.metrics.sessions.set(len(self.sessions.table))
-            await self.sessions.expire()
-            await asyncio.sleep(self.config.health_interval)
-
-    async def _probe(self, engine: Engine) -> None:
-        try:
-            ok = (await self.upstream.get(engine, "/health", timeout=2.0)).status == 200
-        except EngineConnectionError:
-            ok = False
-        engine.healthy = ok
-        self.metrics.engine_healthy.labels(engine.name).set(1 if ok else 0)
-        if ok and engine.block_size is None:
-            with contextlib.suppress(EngineConnectionError, RuntimeError, ValueError):
-                cache = await self.upstream.cache_config(engine)
-                engine.block_size, engine.kv_tokens = cache.block_size, cache.tokens
 
     async def serve(self, request: Request, api: Api, resolve: Resolve | None = None
                     ) -> Response:
@@ -206,7 +333,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         store = router.sessions.store
         if store is not None:
             router.tenants.use_secret(await store.start())
-        health = asyncio.create_task(router.health_loop())
+        health = asyncio.create_task(health_loop(router))
         try:
             yield
         finally:
@@ -223,38 +350,6 @@ def create_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="turnkv router", lifespan=lifespan, redirect_slashes=False)
     app.state.router = router
     install_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> Response:
-        pool = router.pool
-        whole = pool.aggregated or any(e.healthy for e in pool.prefill)
-        serves = any(e.healthy for e in pool.decode) and (
-            whole or router.turns.mode.serves_without_prefill)
-        # 200 while turns are served, also by the decode engines alone ("degraded"): a load
-        # balancer must not take out a router that still answers.
-        status = "ok" if serves and whole else "degraded" if serves else "unavailable"
-        return JSONResponse({"status": status, "mode": config.mode},
-                            status_code=200 if serves else 503)
-
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        # Turn counts and latencies of every tenant together: for the operator only.
-        if not router.tenants.is_admin(request.headers.get("authorization")):
-            return error_response(403, "the metrics route needs the admin key")
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        if router.tenants.tenant_for(request.headers.get("authorization")) is None:
-            return error_response(401, "missing or unknown API key")
-        for engine in [e for e in router.pool.decode if e.healthy] or router.pool.decode:
-            try:
-                upstream = await router.upstream.get(engine, "/v1/models", timeout=5.0)
-            except EngineConnectionError:
-                continue
-            return Response(upstream.content, upstream.status, media_type="application/json")
-        return error_response(503, "no decode engine answers",
-                              headers={"Retry-After": RETRY_AFTER_S})
 
     # The turn routes are Starlette's own routes, not FastAPI's: they read the request
     # themselves, and FastAPI's per-request dependency solving and exit stacks were a tenth
@@ -275,123 +370,13 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app.add_route("/v1/responses", responses, methods=["POST"])
 
-    async def on_stored_response(request: Request, response_id: str,
-                                 answer: Callable[[str], Awaitable[Response | None]]
-                                 ) -> Response:
-        """`answer(tenant)` for a stored response of the request's tenant; None from it: no
-        such response (404)."""
-        tenant = router.tenants.tenant_for(request.headers.get("authorization"))
-        if tenant is None:
-            return error_response(401, "missing or unknown API key")
-        try:
-            answered = await answer(tenant)
-        except StoreUnavailable as exc:
-            return error_response(503, f"the shared store did not answer: {exc}",
-                                  headers={"Retry-After": RETRY_AFTER_S})
-        if answered is None:
-            return error_response(404, f"no stored response {response_id!r}",
-                                  param="response_id")
-        return answered
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(request: Request, response_id: str) -> Response:
-        async def answer(tenant: str) -> Response | None:
-            found = await router.responses.get(tenant, response_id)
-            return None if found is None else JSONResponse(found.response)
-        return await on_stored_response(request, response_id, answer)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(request: Request, response_id: str) -> Response:
-        async def answer(tenant: str) -> Response | None:
-            if not await router.responses.delete(tenant, response_id):
-                return None
-            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-        return await on_stored_response(request, response_id, answer)
-
     async def messages(request: Request) -> Response:
         return await router.serve(request, MESSAGES)
 
     app.add_route("/v1/messages", messages, methods=["POST"])
 
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        """Any decode engine counts (Claude Code asks before it sends a long conversation)."""
-        if router.tenants.tenant_of(request.headers, MESSAGES.key_header) is None:
-            return MESSAGES.error_response(401, "missing or unknown API key")
-        try:
-            body = await router._read_body(request)
-        except BadRequest as exc:
-            return MESSAGES.error_response(exc.status, exc.message)
-        for engine in [e for e in router.pool.decode if e.healthy] or router.pool.decode:
-            try:
-                reply = await router.upstream.post(engine, request.url.path, body, timeout=30.0)
-            except EngineConnectionError:
-                continue
-            return Response(reply.content, reply.status, media_type="application/json")
-        return MESSAGES.error_response(503, "no decode engine answers",
-                                       headers={"Retry-After": RETRY_AFTER_S})
+    add_routes(app, router)
 
-    async def _session_or_error(request: Request, session_id: str) -> Session | JSONResponse:
-        tenant = router.tenants.tenant_for(request.headers.get("authorization"))
-        if tenant is None:
-            return error_response(401, "missing or unknown API key")
-        if not p.is_valid_id(session_id):
-            return error_response(400, "invalid session id", param="session_id")
-        session = await router.sessions.find(SessionKey(tenant, session_id))
-        if session is None:
-            return error_response(404, f"no live session {session_id!r}")
-        return session
-
-    @app.get("/v1/turnkv/sessions/{session_id}")
-    async def get_session(request: Request, session_id: str) -> Response:
-        found = await _session_or_error(request, session_id)
-        if isinstance(found, Response):
-            return found
-        return JSONResponse(router.sessions.view(found))
-
-    @app.delete("/v1/turnkv/sessions/{session_id}")
-    async def release_session(request: Request, session_id: str) -> Response:
-        found = await _session_or_error(request, session_id)
-        if isinstance(found, Response):
-            return found
-        await router.sessions.release(found)
-        return JSONResponse({"session_id": session_id, "released": True})
-
-    @app.post("/v1/turnkv/sessions/{session_id}/hints")
-    async def session_hints(request: Request, session_id: str) -> Response:
-        found = await _session_or_error(request, session_id)
-        if isinstance(found, Response):
-            return found
-        try:
-            hints = p.CacheHints.model_validate_json(await request.body())
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(x) for x in first["loc"]) or "body"
-            return error_response(400, f"invalid hints.{where}: {first['msg']}", param=where)
-        if hints.final:
-            await router.sessions.release(found)
-            return JSONResponse({"session_id": session_id, "released": True})
-        hints = router.tenants.capped(found.key.tenant, hints)
-        await router.sessions.renew(found, hints)
-        router.mode.hinted(found, hints)  # the engines' leases too, in the background
-        return JSONResponse(router.sessions.view(found))
-
-    @app.get("/v1/turnkv/stats")
-    async def stats(request: Request) -> Response:
-        if not router.tenants.is_admin(request.headers.get("authorization")):
-            return error_response(403, "the stats route needs the admin key")
-        table = router.sessions.table
-        sessions = list(table)
-        return JSONResponse({
-            "mode": config.mode,
-            "sessions": len(sessions),
-            "sessions_expired": table.expired_total,
-            "sessions_evicted": table.evicted_total,
-            "turns": sum(s.totals.turns for s in sessions),
-            "engines": [{"name": e.name, "url": e.url, "healthy": e.healthy,
-                         "in_flight": e.in_flight} for e in router.pool.engines()],
-            "time": time.time(),
-        })
 
     # Starlette tries the routes in order, and turns are nearly every request: theirs first
     # (no other route's path matches theirs).

@@ -18,8 +18,12 @@ from typing import Any, cast, get_type_hints
 from turnkv_server.mode_names import DEFAULT_MODE, ROUTER_MODES, RouterMode
 from turnkv_server.router.planner import CHOICES, Choice
 from turnkv_server.router.sessions import LeasePolicy
-from turnkv_server.router.tags import DEFAULT_TENANT
-from turnkv_server.router.tenants import TenantCaps, default_max_priority, load_tenant_caps
+from turnkv_server.router.tenants import (
+    DEFAULT_TENANT,
+    TenantCaps,
+    default_max_priority,
+    load_tenant_caps,
+)
 
 # Measured with `turnkv bench` (docs/benchmarks.md, "Short deltas on the decode engine").
 SHORT_DELTA_TOKENS = 512

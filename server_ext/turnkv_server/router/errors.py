@@ -18,6 +18,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 ANTHROPIC_PREFIX = "/v1/messages"
+# What a 503 tells the client to wait before it tries again.
+RETRY_AFTER_S = "2"
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                  403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -29,6 +31,16 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     405: "invalid_request_error", 413: "request_too_large",
                     422: "invalid_request_error", 429: "rate_limit_error",
                     503: "overloaded_error", 529: "overloaded_error"}
+
+
+class BadRequest(Exception):
+    """A request the router refuses to read (a 4xx), naming the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
 
 
 def is_anthropic(path: str | None) -> bool:

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnkv.protocol import MAX_PRIORITY, MAX_TTL_SECONDS, MIN_PRIORITY, CacheHints, TurnTag
-from turnkv_server.router.tags import DEFAULT_TENANT
+
+# The one tenant of a router without API keys.
+DEFAULT_TENANT = "default"
 
 
 @dataclass(frozen=True)

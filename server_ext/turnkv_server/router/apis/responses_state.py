@@ -36,8 +36,8 @@ import orjson
 from turnkv import protocol as p
 from turnkv_server.router.apis.base import Prepared, Resolved
 from turnkv_server.router.apis.responses import ResponsesApi
+from turnkv_server.router.errors import BadRequest
 from turnkv_server.router.responses_store import ResponseStore, StoreUnavailable
-from turnkv_server.router.tags import BadRequest
 
 log = logging.getLogger(__name__)
 

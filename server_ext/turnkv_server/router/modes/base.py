@@ -68,7 +68,7 @@ class Turn:
     prefetch: PrefetchOutcome | None = None
     # How long it waited for admission, in ms (`session_service.Admission`).
     queued_ms: float = 0.0
-    # Which key named its session (`router.tags.read_keys`), or "inferred".
+    # Which key named its session (`router.app.read_keys`), or "inferred".
     session_source: str | None = None
     # An inferred session's turn as `InferredSessions` knows it (`Inference.ticket`).
     inferred_ticket: int | None = None
