@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tests.unit.test_router_affinity import StandIn, affinity_router, stats_of, turn
 from turnkv.protocol import PromptTokens, RouterTurnStats, TurnTag, TurnTimes
 from turnkv_server.router.config import RouterConfig
-from turnkv_server.router.placement import EnginePool
+from turnkv_server.router.engines import EnginePool
 from turnkv_server.router.session_service import (
     Admission,
     ClientGone,

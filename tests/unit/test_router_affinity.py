@@ -26,18 +26,18 @@ from turnkv_server.launcher import Cluster, ClusterConfig
 from turnkv_server.launcher.engine import EngineProcess
 from turnkv_server.launcher.kv_transfer import kv_transfer_config
 from turnkv_server.mode_names import BENCH_MODES, describe_bench_modes
+from turnkv_server.router.aggregated import AggregatedPool, engine_pool
 from turnkv_server.router.app import Router, create_app
 from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.engines import EnginePool, Upstream
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext, Turn
-from turnkv_server.router.placement import EnginePool
-from turnkv_server.router.upstream import Upstream
 
 # -- placement -------------------------------------------------------------------------------
 
 
 def pool(count: int = 2) -> EnginePool:
-    return EnginePool.from_urls([], [], engines=[f"http://e{i}" for i in range(count)])
+    return AggregatedPool.of([f"http://e{i}" for i in range(count)])
 
 
 def test_an_aggregated_pool_pairs_each_engine_with_itself() -> None:
@@ -48,7 +48,7 @@ def test_an_aggregated_pool_pairs_each_engine_with_itself() -> None:
         placement = engines.round_robin()
         assert placement.prefill is placement.decode
     with pytest.raises(ValueError, match="aggregated"):
-        EnginePool.from_urls(["http://p"], [], engines=["http://e"])
+        engine_pool(["http://p"], [], engines=["http://e"])
     assert not EnginePool.from_urls(["http://p"], ["http://d"]).aggregated
 
 

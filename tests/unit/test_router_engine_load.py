@@ -9,8 +9,7 @@ import asyncio
 from aiohttp import web
 
 from tests.support.local_servers import start_engine_app
-from turnkv_server.router.placement import Engine
-from turnkv_server.router.upstream import Upstream
+from turnkv_server.router.engines import Engine, Upstream
 
 
 def test_a_request_counts_as_prefilling_until_its_answer_begins() -> None:

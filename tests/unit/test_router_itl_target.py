@@ -12,10 +12,10 @@ from turnkv.protocol import CacheHints, PromptTokens, RouterTurnStats, TurnTimes
 from turnkv_server.bench.plan import BenchSettings, cluster_config
 from turnkv_server.router.__main__ import parse_args
 from turnkv_server.router.config import RouterConfig, from_args, itl_target_args
+from turnkv_server.router.engines import Placement
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import DecodeAlone, Mode, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.modes.itl import WINDOW, ItlTarget, tokens_to_compute
-from turnkv_server.router.placement import Placement
 
 from .test_router_turnkv_mode import Tokenizer, context, turn
 

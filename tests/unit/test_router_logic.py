@@ -6,10 +6,10 @@ from turnkv.protocol import CacheHints, TurnTag
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, prefill_request
 from turnkv_server.router.apis.chat import strip_token_ids
 from turnkv_server.router.app import extract_tag
+from turnkv_server.router.engines import EnginePool
 from turnkv_server.router.errors import BadRequest
 from turnkv_server.router.modes.base import NixlPeer
 from turnkv_server.router.modes.bidirectional import trim_offer
-from turnkv_server.router.placement import EnginePool
 from turnkv_server.router.sessions import LeasePolicy, SessionKey, SessionTable
 from turnkv_server.router.tenants import DEFAULT_TENANT, Tenants
 from turnkv_server.router.token_history import common_prefix_len, prefix_break

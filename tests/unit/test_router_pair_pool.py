@@ -17,13 +17,12 @@ from turnkv_server.bench.plan import BenchSettings, cluster_config
 from turnkv_server.engine.protocol import parse
 from turnkv_server.router.app import Router
 from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.engines import Engine, EnginePool, Placement, Upstream
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import DecodeAlone, ModeContext, Turn, TurnEnd
 from turnkv_server.router.modes.planned import PairPool
-from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.sessions import Session, SessionKey
 from turnkv_server.router.tenants import DEFAULT_TENANT
-from turnkv_server.router.upstream import Upstream
 
 
 class Tokenizer(Upstream):

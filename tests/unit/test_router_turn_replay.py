@@ -17,8 +17,8 @@ import pytest
 
 from tests.unit.test_router_admission import until
 from tests.unit.test_router_affinity import StandIn, affinity_router
+from turnkv_server.router.engines import Placement
 from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
-from turnkv_server.router.placement import Placement
 
 
 def chat(session: str, next_turn_in: float | None = None) -> dict[str, Any]:

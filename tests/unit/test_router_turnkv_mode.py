@@ -13,6 +13,7 @@ from turnkv.protocol import CacheHints, PromptTokens, RouterTurnStats, TurnTag
 from turnkv_server.engine.protocol import parse
 from turnkv_server.launcher.cluster import kv_transfer_config
 from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.engines import Engine, EnginePool, Reply, Upstream
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import (
     DecodeAlone,
@@ -29,9 +30,7 @@ from turnkv_server.router.modes.turnkv import (
     lost_history,
     new_tokens,
 )
-from turnkv_server.router.placement import Engine, EnginePool
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey
-from turnkv_server.router.upstream import Reply, Upstream
 
 PREFILL, DECODE = "http://127.0.0.1:1", "http://127.0.0.1:2"
 

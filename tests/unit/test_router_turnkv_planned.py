@@ -15,13 +15,12 @@ from turnkv.stats import TurnStats as SdkTurnStats
 from turnkv_server.engine.protocol import parse
 from turnkv_server.router import stats
 from turnkv_server.router.config import RouterConfig, from_args
+from turnkv_server.router.engines import Engine, EnginePool, Placement, Upstream
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.modes.planned import SessionPlace, Turnkv
-from turnkv_server.router.placement import Engine, EnginePool, Placement
 from turnkv_server.router.planner import Where
 from turnkv_server.router.sessions import SessionKey
-from turnkv_server.router.upstream import Upstream
 
 from .test_router_turnkv_mode import DECODE, PREFILL, Tokenizer, turn
 from .test_tool_calling import up_config

@@ -11,8 +11,8 @@ import pytest
 from turnkv import protocol as p
 from turnkv_server.router import stats
 from turnkv_server.router.apis.chat import correct_usage
+from turnkv_server.router.engines import Engine, Placement
 from turnkv_server.router.modes.base import DecodeAlone, Turn, TurnPlan
-from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session, SessionKey
 
 BLOCK = 128

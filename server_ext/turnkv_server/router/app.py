@@ -33,12 +33,14 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from turnkv import protocol as p
+from turnkv_server.router.aggregated import engine_pool
 from turnkv_server.router.apis.base import Api, Prepared, Resolve
 from turnkv_server.router.apis.chat import CHAT, COMPLETIONS
 from turnkv_server.router.apis.messages import MESSAGES
 from turnkv_server.router.apis.responses import RESPONSES_ERRORS
 from turnkv_server.router.apis.responses_state import ResponsesService
 from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.engines import EngineRejected, Upstream
 from turnkv_server.router.errors import RETRY_AFTER_S, BadRequest, install_error_handlers
 from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes import make_mode
@@ -53,7 +55,6 @@ from turnkv_server.router.peer_sessions import (
     read_dialects,
     read_peer_sessions,
 )
-from turnkv_server.router.placement import EnginePool
 from turnkv_server.router.responses_store import ResponsesGauges, responses_store
 from turnkv_server.router.routes import add_routes, health_loop
 from turnkv_server.router.session_service import Admission, ClientLeft, SessionService
@@ -62,7 +63,6 @@ from turnkv_server.router.sessions import LeasePolicy, SessionTable
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tenants import DEFAULT_TENANT, Tenants
 from turnkv_server.router.turn import Relayed, TurnFailed, Turns
-from turnkv_server.router.upstream import EngineRejected, Upstream
 
 # What a request without peers' fields names by them: nothing.
 NO_DIALECTS, NO_PEERS = Dialects(), PeerSessions()
@@ -203,7 +203,7 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.pool = EnginePool.from_urls(config.prefill, config.decode, engines=config.engine)
+        self.pool = engine_pool(config.prefill, config.decode, engines=config.engine)
         self.tenants = Tenants(config.api_keys, config.admin_key, caps_for=config.caps_for)
         self.metrics = RouterMetrics()
         self.upstream = Upstream(read_timeout=config.engine_read_timeout)

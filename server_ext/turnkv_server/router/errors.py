@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from turnkv_server.router.engines import Engine
+
 ANTHROPIC_PREFIX = "/v1/messages"
 # What a 503 tells the client to wait before it tries again.
 RETRY_AFTER_S = "2"
@@ -41,6 +43,15 @@ class BadRequest(Exception):
         self.message = message
         self.param = param
         self.status = status
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot serve the turn now (unreachable, or a 5xx): it is taken out of
+    service and the turn replayed elsewhere."""
+
+    def __init__(self, engine: Engine, detail: str) -> None:
+        super().__init__(f"{engine.name} ({engine.url}) unavailable: {detail}")
+        self.engine = engine
 
 
 def is_anthropic(path: str | None) -> bool:

@@ -22,16 +22,16 @@ from turnkv import protocol as p
 from turnkv_server.router.apis.messages import MESSAGES
 from turnkv_server.router.apis.responses_state import ResponsesService
 from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.engine_queries import cache_config
+from turnkv_server.router.engines import Engine, EngineConnectionError, EnginePool, Upstream
 from turnkv_server.router.errors import BadRequest, error_response
 from turnkv_server.router.modes.base import Mode
-from turnkv_server.router.placement import Engine, EnginePool
 from turnkv_server.router.session_service import SessionService
 from turnkv_server.router.session_store import StoreUnavailable
 from turnkv_server.router.sessions import Session, SessionKey
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.turn import Turns
-from turnkv_server.router.upstream import EngineConnectionError, Upstream
 
 RETRY_AFTER_S = "2"
 
@@ -71,7 +71,7 @@ async def _probe(router: Served, engine: Engine) -> None:
     router.metrics.engine_healthy.labels(engine.name).set(1 if ok else 0)
     if ok and engine.block_size is None:
         with contextlib.suppress(EngineConnectionError, RuntimeError, ValueError):
-            cache = await router.upstream.cache_config(engine)
+            cache = await cache_config(router.upstream, engine)
             engine.block_size, engine.kv_tokens = cache.block_size, cache.tokens
 
 

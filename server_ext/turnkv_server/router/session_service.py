@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.protocol import CacheHints, RouterTurnStats, TurnTag
-from turnkv_server.router.placement import Placement
+from turnkv_server.router.engines import Placement
 from turnkv_server.router.session_store import (
     RedisStore,
     StoreUnavailable,

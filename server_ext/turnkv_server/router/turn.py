@@ -2,14 +2,14 @@
 
 `Turns.serve` takes a request the app has read (`app`) and the API it came in on (`apis`: how
 its requests and answers are written): opens its session (`sessions`) and admits it
-(`Admission`); lets the mode `begin` it; places it (`placement`) and asks the mode for the
+(`Admission`); lets the mode `begin` it; places it (`engines.EnginePool`) and asks the mode for the
 attempt's plan (`modes`); sends the prefill request (unless the decode engine serves alone)
 and the decode request; relays the answer, whole or streamed, with the turn's stats (`stats`);
 tells the mode how the decode request ended (`Mode.finish`) and remembers the turn.
 
 Engine trouble before the client has a byte (refused, reset, a 5xx) marks the engine unhealthy
 and replays the turn on another pair; a failed read-back of held KV is replayed without reuse.
-Every engine request is owned from its sending until it is closed (`upstream.Stream`), the
+Every engine request is owned from its sending until it is closed (`engines.Stream`), the
 decode request by a `Decode`, which ends exactly once on every path.
 """
 
@@ -32,18 +32,19 @@ from turnkv_server.router import stats
 from turnkv_server.router.apis.base import Api
 from turnkv_server.router.apis.chat import ask_usage
 from turnkv_server.router.conversations import RelayedReply
-from turnkv_server.router.inferred_sessions import InferredSessions
-from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
-from turnkv_server.router.placement import EnginePool, Placement
-from turnkv_server.router.session_service import Admission, ClientGone, SessionService
-from turnkv_server.router.sessions import SessionKey
-from turnkv_server.router.upstream import (
+from turnkv_server.router.engines import (
     EngineConnectionError,
+    EnginePool,
     EngineRejected,
-    EngineUnavailable,
+    Placement,
     Stream,
     Upstream,
 )
+from turnkv_server.router.errors import EngineUnavailable
+from turnkv_server.router.inferred_sessions import InferredSessions
+from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
+from turnkv_server.router.session_service import Admission, ClientGone, SessionService
+from turnkv_server.router.sessions import SessionKey
 
 
 class TurnFailed(Exception):

@@ -56,7 +56,7 @@ class SimEngine:
     @property
     def prompts(self) -> int:
         """Prompts it is computing or has queued: what the router counts as requests whose
-        answer has not begun (`router.placement.Engine.prefilling`)."""
+        answer has not begun (`router.engines.Engine.prefilling`)."""
         return self._lane.count + len(self._lane.queue)
 
     def lane(self) -> simpy.resources.resource.Request:

@@ -31,8 +31,8 @@ from fastapi.responses import JSONResponse, Response
 
 from turnkv import protocol as p
 from turnkv_server.router.conversations import RelayedReply
+from turnkv_server.router.engines import SseEvent
 from turnkv_server.router.errors import error_response
-from turnkv_server.router.upstream import SseEvent
 
 if TYPE_CHECKING:
     from turnkv_server.router.modes.base import Turn, TurnPlan

@@ -4,7 +4,7 @@ one turn to the next. No KV moves anywhere. It is what a platform deploys instea
 (session-affinity routing in front of ordinary engines), so it is the baseline every P/D mode
 is measured against first.
 
-Placement is the pool's (`upstream.EnginePool`, aggregated): a session stays on its engine
+Placement is the pool's (`aggregated.AggregatedPool`): a session stays on its engine
 while it is healthy and not overloaded, a new one goes where its prefix ID is warm, else to
 the least loaded engine; an engine that fails moves its sessions, like a pair in the P/D modes.
 
@@ -27,6 +27,7 @@ from typing import Any
 
 from turnkv.protocol import CacheHints
 from turnkv_server.engine.protocol import TurnParams
+from turnkv_server.router.engines import Engine, Placement
 from turnkv_server.router.modes.base import (
     DecodeAlone,
     Mode,
@@ -44,7 +45,6 @@ from turnkv_server.router.modes.leases import (
     prefetch_lease,
     turn_hints,
 )
-from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session
 
 

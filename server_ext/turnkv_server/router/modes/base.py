@@ -38,10 +38,9 @@ from typing import Any, Literal, Protocol
 from turnkv.protocol import CacheHints, FallbackReason, PrefetchOutcome, RouterTurnStats, TurnTag
 from turnkv_server.engine.requests import tokenize_request
 from turnkv_server.router.config import RouterConfig
-from turnkv_server.router.placement import Engine, EnginePool, Placement
+from turnkv_server.router.engines import Engine, EnginePool, Placement, Upstream
 from turnkv_server.router.planner import Choice, Decision
 from turnkv_server.router.sessions import LeasePolicy, Session
-from turnkv_server.router.upstream import Upstream
 
 
 @dataclass

@@ -15,6 +15,8 @@ from dataclasses import replace
 from typing import Any
 
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, one_token_request
+from turnkv_server.router.engine_queries import block_size
+from turnkv_server.router.engines import Engine, EngineConnectionError, Placement
 from turnkv_server.router.modes.base import (
     Mode,
     ModeContext,
@@ -24,10 +26,8 @@ from turnkv_server.router.modes.base import (
     tokenize,
     tokenize_body,
 )
-from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import HeldKv, Session
 from turnkv_server.router.token_history import common_prefix_len
-from turnkv_server.router.upstream import EngineConnectionError
 
 # Held params are not offered this close to their expiry: a read of expired blocks fails the
 # prefill request with a 500 (measured), and the clocks of router and engine differ.
@@ -139,5 +139,5 @@ class Bidirectional(Mode):
 
     async def _block_size(self, engine: Engine) -> int:
         if engine.name not in self._block_sizes:
-            self._block_sizes[engine.name] = await self.ctx.upstream.block_size(engine)
+            self._block_sizes[engine.name] = await block_size(self.ctx.upstream, engine)
         return self._block_sizes[engine.name]

@@ -13,9 +13,8 @@ from typing import Any
 
 from turnkv_server.engine.protocol import KEY, TurnParams
 from turnkv_server.engine.requests import one_token_request
+from turnkv_server.router.engines import Engine, EngineConnectionError
 from turnkv_server.router.modes.base import ModeContext
-from turnkv_server.router.placement import Engine
-from turnkv_server.router.upstream import EngineConnectionError
 
 log = logging.getLogger(__name__)
 

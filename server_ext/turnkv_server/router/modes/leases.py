@@ -39,11 +39,10 @@ from typing import Any
 from turnkv.protocol import CacheHints, PrefetchOutcome
 from turnkv_server.engine.protocol import KEY, Receive, Send, TurnParams
 from turnkv_server.engine.requests import one_token_request
+from turnkv_server.router.engines import Engine, EngineConnectionError, EngineRejected, Upstream
 from turnkv_server.router.modes.base import Mode, ModeContext, Turn, TurnPlan, tokenize
 from turnkv_server.router.modes.engine_orders import CONTROL_TIMEOUT_S, EngineOrders
-from turnkv_server.router.placement import Engine
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey
-from turnkv_server.router.upstream import EngineConnectionError, EngineRejected, Upstream
 
 log = logging.getLogger(__name__)
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnkv_server.engine.protocol import Receive, Send
+from turnkv_server.router.engines import Engine, Placement
 from turnkv_server.router.modes.base import (
     DecodeAlone,
     ModeContext,
@@ -54,7 +55,6 @@ from turnkv_server.router.modes.base import (
 )
 from turnkv_server.router.modes.leases import send_or_none, turn_hints
 from turnkv_server.router.modes.turnkv import HELD_TAIL_TOKENS, PdTurnkv, transfer_id
-from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.planner import (
     Choice,
     CostModel,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE
+from turnkv_server.router.engines import Placement
 from turnkv_server.router.modes.base import Mode, Turn, TurnPlan, engine_request_id
-from turnkv_server.router.placement import Placement
 
 
 class Push(Mode):

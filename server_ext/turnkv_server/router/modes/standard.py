@@ -9,8 +9,8 @@ the params the prefill's response returned, and the decode engine READs the bloc
 from __future__ import annotations
 
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE
+from turnkv_server.router.engines import Placement
 from turnkv_server.router.modes.base import Mode, Turn, TurnPlan
-from turnkv_server.router.placement import Placement
 
 
 class Standard(Mode):

@@ -41,6 +41,7 @@ from turnkv_server.engine.protocol import (
     parse_reply,
 )
 from turnkv_server.engine.requests import one_token_request
+from turnkv_server.router.engines import Engine, EngineConnectionError, Placement, Reply
 from turnkv_server.router.modes.base import (
     DecodeAlone,
     ModeContext,
@@ -61,10 +62,8 @@ from turnkv_server.router.modes.leases import (
     send_or_none,
     turn_hints,
 )
-from turnkv_server.router.placement import Engine, Placement
 from turnkv_server.router.sessions import Session
 from turnkv_server.router.token_history import common_prefix_len
-from turnkv_server.router.upstream import EngineConnectionError, Reply
 
 log = logging.getLogger(__name__)
 

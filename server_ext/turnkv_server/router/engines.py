@@ -1,4 +1,14 @@
-"""The engines behind the router: HTTP to them. Which engines serve a turn is `placement`.
+"""The engines behind the router: which serve a turn (the pool of engines and their placement)
+and HTTP to them.
+
+A session's turns stay on the pair that holds its KV while both engines are healthy
+and not overloaded; a new session goes where its prefix ID is warm, else to the least loaded
+pair. Warmth yields to balance: a shared system prompt is worth a few hundred tokens of
+prefill, while the sessions an engine is home to decide how much KV it must hold as they
+grow, so a new session leaves its warm engine when that engine is home to more than
+`balance_sessions` sessions beyond the lightest one (SGLang's cache-aware router makes the same
+trade with its balance thresholds). In the `standard` mode (the baseline) there is no affinity
+at all: plain round robin. An `affinity` router's aggregated engines: `aggregated`.
 
 HTTP: aiohttp rather than httpx here, for cost: an aiohttp request takes a fraction of the
 CPU of an `httpx.AsyncClient` one (docs/architecture.md, "What the router costs"), and the
@@ -20,16 +30,164 @@ error, a cancelled task) only has to make sure the Stream is closed. GETs (healt
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+import itertools
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import aiohttp
 import orjson
 
-from turnkv_server.engine.metrics import CacheConfig, parse_cache_config
-from turnkv_server.router.placement import Engine
+# "engine": an aggregated engine (affinity mode), which computes prompts and decodes.
+Role = Literal["prefill", "decode", "engine"]
 
+PlacementReason = Literal["affinity", "prefix_warm", "least_loaded", "round_robin", "moved",
+                          "balanced"]
+
+
+@dataclass
+class Engine:
+    name: str
+    url: str
+    role: Role
+    healthy: bool = True
+    in_flight: int = 0
+    # Of those, the requests that have not sent a byte of their answer yet: prompts it is
+    # computing, or queued to (a streamed answer starts with the first token).
+    prefilling: int = 0
+    consecutive_failures: int = 0
+    # Its KV block size once a health probe has read it (stats explain reuse in whole blocks).
+    block_size: int | None = None
+    # Its KV cache's capacity in tokens, read with the block size.
+    kv_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    prefill: Engine
+    decode: Engine
+    reason: PlacementReason
+
+
+@dataclass
+class EnginePool:
+    prefill: list[Engine]
+    decode: list[Engine]
+    # A pair is overloaded when one of its engines has this many turns in flight.
+    max_in_flight: int = 64
+    max_prefixes: int = 4096
+    # A new session leaves its warm engine for the engine home to the fewest live sessions
+    # when the warm one is home to more than this many beyond it.
+    balance_sessions: int = 1
+    _warm_prefixes: OrderedDict[str, tuple[str, str]] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        if not self.decode or (not self.prefill and not self.aggregated):
+            raise ValueError("the router needs at least one prefill and one decode engine, "
+                             "or aggregated engines")
+        self._prefill_rr = itertools.cycle(self.prefill)
+        # Every engine by name, prefill engines first (the pool's engines never change).
+        self.named: dict[str, Engine] = {e.name: e for e in (*self.prefill, *self.decode)}
+        self._decode_rr = itertools.cycle(self.decode)
+
+    @property
+    def aggregated(self) -> bool:
+        """Aggregated engines only (affinity mode): each serves its turns whole."""
+        return not self.prefill and all(e.role == "engine" for e in self.decode)
+
+    @classmethod
+    def from_urls(cls, prefill: list[str], decode: list[str], max_in_flight: int = 64
+                  ) -> EnginePool:
+        """Prefill and decode engines; aggregated ones (affinity mode) are
+        `aggregated.AggregatedPool`'s."""
+        return cls(
+            prefill=[Engine(f"prefill-{i}", u.rstrip("/"), "prefill")
+                     for i, u in enumerate(prefill)],
+            decode=[Engine(f"decode-{i}", u.rstrip("/"), "decode")
+                    for i, u in enumerate(decode)],
+            max_in_flight=max_in_flight,
+        )
+
+    def engines(self) -> list[Engine]:
+        return [*self.prefill, *self.decode]
+
+    def by_name(self, name: str | None) -> Engine | None:
+        return self.named.get(name) if name is not None else None
+
+    def round_robin(self) -> Placement:
+        return Placement(self._next_healthy(self._prefill_rr, self.prefill),
+                         self._next_healthy(self._decode_rr, self.decode), "round_robin")
+
+    def place(
+        self, *, prefill: str | None, decode: str | None, prefix_id: str | None,
+        homed: Mapping[str, int] | None = None,
+    ) -> Placement:
+        """Placement for a session turn; ``prefill``/``decode`` are where it ran last;
+        ``homed``: how many live sessions each decode (or aggregated) engine is home to."""
+        homed = homed or {}
+        home_p, home_d = self.by_name(prefill), self.by_name(decode)
+        if home_p and home_d and self._usable(home_p) and self._usable(home_d):
+            return Placement(home_p, home_d, "affinity")
+        had_home = prefill is not None or decode is not None
+        balanced = False
+        if not had_home and prefix_id and prefix_id in self._warm_prefixes:
+            p_name, d_name = self._warm_prefixes[prefix_id]
+            warm_p, warm_d = self.by_name(p_name), self.by_name(d_name)
+            if warm_p and warm_d and self._usable(warm_p) and self._usable(warm_d):
+                if not self._crowded(warm_d, homed):
+                    return Placement(warm_p, warm_d, "prefix_warm")
+                balanced = True
+        p = self._least_loaded(self.prefill, prefer=home_p)
+        d = self._least_loaded(self.decode, prefer=home_d, homed=homed)
+        return Placement(p, d, "moved" if had_home else "balanced" if balanced
+                         else "least_loaded")
+
+    def unhealthy(self, *names: str | None) -> list[str]:
+        """Those of the named engines that are down, each once (an affinity session names its
+        engine twice)."""
+        return [e.name for e in map(self.by_name, dict.fromkeys(names))
+                if e is not None and not e.healthy]
+
+    def remember_prefix(self, prefix_id: str, placement: Placement) -> None:
+        self._warm_prefixes[prefix_id] = (placement.prefill.name, placement.decode.name)
+        self._warm_prefixes.move_to_end(prefix_id)
+        while len(self._warm_prefixes) > self.max_prefixes:
+            self._warm_prefixes.popitem(last=False)
+
+    def _usable(self, engine: Engine) -> bool:
+        return engine.healthy and engine.in_flight < self.max_in_flight
+
+    def _crowded(self, engine: Engine, homed: Mapping[str, int]) -> bool:
+        """Whether `engine` is home to more than `balance_sessions` live sessions beyond the
+        healthy engine (of its role) home to the fewest."""
+        peers = [e for e in self.decode if e.healthy and self._usable(e)]
+        fewest = min((homed.get(e.name, 0) for e in peers), default=0)
+        return homed.get(engine.name, 0) > fewest + self.balance_sessions
+
+    def _least_loaded(self, engines: list[Engine], prefer: Engine | None,
+                      homed: Mapping[str, int] | None = None) -> Engine:
+        # A healthy home engine keeps its role even when its partner moved: it holds KV.
+        if prefer is not None and self._usable(prefer):
+            return prefer
+        healthy = [e for e in engines if e.healthy] or engines
+        return min(healthy, key=lambda e: load_of(e, homed or {}))
+
+    @staticmethod
+    def _next_healthy(cycle: itertools.cycle[Engine], engines: list[Engine]) -> Engine:
+        for _ in range(len(engines)):
+            engine = next(cycle)
+            if engine.healthy:
+                return engine
+        return next(cycle)
+
+
+def load_of(engine: Engine, homed: Mapping[str, int]) -> tuple[int, int]:
+    """Turns in flight first (now), then the live sessions it is home to (what it will hold)."""
+    return engine.in_flight, homed.get(engine.name, 0)
+
+
+# -- HTTP to the engines ---------------------------------------------------------------------
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -38,15 +196,6 @@ class EngineConnectionError(Exception):
 
     def __init__(self, engine: Engine, detail: str) -> None:
         super().__init__(detail)
-        self.engine = engine
-
-
-class EngineUnavailable(Exception):
-    """The engine cannot serve the turn now (unreachable, or a 5xx): it is taken out of
-    service and the turn replayed elsewhere."""
-
-    def __init__(self, engine: Engine, detail: str) -> None:
-        super().__init__(f"{engine.name} ({engine.url}) unavailable: {detail}")
         self.engine = engine
 
 
@@ -129,11 +278,6 @@ class Stream:
             raise EngineConnectionError(self.engine, _describe(exc)) from exc
         if pending:
             yield pending
-
-    async def events(self) -> AsyncIterator[bytes]:
-        """The `data:` payloads of an SSE body, in order."""
-        async for event in self.sse():
-            yield event.data
 
     async def sse(self) -> AsyncIterator[SseEvent]:
         """The events of an SSE body, in order, each with its `event:` name if it has one (the
@@ -237,18 +381,6 @@ class Upstream:
             raise EngineConnectionError(
                 engine, f"{engine.name} /tokenize answered {response.status}")
         return list(response.json()["tokens"])
-
-    async def block_size(self, engine: Engine) -> int:
-        """The engine's KV block size, from its `/metrics`."""
-        size = (await self.cache_config(engine)).block_size
-        if size is None:
-            raise RuntimeError(f"{engine.name} does not report its block size")
-        return size
-
-    async def cache_config(self, engine: Engine) -> CacheConfig:
-        """The engine's KV cache settings (block size, blocks), from its `/metrics`."""
-        reply = await self.get(engine, "/metrics", timeout=10.0)
-        return parse_cache_config(reply.content.decode())
 
     async def close(self) -> None:
         if self._session is not None:
