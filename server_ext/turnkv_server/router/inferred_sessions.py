@@ -1,5 +1,5 @@
 """Conversations nobody tagged, recognised from their content: a turn that no key names
-(`tags.read_keys`), on any API with conversations (chat, Responses, Messages: their requests
+(`app.read_keys`), on any API with conversations (chat, Responses, Messages: their requests
 read alike, `conversations.chat_messages`), and that continues a conversation this router
 served (that turn's prompt, its reply, then more) is a turn of that conversation's session;
 any other opens a session of its own, which its continuation then finds. Each such session

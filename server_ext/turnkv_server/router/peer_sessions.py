@@ -1,5 +1,5 @@
 """Peers' session keys: what clients of other serving stacks already send to name a session or
-hint at its future, read (and removed from the body) for the order `tags.read_keys` applies.
+hint at its future, read (and removed from the body) for the order `app.read_keys` applies.
 
 1. Dialects read under the turnkv tag (docs/protocol.md, "Peers' dialects"), `read_dialects`.
 
@@ -11,7 +11,7 @@ hint at its future, read (and removed from the body) for the order `tags.read_ke
 - OpenAI's `prompt_cache_key` is a prefix ID: clients share one key across many
   conversations (a user, a prompt template), and one turnkv session holds one conversation's
   history, one turn at a time. (Codex sends its conversation ID as the key: for a Codex
-  request `tags.read_keys` reads it as the session too.)
+  request `app.read_keys` reads it as the session too.)
 
 The turnkv tag (body and `X-TurnKV-*` headers) wins field by field. A dialect's lifecycle
 (its TTL, its end) acts only on the session its own field names, so that a dialect can never
@@ -32,7 +32,7 @@ The fields are removed from the body: engines see a session only as the router's
   releases spell it.
 - Codex: whether the request comes from Codex at all (its `originator` header, or a
   `User-Agent` starting `codex`), which decides what its `prompt_cache_key` is
-  (`tags.read_keys`).
+  (`app.read_keys`).
 - OpenAI's `prompt_cache_retention`: `in_memory` (the default) or `24h`.
 
 These IDs are any string to their clients (vLLM sets no alphabet; Codex and Claude Code send
@@ -55,7 +55,7 @@ from turnkv import protocol as p
 
 HEADER_DYNAMO_SESSION = "X-Dynamo-Session-ID"
 HEADER_DYNAMO_FINAL = "X-Dynamo-Session-Final"
-# As `tags.Headers` keeps the names.
+# As `app.Headers` keeps the names.
 _DYNAMO_SESSION, _DYNAMO_FINAL = HEADER_DYNAMO_SESSION.lower(), HEADER_DYNAMO_FINAL.lower()
 # Prefix IDs made from a prompt cache key start with this, so that they read as such.
 PROMPT_CACHE_PREFIX = "pck-"
@@ -82,7 +82,7 @@ class Dialects:
     # session_control's, else the header's: a body field wins over a header, as turnkv's own.
     session_id: str | None = None
     prefix_id: str | None = None
-    # The `prompt_cache_key` as sent (`tags.read_keys` decides whether it names a session).
+    # The `prompt_cache_key` as sent (`app.read_keys` decides whether it names a session).
     cache_key: str | None = None
     priority: int | None = None
     # Hints that act only on the session their own field named: (that session ID, hints).
@@ -114,7 +114,7 @@ class Dialects:
 
 def read_dialects(body: dict[str, Any], headers: Mapping[str, str], tenant: str) -> Dialects:
     """Pop the dialect fields from `body` (mutates it) and read them with the headers'
-    (`tags.Headers`: names in lower case)."""
+    (`app.Headers`: names in lower case)."""
     control, agent_hints = None, None
     nvext = body.get("nvext")
     if nvext is not None:
@@ -238,7 +238,7 @@ def _is_number(value: Any) -> bool:
 HEADER_VLLM_SESSION = "X-Session-ID"
 HEADER_CLAUDE_CODE_SESSION = "x-claude-code-session-id"
 HEADERS_CODEX_SESSION = ("session_id", "session-id")
-_VLLM_SESSION = HEADER_VLLM_SESSION.lower()  # as `tags.Headers` keeps the names
+_VLLM_SESSION = HEADER_VLLM_SESSION.lower()  # as `app.Headers` keeps the names
 # A foreign ID outside turnkv's alphabet is named by this and its hash.
 FOREIGN_PREFIX = "h-"
 # OpenAI's values; `24h` asks for the longest lease the router allows.
@@ -246,7 +246,7 @@ RETENTION_KEEP = "24h"
 RETENTION_DEFAULT = "in_memory"
 
 
-# Every field the readers above look for, in the body and among the headers (as `tags.Headers`
+# Every field the readers above look for, in the body and among the headers (as `app.Headers`
 # keeps the names): a request that carries none of them (most) has nothing here to read.
 BODY_FIELDS = frozenset({"nvext", "prompt_cache_key", "session_id", "vllm_xargs",
                          "conversation_id", "prompt_cache_retention"})
@@ -266,7 +266,7 @@ class PeerSessions:
 
 def read_peer_sessions(body: dict[str, Any], headers: Mapping[str, str]) -> PeerSessions:
     """Pop the peers' fields from `body` (mutates it) and read them with the headers
-    (`tags.Headers`: names in lower case)."""
+    (`app.Headers`: names in lower case)."""
     vllm = _first(
         _body_id(body, "session_id"),
         _header_id(headers.get(_VLLM_SESSION)),

@@ -17,7 +17,7 @@ results (`calibration`) or derived from published figures (`gpu_profiles`).
   host tier `tier_join_wait_steps`): what such prompts took on the bench's engines beyond
   that, fitted (`calibration.fit_join_wait`), not modelled step by step.
 
-The planner's own cost model (`router.costs.CostModel`) starts from `planner_priors()` and
+The planner's own cost model (`router.planner.CostModel`) starts from `planner_priors()` and
 learns per engine from the simulated turns as the router does from real ones.
 """
 

@@ -229,7 +229,7 @@ class Prepared:
 @dataclass
 class Resolved:
     """What a route with state of its own (the Responses API's) resolved of a request before
-    its keys are read (`tags.read_keys`): the session its lineage names, which takes its place
+    its keys are read (`app.read_keys`): the session its lineage names, which takes its place
     in the order of session keys, and how the request, once its keys are read (its body
     without them, its tag from whichever key named it, its prefix ID), becomes one turn of
     its API (`prepare`)."""

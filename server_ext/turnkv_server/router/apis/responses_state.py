@@ -15,7 +15,7 @@ session the response it continues was served in, and where that response was ser
 (a root no key named: nothing says it will be continued), its chain's root. So a chain is one
 session, named by its root, or by the key that named its first turns' session (an
 `X-Session-ID`, turnkv's tag) when later turns send only `previous_response_id`. The lineage
-is one of the session keys, in their order (`tags.read_keys`, docs/protocol.md): a key before
+is one of the session keys, in their order (`app.read_keys`, docs/protocol.md): a key before
 it in that order, sent with a continuation, names the session instead, and the chain goes on
 in that one. The session a chain opens with its second response starts on the engines that
 served the first (`StoredResponse.served_on`), where its KV is. A `conversation` names its
