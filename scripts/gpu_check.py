@@ -25,13 +25,14 @@ Layer-by-layer writes, gated by CUDA events, are `scripts/gpu_layer_writes.py`'s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,23 +206,40 @@ class RemoteSender:
 # -- checks ----------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def engines(shape: Shape, layout: str, device: str, two_processes: bool, seed: int
+            ) -> Iterator[tuple[Engine, str, RemoteSender | None, Engine | None]]:
+    """A receiver, and a sender holding `seed`'s random KV (in a process of its own if
+    `two_processes`, else here): (receiver, sender's address, remote sender, local sender)."""
+    receiver = Engine("receiver", shape, layout, device, listen=False)
+    remote: RemoteSender | None = None
+    local: Engine | None = None
+    try:
+        if two_processes:
+            remote = RemoteSender(shape, layout, device)
+            remote.call("fill", seed)
+            address = remote.address
+        else:
+            local = Engine("sender", shape, layout, device, listen=True)
+            local.fill_random(seed)
+            address = local.address
+        yield receiver, address, remote, local
+    finally:
+        receiver.close()
+        if remote is not None:
+            remote.close()
+        if local is not None:
+            local.close()
+
+
 def check_bytes(shape: Shape, layout: str, device: str, two_processes: bool,
                 seed: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(shape.blocks, generator=generator).tolist()
     count = shape.blocks // 3
     source, target = order[:count], order[count:2 * count]
-    receiver = Engine("receiver", shape, layout, device, listen=False)
-    remote = RemoteSender(shape, layout, device) if two_processes else None
-    local = None if two_processes else Engine("sender", shape, layout, device, listen=True)
-    try:
-        if remote is not None:
-            remote.call("fill", seed)
-            address = remote.address
-        else:
-            assert local is not None
-            local.fill_random(seed)
-            address = local.address
+    with engines(shape, layout, device, two_processes, seed) as (receiver, address, remote,
+                                                                  local):
         before = receiver.blocks_bytes(list(range(shape.blocks)))
         transfer_id = f"bytes-{layout}-{int(two_processes)}"
         register(receiver, address, transfer_id, target)
@@ -237,18 +255,13 @@ def check_bytes(shape: Shape, layout: str, device: str, two_processes: bool,
             local.blocks_bytes(source)  # type: ignore[union-attr]
         after = receiver.blocks_bytes(list(range(shape.blocks)))
         moved_equal = all(torch.equal(after[t], e) for t, e in zip(target, expected, strict=True))
-        others = [b for b in range(shape.blocks) if b not in set(target)]
-        untouched = all(torch.equal(after[b], before[b]) for b in others)
+        moved = set(target)
+        untouched = all(torch.equal(after[b], before[b]) for b in range(shape.blocks)
+                        if b not in moved)
         return {"layout": layout, "processes": 2 if two_processes else 1,
                 "blocks_moved": count, "failed_blocks": sorted(receiver.failed),
                 "moved_equal": moved_equal, "others_untouched": untouched,
                 "ok": moved_equal and untouched and not receiver.failed}
-    finally:
-        receiver.close()
-        if remote is not None:
-            remote.close()
-        if local is not None:
-            local.close()
 
 
 def device_copy_ms(engine_from: Engine, engine_to: Engine, source: list[int],
@@ -273,18 +286,8 @@ def device_copy_ms(engine_from: Engine, engine_to: Engine, source: list[int],
 
 def measure_rates(shape: Shape, layout: str, device: str, sizes: list[int], repeats: int,
                   two_processes: bool) -> list[dict[str, Any]]:
-    receiver = Engine("receiver", shape, layout, device, listen=False)
-    remote = RemoteSender(shape, layout, device) if two_processes else None
-    local = None if two_processes else Engine("sender", shape, layout, device, listen=True)
     rows = []
-    try:
-        if remote is not None:
-            remote.call("fill", 1)
-            address = remote.address
-        else:
-            assert local is not None
-            local.fill_random(1)
-            address = local.address
+    with engines(shape, layout, device, two_processes, 1) as (receiver, address, remote, local):
         for size in sizes:
             times = []
             for attempt in range(repeats + 1):  # the first is a warm-up
@@ -325,12 +328,6 @@ def measure_rates(shape: Shape, layout: str, device: str, sizes: list[int], repe
                   f"({row['ms_min']:.2f}-{row['ms_max']:.2f})  {row['gb_per_s']:7.2f} GB/s"
                   + (f"  torch {row['torch_copy_ms']:.2f} ms" if "torch_copy_ms" in row else ""),
                   flush=True)
-    finally:
-        receiver.close()
-        if remote is not None:
-            remote.close()
-        if local is not None:
-            local.close()
     return rows
 
 
