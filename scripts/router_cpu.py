@@ -19,11 +19,13 @@ is not counted. Two ways to run the router:
   subtracted. `--profile FILE` runs the turns under cProfile (slower: the figure printed is
   then the profiled one) and prints the top functions.
 
-The difference of the two is what uvicorn and the sockets cost. Everything runs on one shared
-machine: compare interleaved runs, not absolute figures.
+The difference of the two is what uvicorn and the sockets cost. `--pause-ms` paces the turns
+as deployed the way real engines do (`scripts/router_latency.py`'s turns arrive about 10 ms
+apart): a router idle between turns spends more CPU on each than one kept busy. Everything runs
+on one shared machine: compare interleaved runs, not absolute figures.
 
     python scripts/router_cpu.py [--in-process [--profile out.prof] [--top 40]]
-                                 [--turns 1000] [--stream]
+                                 [--turns 1000] [--stream] [--pause-ms 10]
 """
 
 from __future__ import annotations
@@ -112,9 +114,11 @@ def turn_body(i: int, stream: bool) -> bytes:
                          "turnkv": {"session_id": f"lat-{i % SESSIONS}"}})
 
 
-async def run_turns(post: Post, bodies: list[bytes], check: bool) -> None:
+async def run_turns(post: Post, bodies: list[bytes], check: bool, pause_s: float = 0.0) -> None:
     for body in bodies:
         status, answer = await post(body)
+        if pause_s:
+            await asyncio.sleep(pause_s)
         if check and status != 200:
             raise SystemExit(f"turn failed: {status} {answer[:300]!r}")
 
@@ -153,7 +157,7 @@ async def measure_deployed(args: argparse.Namespace, urls: list[str]) -> None:
             print(f"measuring router PID {router.pid}", flush=True)
             before, wall = process.cpu_times(), time.perf_counter()
             await run_turns(post, [turn_body(i, args.stream) for i in range(args.turns)],
-                            check=False)
+                            check=False, pause_s=args.pause_ms / 1000)
             after, wall = process.cpu_times(), time.perf_counter() - wall
         report(args, after.user + after.system - before.user - before.system, wall)
     finally:
@@ -256,11 +260,16 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=1000)
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--pause-ms", type=float, default=0.0,
+                        help="as deployed: wait this long after each answer before the next "
+                        "turn (a real engine's answer takes about 10 ms of the tiny model's)")
     parser.add_argument("--in-process", action="store_true",
                         help="the router's ASGI app in this process, without uvicorn")
     parser.add_argument("--profile", help="with --in-process: cProfile the turns into this file")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
+    if args.pause_ms and args.in_process:
+        parser.error("--pause-ms measures the router as deployed, not --in-process")
     if args.profile and not args.in_process:
         parser.error("--profile needs --in-process (sample the deployed router with py-spy)")
     if not args.in_process:

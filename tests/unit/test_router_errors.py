@@ -100,6 +100,35 @@ def test_errors_under_v1_messages_answer_in_anthropic_shape() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(("path", "shape"), [("/v1/chat/completions", openai_error),
+                                              ("/v1/messages", anthropic_error)])
+def test_a_turn_that_fails_unexpectedly_is_a_500_in_its_apis_shape_and_raised_on(
+        path: str, shape: Any) -> None:
+    """The turn routes are served ahead of Starlette's error middleware (`RouterApp`): what it
+    did for them, `_serve_turn` does, a 500 in the API's shape and the exception raised on
+    for the server to log."""
+    app = app_with_test_routes()
+
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug")
+
+    app.state.router.turns.serve = broken
+
+    async def main() -> None:
+        body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        quiet = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=quiet, base_url="http://router") as client:
+            crashed = await client.post(path, json=body)
+            assert crashed.status_code == 500
+            assert "RuntimeError" in shape(crashed)["message"]
+            assert "a bug" not in crashed.text
+        loud = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=loud, base_url="http://router") as client:
+            with pytest.raises(RuntimeError, match="a bug"):
+                await client.post(path, json=body)
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_routers_own_refusals_are_openai_shaped(stream: bool) -> None:
     async def main() -> None:

@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     # Idle client connections stay open longer than clients keep them (httpx and the openai
     # client: 5 s), so a client never reuses a connection the router is closing at that
     # moment; uvicorn's own 5 s made that race (a read error on a fresh request) under load.
+    # No proxy headers: the router reads no client address (tenants are API keys, and it keeps
+    # no access log), and uvicorn would rewrite every request's scope for them.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
-                                           access_log=False, timeout_keep_alive=30))
+                                           access_log=False, timeout_keep_alive=30,
+                                           proxy_headers=False))
     server.run(sockets=[sock])
     if not server.started:
         sys.exit(3)  # uvicorn's STARTUP_FAILURE, as uvicorn.run exits

@@ -20,9 +20,7 @@ the SDK uses, and every key is removed before the request reaches an engine.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +28,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from turnkv import protocol as p
 from turnkv_server.router.aggregated import engine_pool
@@ -41,7 +39,12 @@ from turnkv_server.router.apis.responses import RESPONSES_ERRORS
 from turnkv_server.router.apis.responses_state import ResponsesService
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.engines import EngineRejected, Upstream
-from turnkv_server.router.errors import RETRY_AFTER_S, BadRequest, install_error_handlers
+from turnkv_server.router.errors import (
+    RETRY_AFTER_S,
+    BadRequest,
+    install_error_handlers,
+    internal_error,
+)
 from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext
@@ -56,7 +59,7 @@ from turnkv_server.router.peer_sessions import (
     read_peer_sessions,
 )
 from turnkv_server.router.responses_store import ResponsesGauges, responses_store
-from turnkv_server.router.routes import add_routes, health_loop
+from turnkv_server.router.routes import add_routes, upkeep
 from turnkv_server.router.session_service import Admission, ClientLeft, SessionService
 from turnkv_server.router.session_store import RedisStore, StoreUnavailable
 from turnkv_server.router.sessions import LeasePolicy, SessionTable
@@ -325,61 +328,72 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-def create_app(config: RouterConfig) -> FastAPI:
+class RouterApp(FastAPI):
+    """The router's ASGI app: FastAPI, with a turn's POST served ahead of its middleware stack
+    and route matching. Turns are nearly every request, and Starlette's error and exception
+    middleware and FastAPI's exit stack are a large share of a turn's CPU; the turn routes
+    answer their failures in the API's shape themselves, so all those layers add to a turn
+    is the answer to what the router did not expect, which `_serve_turn` gives the same way.
+    Any other request (another method on a turn's path included) goes through FastAPI."""
+
+    turn_routes: dict[str, Callable[[Request], Awaitable[Response]]]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.turn_routes.get(scope["path"])
+            if endpoint is not None:
+                await _serve_turn(self, endpoint, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+async def _serve_turn(app: RouterApp, endpoint: Callable[[Request], Awaitable[Response]],
+                      scope: Scope, receive: Receive, send: Send) -> None:
+    scope["app"] = app
+    started = False
+
+    async def send_noting_start(message: Message) -> None:
+        nonlocal started
+        started = started or message["type"] == "http.response.start"
+        await send(message)
+
+    try:
+        response = await endpoint(Request(scope, receive, send))
+        await response(scope, receive, send_noting_start)
+    except Exception as exc:
+        # As Starlette's error middleware does: a 500 in the API's shape if nothing was sent
+        # yet, and the exception raised on for the server to log.
+        if not started:
+            await internal_error(scope["path"], exc)(scope, receive, send)
+        raise
+
+
+def create_app(config: RouterConfig) -> RouterApp:
     router = Router(config)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        store = router.sessions.store
-        if store is not None:
-            router.tenants.use_secret(await store.start())
-        health = asyncio.create_task(health_loop(router))
-        try:
-            yield
-        finally:
-            health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await health
-            await router.upstream.close()
-            await router.responses.close()
-            if store is not None:
-                await store.close()
-
     # No redirects for a trailing slash: a session ID ending in an encoded "/" would be
     # redirected to, and acted on as, another session's route.
-    app = FastAPI(title="turnkv router", lifespan=lifespan, redirect_slashes=False)
+    app = RouterApp(title="turnkv router", lifespan=lambda _: upkeep(router),
+                    redirect_slashes=False)
     app.state.router = router
     install_error_handlers(app)
 
-    # The turn routes are Starlette's own routes, not FastAPI's: they read the request
-    # themselves, and FastAPI's per-request dependency solving and exit stacks were a tenth
-    # of the router's CPU per turn.
+    # The turn routes read the request themselves: no FastAPI dependencies to solve.
     async def chat(request: Request) -> Response:
         return await router.serve(request, CHAT)
 
     async def completions(request: Request) -> Response:
         return await router.serve(request, COMPLETIONS)
 
-    app.add_route("/v1/chat/completions", chat, methods=["POST"])
-    app.add_route("/v1/completions", completions, methods=["POST"])
-
-    # -- the Responses and Messages APIs (`router.apis`) ------------------------------------
-
     async def responses(request: Request) -> Response:
         return await router.serve(request, RESPONSES_ERRORS, router.responses.resolve)
-
-    app.add_route("/v1/responses", responses, methods=["POST"])
 
     async def messages(request: Request) -> Response:
         return await router.serve(request, MESSAGES)
 
-    app.add_route("/v1/messages", messages, methods=["POST"])
-
+    app.turn_routes = {"/v1/chat/completions": chat, "/v1/completions": completions,
+                       "/v1/responses": responses, "/v1/messages": messages}
+    # Registered as routes too, so that another method on their paths is a 405, not a 404.
+    for path, endpoint in app.turn_routes.items():
+        app.add_route(path, endpoint, methods=["POST"])
     add_routes(app, router)
-
-
-    # Starlette tries the routes in order, and turns are nearly every request: theirs first
-    # (no other route's path matches theirs).
-    turns = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
-    app.router.routes.sort(key=lambda route: getattr(route, "path", None) not in turns)
     return app

@@ -107,7 +107,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette raises the exception on after this answer, and the server logs it: the
-        # client gets no internals.
-        return error_response(500, f"internal router error ({type(exc).__name__}); the "
-                              "router's log has the details", path=request.url.path)
+        # Starlette raises the exception on after this answer, and the server logs it.
+        return internal_error(request.url.path, exc)
+
+
+def internal_error(path: str, exc: Exception) -> JSONResponse:
+    """The answer to what the router did not expect: a 500 in `path`'s API's shape, with no
+    internals (the router's log has them)."""
+    return error_response(500, f"internal router error ({type(exc).__name__}); the router's "
+                          "log has the details", path=path)

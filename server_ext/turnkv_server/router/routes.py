@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -50,6 +50,26 @@ class Served(Protocol):
     turns: Turns
 
     async def _read_body(self, request: Request) -> dict[str, Any]: ...
+
+
+@contextlib.asynccontextmanager
+async def upkeep(router: Served) -> AsyncIterator[None]:
+    """The router's life beside its turns: the shared store opened (and the tenants' secret
+    read from it), the health loop run, and everything closed at the end."""
+    store = router.sessions.store
+    if store is not None:
+        router.tenants.use_secret(await store.start())
+    health = asyncio.create_task(health_loop(router))
+    try:
+        yield
+    finally:
+        health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await health
+        await router.upstream.close()
+        await router.responses.close()
+        if store is not None:
+            await store.close()
 
 
 async def health_loop(router: Served) -> None:
