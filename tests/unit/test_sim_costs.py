@@ -141,6 +141,12 @@ def test_hits_that_are_all_multiples_of_two_blocks_do_not_double_the_block() -> 
     assert calibrate(result).block_size == 128
 
 
+def test_runs_that_record_no_hit_ran_the_benchs_default_block() -> None:
+    # The pooled modes' records name no prefix hit (`prefill_cached` None): nothing says the
+    # block is smaller than the bench's default, vLLM's on CPU.
+    assert calibrate(_result()).block_size == 128
+
+
 def test_kv_a_mode_the_simulator_does_not_replay_moved_does_not_set_the_block() -> None:
     # The affinity run's hits are whole 128-token blocks; a `bidirectional` run's
     # `prefill_reused` is the KV it moved, the whole prompt (500, 1,200, ... tokens): the

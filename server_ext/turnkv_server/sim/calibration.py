@@ -257,8 +257,9 @@ def fit_transfer(runs: Iterable[Mapping[str, Any]], step_ms: float) -> float | N
 def block_size(runs: Iterable[Mapping[str, Any]], default: int = 16) -> int:
     """The engines' KV block size: the runs' configured one, else the largest that divides
     every prefix hit and the bench's own default (vLLM's on CPU): hits that all happen to be
-    multiples of 256 say only that the block divides 256. The hits are those of the modes
-    the simulator replays (`BENCH_ROUTINGS`): another P/D mode's `prefill_reused` counts KV it
+    multiples of 256 say only that the block divides 256, and runs that record no hit (the
+    pooled modes' records name none) ran that default. The hits are those of the modes the
+    simulator replays (`BENCH_ROUTINGS`): another P/D mode's `prefill_reused` counts KV it
     moved, the whole prompt's, which ends wherever the prompt does."""
     runs = list(runs)
     configured = [r.get("config", {}).get("block_size") for r in runs]
@@ -266,7 +267,7 @@ def block_size(runs: Iterable[Mapping[str, Any]], default: int = 16) -> int:
         return int(next(c for c in configured if c))
     hits = [int(r[k]) for run in runs if run["mode"] in BENCH_ROUTINGS
             for r in run["records"] for k in ("prefill_cached", "prefill_reused") if r.get(k)]
-    found = VLLM_CPU_BLOCK_TOKENS if hits else 0
+    found = VLLM_CPU_BLOCK_TOKENS
     for h in hits:
         found = math.gcd(found, h)
     return found if found >= 8 else default
