@@ -10,7 +10,12 @@ import pytest
 from typer.testing import CliRunner
 
 from turnkv_server.cli import app
-from turnkv_server.sim.calibration import calibrate, fit_join_wait, fit_prefill
+from turnkv_server.sim.calibration import (
+    calibrate,
+    fit_join_wait,
+    fit_prefill,
+    fit_store_cost,
+)
 from turnkv_server.sim.fleet import FleetSpec
 from turnkv_server.sim.gpu_profiles import PROFILES
 from turnkv_server.sim.policy_specs import parse_policy
@@ -237,3 +242,22 @@ def test_a_prompt_reaching_a_decoding_engine_is_fitted_its_wait_beyond_the_step(
     # reach a prefill engine, which decodes nothing: none of them are read.
     assert fit_join_wait([_arrivals("affinity", 0.2, None)], _JOIN_COSTS) == (0.0, 0.0)
     assert fit_join_wait([_arrivals("standard", 2.5, None)], _JOIN_COSTS) == (0.0, 0.0)
+
+
+def _stored(mode: str, first_ms: float, host_tier_blocks: int | None) -> dict[str, object]:
+    """Five turns of 100 tokens, 40 computed: 3 blocks of 16 new to the engine (96 // 16 less
+    60 // 16). Their first 3 gaps between output tokens take `first_ms`, the 5 after 50."""
+    records = [{**_record(f"s{i}", 1, 10.0 * i, 100, 40, 200.0),
+                "itl_ms": [first_ms] * 3 + [50.0] * 5} for i in range(5)]
+    return {"mode": mode, "status": {"state": "ok"}, "records": records,
+            "config": {"host_tier_blocks": host_tier_blocks, "block_size": 16}}
+
+
+def test_a_tiers_store_is_fitted_per_block_beyond_the_first_steps_without_one() -> None:
+    # With a tier each turn's first 3 steps took 14 ms more than its later ones, without one
+    # 2 ms more: the store is the 12 ms between, per block (one a step).
+    runs = [_stored("affinity", 52.0, None), _stored("affinity-offload", 64.0, 4)]
+    assert fit_store_cost(runs, 16) == pytest.approx(12.0)
+    # No runs without a tier to set it against: none fitted; a P/D mode is not read.
+    assert fit_store_cost(runs[1:], 16) == 0.0
+    assert fit_store_cost([_stored("standard", 52.0, None), runs[1]], 16) == 0.0

@@ -207,3 +207,23 @@ def test_the_turnkv_planner_sees_the_room_the_sessions_histories_leave() -> None
     # The idle pair's turn was pushed back: the copy on the other engine counts there too.
     assert other.cache.held("a") == 1008
     assert routing.load(other).room_tokens == 9_000 - 1011
+
+
+def test_a_tiers_stores_lengthen_the_steps_that_copy_them_a_block_a_step() -> None:
+    # A tier below the cache, each block (16 tokens) copied to it 5 ms on the engine's step.
+    # Turn 1 computes 1,000 tokens (1,010 ms: nothing waits to be stored yet); its 62 whole
+    # blocks then wait, and each of its 10 decode steps copies one: 21 + 5 ms a step. Its end
+    # writes the output's whole block too: 52 + 1 wait. Idle, the engine copies them on,
+    # 5 ms each: 20 in the 100 ms before turn 2, whose prefill step copies one more (10 + 203
+    # + 5 ms); its 12 new blocks join the 32 left, and its 10 steps copy one each.
+    stores = replace(costs(), tier_store_ms_per_block=5.0)
+    run = Fleet(FleetSpec("affinity", 1, stores, tier_tokens=4096)).run(
+        [session("a", (1000, 11, 0.0), (200, 11, 0.1))])
+    first, second = run.outcomes
+    assert first.ttft_ms == pytest.approx(1010)
+    assert first.decode_ms == pytest.approx(10 * (21 + 5))
+    assert (second.computed, second.from_tier) == (203, 0)
+    assert second.ttft_ms == pytest.approx(10 + 203 + 5)
+    assert second.waited_ms == pytest.approx(0)
+    assert second.decode_ms == pytest.approx(10 * (21 + 5))
+    assert run.engines[0].stores_waiting == pytest.approx(32 + 12 + 1 - 10)

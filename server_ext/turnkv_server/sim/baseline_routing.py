@@ -94,7 +94,8 @@ class AffinityRouting:
         ttft_ms = (env.now - start) * 1000
         yield engine.decode(out - 1)
         decode_ms = (env.now - start) * 1000 - ttft_ms
-        keep_history(engine, session, turn, prompt + out, self.traffic)
+        keep_history(engine, session, turn, prompt + out, self.traffic,
+                     stored=done.stored_blocks)
         engine.turn_ended()
         if session.next_gap(turn) is None:
             self.homes.forget(sid)
@@ -121,7 +122,7 @@ class StandardRouting:
         p.in_flight += 1
         yield from routing_work(p, self.name)
         done = yield from compute_prompt(p, session, turn, prompt, self.traffic)
-        keep_history(p, session, turn, prompt, self.traffic)
+        keep_history(p, session, turn, prompt, self.traffic, stored=done.stored_blocks)
         p.turn_ended()
         d = self.decoders.pick()
         d.in_flight += 1

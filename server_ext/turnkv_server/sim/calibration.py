@@ -14,6 +14,9 @@
   decode step, against the prompt's tokens (the whole prompt's KV moves);
 - the wait of a prompt that reaches an engine decoding other turns (`fit_join_wait`), on
   engines without and with a host tier;
+- a host tier's store, per block, on the engine that copies it (`fit_store_cost`): how much
+  longer a turn's first decode steps took, where its prompt's new blocks were stored, than
+  on engines without a tier;
 - the tier reads at the transfer rate (both are copies between memory regions of the same
   host here: no bench turn times a tier read on its own);
 - the KV cache: the runs' own size (`kv_cache_tokens`), the block size the runs' configured
@@ -240,6 +243,45 @@ def fit_join_wait(runs: Iterable[Mapping[str, Any]], costs: ServiceCosts, create
     return steps(groups[False]), steps(groups[True])
 
 
+# A turn's own decode steps after those that stored its prompt, at least: their median is its
+# step beside the stores' (fewer would let one stall set it).
+MIN_LATER_GAPS = 4
+
+
+def _store_excess(run: Mapping[str, Any], block: int) -> list[float]:
+    """Per turn whose prompt filled `n` blocks new to its engine (computed there), ms per
+    block its first `n` gaps between output tokens took beyond `n` of its later ones'
+    median: the tier's worker copies a prompt's new blocks from the turn's first decode step
+    on (a block a step since the stores were paced, all in that step before), on the
+    engine's core."""
+    out = []
+    for r in _ok(run):
+        gaps = r.get("itl_ms") or []
+        prompt, computed = r["prompt_tokens"], _computed(r) or 0
+        new = prompt // block - (prompt - computed) // block
+        if new < 1 or len(gaps) < new + MIN_LATER_GAPS:
+            continue
+        out.append((sum(gaps[:new]) - new * median(gaps[new:])) / new)
+    return out
+
+
+def fit_store_cost(runs: Iterable[Mapping[str, Any]], block: int, created: str = "~"
+                   ) -> float:
+    """Ms a step of an engine with a host tier takes longer per block it copies there
+    (`ServiceCosts.tier_store_ms_per_block`): the median of `_store_excess` over the turns
+    of runs with a tier less its median over runs without one (a turn's first steps may
+    take longer without a store: that is not the store's), of the modes that decode on the
+    engine that computed the prompt. None (0) with fewer than `MIN_JOIN_TURNS` turns a side;
+    never negative."""
+    sides: dict[bool, list[float]] = {False: [], True: []}
+    for run in runs:
+        if BENCH_ROUTINGS.get(run["mode"]) in ("affinity", "turnkv"):
+            sides[tier_tokens(run, created) > 0].extend(_store_excess(run, block))
+    if min(len(turns) for turns in sides.values()) < MIN_JOIN_TURNS:
+        return 0.0
+    return max(0.0, median(sides[True]) - median(sides[False]))
+
+
 def fit_transfer(runs: Iterable[Mapping[str, Any]], step_ms: float) -> float | None:
     """Tokens per ms moved from the prefill to the decode engine, or None without P/D turns."""
     tokens = ms = 0.0
@@ -311,8 +353,10 @@ def calibrate(result: Mapping[str, Any], modes: Sequence[str] | None = None,
                          block_size(result["runs"]), kv_bytes, routing_overhead_ms=overheads,
                          source=f"turnkv bench {result.get('workload', {}).get('name')} on "
                                 f"{result.get('model')}, {result.get('created', '?')}")
-    plain, tier = fit_join_wait(runs, costs, result.get("created", "~"))
-    return replace(costs, join_wait_steps=plain, tier_join_wait_steps=tier)
+    created = result.get("created", "~")
+    plain, tier = fit_join_wait(runs, costs, created)
+    return replace(costs, join_wait_steps=plain, tier_join_wait_steps=tier,
+                   tier_store_ms_per_block=fit_store_cost(runs, costs.block_size, created))
 
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -15,7 +15,11 @@ results (`calibration`) or derived from published figures (`gpu_profiles`).
 - a prompt reaching an engine that decodes other turns: the rest of the step in progress
   (`SimEngine.steps_to_join_ms`), and `join_wait_steps` more decode steps (on an engine with a
   host tier `tier_join_wait_steps`): what such prompts took on the bench's engines beyond
-  that, fitted (`calibration.fit_join_wait`), not modelled step by step.
+  that, fitted (`calibration.fit_join_wait`), not modelled step by step;
+- a host tier's stores: `tier_store_ms_per_block` more for each step of an engine that copies
+  a block (`block_size` tokens) new to its tier, paced a block a step (`SimEngine.store`):
+  on a CPU the copy runs on the engine's core inside its step (`calibration.fit_store_cost`);
+  on a GPU a copy stream runs it beside the steps (0).
 
 The planner's own cost model (`router.planner.CostModel`) starts from `planner_priors()` and
 learns per engine from the simulated turns as the router does from real ones.
@@ -64,6 +68,8 @@ class ServiceCosts:
     # of the step in progress, on an engine without a host tier and on one with one.
     join_wait_steps: float = 0.0
     tier_join_wait_steps: float = 0.0
+    # Ms a step of an engine with a host tier takes longer for the block it copies there.
+    tier_store_ms_per_block: float = 0.0
 
     def prefill_ms(self, computed: int, context: int) -> float:
         """Computing the last `computed` tokens of a `context`-token prompt."""

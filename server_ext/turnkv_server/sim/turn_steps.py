@@ -21,6 +21,7 @@ class PrefillDone:
     from_tier: int
     computed: int
     ms: float  # the compute and tier read, not the queueing
+    stored_blocks: int = 0  # the prompt's blocks new to the engine's tier, to be copied there
 
 
 def routing_work(engine: SimEngine, routing: str) -> Generator[simpy.Event, Any, None]:
@@ -96,20 +97,30 @@ def compute_prompt(engine: SimEngine, session: SimSession, turn: int, keep_token
         if ms:
             yield engine.env.timeout(ms / 1000)
         traffic.tier_read_tokens += from_tier
-        yield from engine.compute(compute_ms, computed)
+        compute_ms += yield from engine.compute(compute_ms, computed)
+        # vLLM's offloading stores the prompt's blocks its tier lacks from the next step on.
+        block = engine.costs.block_size
+        stored = 0
+        if engine.tier is not None:
+            stored = max(0, prompt // block - engine.tier.held(sid) // block)
+            engine.store(stored)
     if session.prefix is not None:
         engine.prefixes.add(session.prefix)
     return PrefillDone(max(0, min(cached, prompt - computed)), from_tier, computed,
-                       ms + compute_ms)
+                       ms + compute_ms, stored)
 
 
 def keep_history(engine: SimEngine, session: SimSession, turn: int, tokens: int,
-                 traffic: FleetTraffic, lease: bool = True) -> None:
+                 traffic: FleetTraffic, lease: bool = True, stored: int = 0) -> None:
     """The turn on `engine` ended: the session's first `tokens` stay in its cache (under a
     lease unless `lease` is False: see `SessionKvCache.end`), and go to its tier (written as
-    the turn's blocks complete, as vLLM's offloading does)."""
+    the turn's blocks complete, as vLLM's offloading does); the blocks written beyond the
+    `stored` its prompt's prefill queued there (`PrefillDone.stored_blocks`) are copied on
+    the engine's steps (`SimEngine.store`)."""
     sid, hint = session.session_id, session.next_gap(turn)
     final = hint is None
     engine.cache.end(sid, tokens, hint, final, lease)
     if engine.tier is not None:
-        traffic.tier_written_tokens += engine.tier.put(sid, tokens, hint, final)
+        written = engine.tier.put(sid, tokens, hint, final)
+        traffic.tier_written_tokens += written
+        engine.store(written // engine.costs.block_size - stored)

@@ -149,7 +149,8 @@ class TurnkvRouting:
             held = home.cache.begin(sid)
             done = yield from compute_prompt(prefill, session, turn, prompt, self.traffic)
             # The helper's blocks are not the session's lease: only a push back keeps a copy.
-            keep_history(prefill, session, turn, prompt, self.traffic, lease=False)
+            keep_history(prefill, session, turn, prompt, self.traffic, lease=False,
+                         stored=done.stored_blocks)
             prefill.turn_ended()
             reserve(home, sid, keep, self.traffic)
             received = max(0, prompt - held)
@@ -160,7 +161,8 @@ class TurnkvRouting:
         batch = home.batch + 1
         yield home.decode(out - 1)
         decode_ms = (env.now - start) * 1000 - ttft_ms
-        keep_history(home, session, turn, keep, self.traffic)
+        keep_history(home, session, turn, keep, self.traffic,
+                     stored=done.stored_blocks if prefill is home else 0)
         home.turn_ended()
         self._observe(prefill, home, prompt, done, batch, ttft_ms, decode_ms, out)
         if decision.where == "split":
