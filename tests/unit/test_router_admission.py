@@ -1,4 +1,4 @@
-"""Admission (`router/session_service.py`): a new session's first turn waits while the live
+"""Admission (`router/admission.py`): a new session's first turn waits while the live
 sessions' histories fill the engines.
 
 The rule and the queue run without HTTP, on a real session table and service (whose wake-ups
@@ -19,17 +19,16 @@ from hypothesis import strategies as st
 
 from tests.unit.test_router_affinity import StandIn, affinity_router, stats_of, turn
 from turnkv.protocol import PromptTokens, RouterTurnStats, TurnTag, TurnTimes
+from turnkv_server.router.admission import Admission, ClientGone, ClientLeft, fits, is_cold
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.engines import EnginePool
-from turnkv_server.router.session_service import (
-    Admission,
-    ClientGone,
-    ClientLeft,
+from turnkv_server.router.sessions import (
+    Session,
+    SessionKey,
     SessionService,
-    fits,
-    is_cold,
+    SessionTable,
+    held_tokens,
 )
-from turnkv_server.router.sessions import Session, SessionKey, SessionTable, held_tokens
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tenants import DEFAULT_TENANT
 
@@ -90,7 +89,7 @@ def queue(budget: int | None = 700, max_wait_s: float = 30.0
     """Admission over a fresh table, woken by the session service as the router wires it."""
     table, metrics = SessionTable(), RouterMetrics()
     admission = Admission(table, budget, max_wait_s, metrics)
-    service = SessionService(table, None, on_end=lambda _: None, on_change=admission.recheck)
+    service = SessionService(table, on_end=lambda _: None, on_change=admission.recheck)
     return admission, service, metrics
 
 
@@ -345,7 +344,7 @@ def test_the_running_totals_equal_a_recount_after_any_operations(
 
     clock = Clock()
     table = SessionTable(max_sessions=4, clock=clock)
-    service = SessionService(table, None, on_end=lambda _: None)
+    service = SessionService(table, on_end=lambda _: None)
     placement = EnginePool.from_urls(["http://p"], ["http://d0", "http://d1"]).round_robin()
 
     async def run() -> None:

@@ -165,7 +165,7 @@ def test_a_lost_engines_sessions_recompute_elsewhere(routing: str, computed: int
 
 def test_admission_holds_a_new_session_while_the_live_ones_fill_the_budget() -> None:
     """After a's first turn a holds 1,011 tokens; b, new at 5 s, would double that past a
-    1,500-token budget (`router.session_service.fits`), so it waits for a to end (its second turn
+    1,500-token budget (`router.admission.fits`), so it waits for a to end (its second turn
     at 10 s onward); without a budget it starts at 5 s."""
     sessions = [session("a", (1000, 11, 0.0), (200, 11, 10.0)),
                 session("b", (500, 11, 0.0), start_s=5.0)]

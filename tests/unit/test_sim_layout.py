@@ -33,5 +33,5 @@ def test_the_simulator_imports_the_policies_it_runs() -> None:
     imported = {imp.target for name, module in known.items() if _in(name, SIM)
                 for imp in module.imports}
     for policy in ("turnkv_server.router.planner", "turnkv_server.router.weighing",
-                   "turnkv_server.connector.leases", "turnkv_server.router.session_service"):
+                   "turnkv_server.connector.leases", "turnkv_server.router.admission"):
         assert policy in imported, f"the simulator does not import {policy}"

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from starlette.types import Message, Receive, Scope, Send
 
 from turnkv import protocol as p
+from turnkv_server.router.admission import Admission, ClientLeft
 from turnkv_server.router.aggregated import engine_pool
 from turnkv_server.router.apis.base import Api, Prepared, Resolve
 from turnkv_server.router.apis.chat import CHAT, COMPLETIONS
@@ -60,9 +61,8 @@ from turnkv_server.router.peer_sessions import (
 )
 from turnkv_server.router.responses_store import ResponsesGauges, responses_store
 from turnkv_server.router.routes import add_routes, upkeep
-from turnkv_server.router.session_service import Admission, ClientLeft, SessionService
-from turnkv_server.router.session_store import RedisStore, StoreUnavailable
-from turnkv_server.router.sessions import LeasePolicy, SessionTable
+from turnkv_server.router.session_store import RedisStore, StoredSessions, StoreUnavailable
+from turnkv_server.router.sessions import LeasePolicy, SessionService, SessionTable
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tenants import DEFAULT_TENANT, Tenants
 from turnkv_server.router.turn import Relayed, TurnFailed, Turns
@@ -215,12 +215,13 @@ class Router:
         self.mode = make_mode(config.mode, ModeContext.of(
             config, self.upstream, self.pool, clock=table.clock,
             count_renewal=self.metrics.count_renewal))
-        store = RedisStore(config.redis_url) if config.redis_url else None
-        self.admission = Admission(table, config.admission_tokens, config.admission_max_wait_s,
-                                   self.metrics)
-        self.sessions = SessionService(table, store, on_end=self.mode.drop_session,
-                                       on_change=self.admission.recheck,
-                                       on_forget=self.mode.forget_session)
+        self.store = RedisStore(config.redis_url) if config.redis_url else None
+        self.admission = None if config.admission_tokens is None else Admission(
+            table, config.admission_tokens, config.admission_max_wait_s, self.metrics)
+        hooks = (self.mode.drop_session, self.admission.recheck if self.admission else None,
+                 self.mode.forget_session)
+        self.sessions = SessionService(table, *hooks) if self.store is None else \
+            StoredSessions(table, self.store, *hooks)
         # Boundaries of every live session's conversation and a few of their forks, on the
         # session table's clock, for as long as the longest lease.
         self.inferred = None if config.no_inferred_sessions else InferredSessions(

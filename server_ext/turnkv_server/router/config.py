@@ -147,7 +147,7 @@ class RouterConfig:
         "turnkv mode: the pair as one pool: each session lives on one engine of its pair, "
         "which serves its turns whole (no KV moves; the pair holds twice the histories, and a "
         "long delta is computed beside other sessions' decoding); for memory pressure"))
-    # None: admission off, every turn goes to the engines at once (`session_service.Admission`).
+    # None: admission off, every turn goes to the engines at once (`admission.Admission`).
     admission_tokens: int | None = field(default=None, metadata=cli(
         "tokens of session history the engines hold together (their KV caches and any tier "
         "below them): a new session's first turn waits while the live sessions' histories, "

@@ -26,9 +26,8 @@ from turnkv_server.router.engine_queries import cache_config
 from turnkv_server.router.engines import Engine, EngineConnectionError, EnginePool, Upstream
 from turnkv_server.router.errors import BadRequest, error_response
 from turnkv_server.router.modes.base import Mode
-from turnkv_server.router.session_service import SessionService
-from turnkv_server.router.session_store import StoreUnavailable
-from turnkv_server.router.sessions import Session, SessionKey
+from turnkv_server.router.session_store import RedisStore, StoreUnavailable
+from turnkv_server.router.sessions import Session, SessionKey, SessionService
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.turn import Turns
@@ -45,6 +44,7 @@ class Served(Protocol):
     metrics: RouterMetrics
     upstream: Upstream
     sessions: SessionService
+    store: RedisStore | None  # shared with other routers (`--redis`)
     responses: ResponsesService
     mode: Mode
     turns: Turns
@@ -56,7 +56,7 @@ class Served(Protocol):
 async def upkeep(router: Served) -> AsyncIterator[None]:
     """The router's life beside its turns: the shared store opened (and the tenants' secret
     read from it), the health loop run, and everything closed at the end."""
-    store = router.sessions.store
+    store = router.store
     if store is not None:
         router.tenants.use_secret(await store.start())
     health = asyncio.create_task(health_loop(router))
@@ -199,7 +199,7 @@ def add_routes(app: FastAPI, router: Served) -> None:
         found = await _session_or_error(request, session_id)
         if isinstance(found, Response):
             return found
-        return JSONResponse(router.sessions.view(found))
+        return JSONResponse(session_view(found, router.sessions.table.clock()))
 
     @app.delete("/v1/turnkv/sessions/{session_id}")
     async def release_session(request: Request, session_id: str) -> Response:
@@ -226,7 +226,7 @@ def add_routes(app: FastAPI, router: Served) -> None:
         hints = router.tenants.capped(found.key.tenant, hints)
         await router.sessions.renew(found, hints)
         router.mode.hinted(found, hints)  # the engines' leases too, in the background
-        return JSONResponse(router.sessions.view(found))
+        return JSONResponse(session_view(found, router.sessions.table.clock()))
 
     @app.get("/v1/turnkv/stats")
     async def stats(request: Request) -> Response:
@@ -244,3 +244,19 @@ def add_routes(app: FastAPI, router: Served) -> None:
                          "in_flight": e.in_flight} for e in router.pool.engines()],
             "time": time.time(),
         })
+
+
+def session_view(session: Session, now: float) -> dict[str, Any]:
+    """A session as the session API shows it."""
+    return {
+        "session_id": session.key.session_id,
+        "turns": session.turns,
+        "prefill_node": session.prefill,
+        "decode_node": session.decode,
+        "prefix_id": session.prefix_id,
+        "priority": session.priority,
+        "tokens_held": len(session.tokens),
+        "expires_in_s": round(max(0.0, session.expires_at - now), 3),
+        "totals": vars(session.totals),
+        "last_turn": session.last_stats,
+    }

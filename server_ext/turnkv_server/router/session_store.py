@@ -1,10 +1,10 @@
 """Where sessions outlive the router: a Redis server that several routers share (`--redis`).
 
 With a store, every turn reads its session's record before it is routed and writes it back when
-it ends (`session_service.SessionService`), so that the routers share placement, history and totals,
-and a restarted router loses no session. Redis owns the shared clock: a record lives as long as
-the session's lease (`PX`), renewed by every write. Without one (the default), a router's
-sessions live in its memory only.
+it ends (`StoredSessions`, the session service over the store), so that the routers share
+placement, history and totals, and a restarted router loses no session. Redis owns the shared
+clock: a record lives as long as the session's lease (`PX`), renewed by every write. Without
+one (the default), a router's sessions live in its memory only (`sessions.SessionService`).
 
 The engines never depend on any of it for correctness: their caches are content-addressed, so
 a lost or stale record costs reuse (a recompute), never a wrong token.
@@ -20,13 +20,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from turnkv_server.router.sessions import Session, SessionTotals
+from turnkv.protocol import CacheHints
+from turnkv_server.router.sessions import (
+    Session,
+    SessionKey,
+    SessionService,
+    SessionTable,
+    SessionTotals,
+)
 
 log = logging.getLogger(__name__)
 
@@ -142,3 +150,67 @@ def apply_record(session: Session, record: dict[str, Any]) -> None:
     session.last_stats = last if isinstance(last, dict) else None
     model = (record.get("mode_state") or {}).get("model")
     session.mode_state.model = model if isinstance(model, str) else None
+
+
+class StoredSessions(SessionService):
+    """The session service kept in step with the store: a session is read from it before its
+    turn (and before the session API finds it), written to it with every renewal, deleted
+    from it when it ends; and it expires only once no router has renewed it."""
+
+    def __init__(self, table: SessionTable, store: RedisStore,
+                 on_end: Callable[[Session], None],
+                 on_change: Callable[[], None] | None = None,
+                 on_forget: Callable[[Session], None] = lambda session: None) -> None:
+        super().__init__(table, on_end, on_change, on_forget)
+        self.store = store
+
+    async def begin_turn(self, key: SessionKey, home: tuple[str | None, str] | None = None
+                         ) -> tuple[Session, bool]:
+        await self.sync(key)
+        return await super().begin_turn(key, home)
+
+    async def find(self, key: SessionKey) -> Session | None:
+        await self.sync(key)
+        return await super().find(key)
+
+    async def renew(self, session: Session, hints: CacheHints) -> None:
+        await super().renew(session, hints)
+        await self.store.save(session.key, to_record(session),
+                              session.expires_at - self.table.clock())
+
+    async def release(self, session: Session) -> None:
+        await super().release(session)
+        await self.store.delete(session.key)
+
+    async def expire(self) -> None:
+        """End the sessions whose lease ran out on every router."""
+        for gone in self.table.sweep():
+            # Expired here; another router may have renewed it.
+            if not await self._alive_elsewhere(gone.key):
+                self._on_end(gone)
+            else:
+                self._on_forget(gone)
+        self._on_change()
+
+    async def sync(self, key: SessionKey) -> None:
+        """Take the session as the routers last left it: another router may have served its
+        last turn, or ended it."""
+        try:
+            record = await self.store.load(key)
+        except StoreUnavailable:
+            return  # serve from this router's copy, if any
+        local = self.table.get(key)
+        if local is not None and local.in_flight:
+            return  # a turn of it is under way here; it writes the record when it ends
+        if record is None:
+            if local is not None:
+                self.table.release(key)
+                self._forget(local)  # ended by another router, which told the engines
+            return
+        apply_record(self.table.open(key), record)
+
+    async def _alive_elsewhere(self, key: SessionKey) -> bool:
+        try:
+            return await self.store.load(key) is not None
+        except StoreUnavailable:
+            return False

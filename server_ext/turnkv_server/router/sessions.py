@@ -1,40 +1,34 @@
-"""The router's sessions: where each lives, what it holds, until when (the service that opens,
-remembers, renews and ends them is `session_service`).
+"""The router's sessions: where each lives, what it holds, until when (`SessionTable`), and the
+service the turn pipeline and the session API open, remember, renew and end them through
+(`SessionService`; with `--redis`, `session_store.StoredSessions`, in step with other routers).
 
 One owner of the clock (the table), bounded size, and SGLang's TTL rule: the operator sets a
 default and a cap; a client's hint may only shorten the cap. Leases expire lazily on access and
 in `sweep`, so no timer thread touches the table.
 
-Each session keeps its token history (the last turn's prompt and output token IDs, as the
-engines computed them). Reused KV is only correct for the positions where a new prompt's tokens
-are exactly those tokens: an edited or stripped history, compacted context or assistant text
-that re-tokenises differently breaks the match, and reuse must stop there
-(`token_history.prefix_break`).
+Each session keeps its token history (the last turn's prompt and output token IDs): reused KV
+is correct only as far as a new prompt repeats it, as the engines computed it (`token_history`).
 
-What the live sessions add up to is kept as they change (`SessionCounts`): the history the
-engines hold for them and how many hold any (admission's rule), how many admitted newcomers
-hold nothing yet (likewise), and how many sessions each engine is home to (placement balances
-new sessions by it). Summing the table for each admission re-check or new session would cost
-O(sessions); instead each session's share is recorded when it enters the table, updated
-whenever a field it depends on is set (`Session.__setattr__`) and taken back when it leaves.
+What the live sessions add up to is kept as they change (`SessionCounts`), so that no admission
+re-check or new session sums the table.
 
 Each life of a session (opened again after it ended, it is a later one) has an epoch that its
 requests carry: engines ignore the holds and renewals of a released life (`engine.protocol`).
 It is the wall clock when the life began (`new_epoch`), so it grows across router restarts and
 routers sharing a store, as far as their clocks agree (docs/protocol.md says what a skew costs).
-
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from turnkv.protocol import CacheHints, RouterTurnStats
+from turnkv.protocol import CacheHints, RouterTurnStats, TurnTag
+from turnkv_server.router.engines import Placement
+from turnkv_server.router.mode_state import ModeState
 
 _last_epoch = 0
 _UNSET = object()
@@ -83,34 +77,6 @@ class SessionTotals:
 
 
 @dataclass
-class HeldKv:
-    """bidirectional: a decode engine's offer to have the session's blocks read back, from its
-    last turn."""
-
-    params: dict[str, Any]
-    token_ids: list[int]
-    decode: str
-    expires_at: float
-
-
-@dataclass
-class ModeState:
-    """What the serving modes keep of a session between its turns, one typed field per thing
-    kept (each mode sets its own). Plain data (`model`) travels in the session's record to the
-    routers sharing the store; a task in flight, or an offer that holds this router's clock,
-    stays in this process."""
-
-    # turnkv, affinity: the model the session's turns name (ending or renewing its engines'
-    # leases takes a request of it).
-    model: str | None = None
-    # turnkv: the push back of the last turn's history to the other engine, in flight.
-    push_back: asyncio.Task[None] | None = None
-    # bidirectional: the KV the decode engine holds for the next turn to read back, or the
-    # request asking it for that, in flight.
-    held_kv: HeldKv | asyncio.Task[HeldKv | None] | None = None
-
-
-@dataclass
 class Session:
     key: SessionKey
     created_at: float
@@ -132,7 +98,7 @@ class Session:
     # as home there: sessions that start together would otherwise all look homeless).
     placed: str | None = None
     epoch: int = field(default_factory=new_epoch)  # which life of the session this is
-    # Turns of it waiting for admission (`session_service.Admission`).
+    # Turns of it waiting for admission (`admission.Admission`).
     queued: int = 0
     # The counts of the table it is in (`SessionCounts`), kept as its fields are set.
     counted_in: SessionCounts | None = field(default=None, init=False, repr=False,
@@ -184,8 +150,11 @@ def share_of(session: Session) -> Share:
 
 
 class SessionCounts:
-    """The counts over the sessions of one table; `SessionTable` calls `add` and `remove`, and a
-    session in the table calls `update` whenever a counted field is set."""
+    """The counts over the sessions of one table: the history the engines hold for them and
+    how many hold any (admission's rule), how many admitted newcomers hold nothing yet
+    (likewise), and how many sessions each engine is home to (placement balances new sessions
+    by it). `SessionTable` calls `add` and `remove`, and a session in the table calls `update`
+    whenever a counted field is set."""
 
     def __init__(self) -> None:
         self.tokens = 0  # history held by all the sessions together
@@ -336,3 +305,96 @@ class SessionTable:
             self.counts.remove(session)
             session.counted_in = None
         return session
+
+
+# -- the service ----------------------------------------------------------------------------
+
+class SessionService:
+    """The router's sessions, as the turn pipeline and the session API change them. `on_end`
+    runs for each session that ends (released, or expired): the mode releases what it holds
+    for it. `on_forget` runs for each session that leaves the table without ending (evicted
+    when full, expired on the way; with a store, also expired here only or ended by another
+    router): the mode lets go of what it keeps for it in this process. `on_change` runs
+    whenever the histories the table holds may have shrunk (a session left, a turn's history
+    replaced the last): admission, where there is one (None: none), re-checks its queue."""
+
+    def __init__(self, table: SessionTable, on_end: Callable[[Session], None],
+                 on_change: Callable[[], None] | None = None,
+                 on_forget: Callable[[Session], None] = lambda session: None) -> None:
+        self.table = table
+        self._on_end = on_end
+        self._on_change = on_change or (lambda: None)
+        self._on_forget = on_forget
+        table.on_drop = self._forget
+
+    async def begin_turn(self, key: SessionKey, home: tuple[str | None, str] | None = None
+                         ) -> tuple[Session, bool]:
+        """The session a tagged turn belongs to, in flight from now on; and whether the turn
+        opened it (on `home`, its (prefill, decode) engines, where one is given)."""
+        opened = self.table.get(key) is None
+        session = self.table.open(key)
+        session.in_flight = True
+        if opened and home is not None and session.decode is None:
+            session.prefill, session.decode = home
+        return session, opened
+
+    def placed(self, session: Session, decode: str) -> None:
+        """The turn goes to `decode`: for a new session, where the table counts it home until
+        its first turn ends (sessions that start together would all look homeless)."""
+        session.placed = decode
+
+    def relay_ended(self, session: Session) -> None:
+        """A streamed turn's relay is over, however it ended (`remember` came before it, if
+        the turn was served)."""
+        session.in_flight = False
+
+    async def end_turn(self, session: Session, opened: bool, failed: bool) -> None:
+        session.in_flight = False
+        # A session whose first turn failed holds nothing worth a table entry.
+        if opened and failed and session.turns == 0:
+            await self.release(session)
+
+    async def remember(self, session: Session, tag: TurnTag | None, placement: Placement,
+                       stats: RouterTurnStats, history: list[int] | None) -> None:
+        """A turn served: its pair, its history (prompt and output token IDs), its stats, and a
+        renewed lease (or the end of the session, on a `final` turn)."""
+        # A resent turn (an index already seen) is not counted twice.
+        if tag is None or tag.turn is None or tag.turn > session.turns:
+            session.turns = stats.turn
+            session.totals.add(stats)
+        session.prefill, session.decode = placement.prefill.name, placement.decode.name
+        if history is not None:
+            session.tokens = history
+        session.last_stats = stats.model_dump()
+        if tag and tag.prefix_id:
+            session.prefix_id = tag.prefix_id
+        hints = tag.hints if tag else CacheHints()
+        if hints.final:
+            await self.release(session)
+        else:
+            await self.renew(session, hints)
+            # An edited history may be shorter; a first turn's replaces an estimate.
+            self._on_change()
+
+    async def find(self, key: SessionKey) -> Session | None:
+        return self.table.get(key)
+
+    async def renew(self, session: Session, hints: CacheHints) -> None:
+        self.table.renew(session, hints)
+
+    async def release(self, session: Session) -> None:
+        self.table.release(session.key)
+        self._on_end(session)
+        self._on_change()
+
+    async def expire(self) -> None:
+        """End the sessions whose lease ran out."""
+        for gone in self.table.sweep():
+            self._on_end(gone)
+        self._on_change()
+
+    def _forget(self, session: Session) -> None:
+        # (A session expired on the way may live on at another router, and its engines'
+        # leases end on their own timers: the expiry sweep is what ends sessions.)
+        self._on_forget(session)
+        self._on_change()

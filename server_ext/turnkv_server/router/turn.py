@@ -2,10 +2,11 @@
 
 `Turns.serve` takes a request the app has read (`app`) and the API it came in on (`apis`: how
 its requests and answers are written): opens its session (`sessions`) and admits it
-(`Admission`); lets the mode `begin` it; places it (`engines.EnginePool`) and asks the mode for the
-attempt's plan (`modes`); sends the prefill request (unless the decode engine serves alone)
-and the decode request; relays the answer, whole or streamed, with the turn's stats (`stats`);
-tells the mode how the decode request ended (`Mode.finish`) and remembers the turn.
+(`admission`, with a budget); lets the mode `begin` it; places it (`engines.EnginePool`) and
+asks the mode for the attempt's plan (`modes`); sends the prefill request (unless the decode
+engine serves alone) and the decode request; relays the answer, whole or streamed, with the
+turn's stats (`stats`); tells the mode how the decode request ended (`Mode.finish`) and
+remembers the turn.
 
 Engine trouble before the client has a byte (refused, reset, a 5xx) marks the engine unhealthy
 and replays the turn on another pair; a failed read-back of held KV is replayed without reuse.
@@ -29,6 +30,7 @@ from fastapi.responses import Response
 
 from turnkv import protocol as p
 from turnkv_server.router import stats
+from turnkv_server.router.admission import Admission, ClientGone
 from turnkv_server.router.apis.base import Api
 from turnkv_server.router.apis.chat import ask_usage
 from turnkv_server.router.conversations import RelayedReply
@@ -43,8 +45,7 @@ from turnkv_server.router.engines import (
 from turnkv_server.router.errors import EngineUnavailable
 from turnkv_server.router.inferred_sessions import InferredSessions
 from turnkv_server.router.modes.base import Mode, Turn, TurnEnd, TurnPlan
-from turnkv_server.router.session_service import Admission, ClientGone, SessionService
-from turnkv_server.router.sessions import SessionKey
+from turnkv_server.router.sessions import SessionKey, SessionService
 
 
 class TurnFailed(Exception):
@@ -64,7 +65,7 @@ class Turns:
     mode_name: str
     upstream: Upstream
     sessions: SessionService
-    admission: Admission
+    admission: Admission | None  # None: no budget, every turn goes at once
     metrics: stats.RouterMetrics
     retries: int  # a turn that fails on an unavailable engine is replayed this many times
     # Sessions recognised from their content (None: turns no key names have none).
@@ -96,7 +97,8 @@ class Turns:
             turn.stats_in_stream = stats_in_stream or turn.usage_in_stream
         response: Response | Relayed | None = None
         try:
-            turn.queued_ms = await self.admission.admit(session, gone)
+            if self.admission is not None:
+                turn.queued_ms = await self.admission.admit(session, gone)
             await self.mode.begin(turn)  # once: a replayed attempt plans again, not this
             response = await self._attempts(turn)
             return response

@@ -3,6 +3,6 @@ links between them, routers) serving multi-turn sessions, on SimPy.
 
 The policies it runs are turnkv's own, imported: the planner (`router.planner`, its weighing
 `router.weighing`) and its cost model's shape (`router.planner.CostModel`), the lease order by
-expected return (`connector.leases`) and admission (`router.session_service.fits`). Nothing in
+expected return (`connector.leases`) and admission (`router.admission.fits`). Nothing in
 the product imports this package. docs/simulator.md says what it models and what it leaves out.
 """

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import simpy
 
 from turnkv_server.connector.leases import LeaseLimits
-from turnkv_server.router.session_service import fits
+from turnkv_server.router.admission import fits
 from turnkv_server.sim.baseline_routing import AffinityRouting, StandardRouting, TurnProcess
 from turnkv_server.sim.engine import SimEngine
 from turnkv_server.sim.kv_cache import EvictionOrder, SessionKvCache
@@ -143,7 +143,7 @@ class Fleet:
     def _turn(self, session: SimSession, turn: int) -> TurnProcess:
         return (yield from self.routing.serve(session, turn))
 
-    # -- admission (`router.session_service`) ---------------------------------------------------
+    # -- admission (`router.admission`) ---------------------------------------------------------
 
     def _admit(self) -> Generator[simpy.Event, Any, None]:
         budget = self.spec.admission_tokens

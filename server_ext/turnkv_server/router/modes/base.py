@@ -21,7 +21,7 @@ the others). A hook never raises on the engines' account, but `plan`, whose engi
 
 The pipeline owns everything else: the engine requests of the turn and their ends, the stats,
 the session's history. A mode's state per session (its model, a push back in flight, an offer
-of held KV) lives in `Session.mode_state`, a typed record (`sessions.ModeState`) whose plain
+of held KV) lives in `Session.mode_state`, a typed record (`mode_state.ModeState`) whose plain
 data the session's record carries to other routers; state the mode keeps itself, keyed by
 session (a pending prefetch, a pool's home), must be let go of in `drop_session` and
 `forget_session`, or it outlives the session.
@@ -65,7 +65,7 @@ class Turn:
     # Whether a prefetch of its history had finished when it arrived (`modes.leases`): the
     # turn's, set once by `Mode.begin`, whichever attempt serves it.
     prefetch: PrefetchOutcome | None = None
-    # How long it waited for admission, in ms (`session_service.Admission`).
+    # How long it waited for admission, in ms (`admission.Admission`).
     queued_ms: float = 0.0
     # Which key named its session (`router.app.read_keys`), or "inferred".
     session_source: str | None = None
@@ -303,7 +303,7 @@ class Mode:
         done-callback (`drop_decode`): not awaitable.
         Does: arranges what follows a whole turn (a push back, a prefetch), or gives up what
         the plan arranged (`TurnParams.abandon`), by spawning tasks. It may keep per-session
-        state in `Session.mode_state` (`sessions.ModeState`: a field of its own).
+        state in `Session.mode_state` (`mode_state.ModeState`: a field of its own).
         Must not: block or await, or raise: the turn's response is past it."""
 
     def drop_session(self, session: Session) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from turnkv_server.engine.requests import PREFILL_FOR_REMOTE_DECODE, one_token_request
 from turnkv_server.router.engine_queries import block_size
 from turnkv_server.router.engines import Engine, EngineConnectionError, Placement
+from turnkv_server.router.mode_state import HeldKv
 from turnkv_server.router.modes.base import (
     Mode,
     ModeContext,
@@ -26,7 +27,7 @@ from turnkv_server.router.modes.base import (
     tokenize,
     tokenize_body,
 )
-from turnkv_server.router.sessions import HeldKv, Session
+from turnkv_server.router.sessions import Session
 from turnkv_server.router.token_history import common_prefix_len
 
 # Held params are not offered this close to their expiry: a read of expired blocks fails the
