@@ -144,7 +144,7 @@ def test_with_engine_leases_every_turn_tells_its_engine_the_sessions_lease() -> 
     from turnkv_server.engine.protocol import parse
     from turnkv_server.router.__main__ import parse_args
     from turnkv_server.router.config import from_args
-    from turnkv_server.router.modes.leases import lease_key
+    from turnkv_server.router.modes.planned import lease_key
     from turnkv_server.router.sessions import Session, SessionKey
 
     assert from_args(parse_args(["--mode", "affinity", "--engine", "http://a",
@@ -402,7 +402,7 @@ def test_a_hinted_pause_prefetches_the_history_before_the_session_is_back(
     token IDs, the turn's cache salt) under the session's lease; the next turn says whether it
     was in time, waited for it, or came first (and called it off)."""
     from turnkv_server.engine.protocol import parse
-    from turnkv_server.router.modes import leases as prefetch
+    from turnkv_server.router.modes import prefetch
 
     monkeypatch.setattr(prefetch, "LEAD_S", 0.3)
     monkeypatch.setattr(prefetch, "MIN_PAUSE_S", 0.5)

@@ -143,7 +143,7 @@ def test_a_hinted_pause_prefetches_on_the_home_engine_only() -> None:
         mode.finish(t, plan, TurnEnd("complete", None))
         prefetches = mode._prefetches  # type: ignore[attr-defined]
         assert t.session is not None
-        scheduled = prefetches._pending[t.session.key]
+        scheduled = prefetches.pending[t.session.key]
         names = [e.name for e in scheduled.engines]
         prefetches.cancel(t.session.key)
         return names

@@ -146,11 +146,8 @@ class GoalNotMet(AssertionError):
     """The turn entered more router files than the goal allows, or some from two files."""
 
 
-# Not there yet: the reasons and the files it enters are docs/architecture.md's ("The files it
-# passes through"). Strict, and for the goal's own assertions only: a turn that does not run,
-# or is not served whole, fails; the day the goal is met, this mark must go.
-@pytest.mark.xfail(strict=True, raises=GoalNotMet, reason="a default turn enters more than "
-                   "eight router files")
+# The files it enters, in order, with their callers, are docs/architecture.md's ("The files it
+# passes through").
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_default_turn_reads_in_at_most_eight_router_files_each_entered_once(
         stream: bool) -> None:

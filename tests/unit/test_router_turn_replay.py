@@ -2,7 +2,7 @@
 
 A turn whose first attempt fails on an engine is replayed on another (`Turns._attempts`), and
 the mode plans each attempt afresh; what happened before the turn (whether a prefetch of the
-session's history was in time, `modes.leases`) happened once, and the turn's stats say it
+session's history was in time, `modes.prefetch`) happened once, and the turn's stats say it
 whatever attempt served it. Through the router, under uvicorn, in front of the stand-in
 engines of `test_router_affinity`.
 """
@@ -53,7 +53,7 @@ def test_a_replayed_turn_still_says_its_prefetch_was_in_time(
     """The session's engine made its history resident before the hinted return, then went
     down: the next turn's first attempt fails there, the replay is served by the other
     engine, and the stats still say the prefetch was in time."""
-    from turnkv_server.router.modes import leases as prefetch
+    from turnkv_server.router.modes import prefetch
 
     monkeypatch.setattr(prefetch, "LEAD_S", 0.3)
     monkeypatch.setattr(prefetch, "MIN_PAUSE_S", 0.5)
@@ -67,7 +67,7 @@ def test_a_replayed_turn_still_says_its_prefetch_was_in_time(
             home = router.pool.by_name(first.json()["turnkv"]["decode_node"])
             assert home is not None
             engine = engines[router.pool.decode.index(home)]
-            prefetches = router.mode._prefetches._pending  # type: ignore[attr-defined]
+            prefetches = router.mode._prefetches.pending  # type: ignore[attr-defined]
             await until(lambda: "/v1/completions" in engine.paths, "the prefetch sent")
             await until(lambda: all(p.task.done() for p in prefetches.values()),
                         "the prefetch done")
@@ -114,6 +114,6 @@ def test_turnkv_takes_the_prefetch_outcome_once_per_turn_not_per_attempt() -> No
         for _ in range(2):  # the attempt and its replay
             await mode.plan(again, engines.place(prefill=None, decode=None, prefix_id=None))
             assert again.prefetch == "early"
-        assert not mode._prefetches._pending  # type: ignore[attr-defined]
+        assert not mode._prefetches.pending  # type: ignore[attr-defined]
 
     asyncio.run(main())

@@ -22,14 +22,8 @@ from turnkv_server.router.modes.base import (
     TurnEnd,
     TurnPlan,
 )
-from turnkv_server.router.modes.leases import prefetch_lease
-from turnkv_server.router.modes.turnkv import (
-    PRESSURE_BACKOFF_S,
-    PUSH_BACK_BACKOFF_S,
-    lease_key,
-    lost_history,
-    new_tokens,
-)
+from turnkv_server.router.modes.planned import BACKOFF_S, lease_key, prefetch_lease
+from turnkv_server.router.modes.turnkv import lost_history, new_tokens
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey
 
 PREFILL, DECODE = "http://127.0.0.1:1", "http://127.0.0.1:2"
@@ -183,10 +177,10 @@ def test_a_short_delta_that_found_its_history_gone_backs_the_decode_engine_off()
     assert not mode._pressure.active(decode)  # type: ignore[attr-defined]
     served_alone(delta=40, computed=900)  # the lease was gone: everything recomputed
     assert mode._pressure.active(decode)  # type: ignore[attr-defined]
-    now[0] = PRESSURE_BACKOFF_S + 1
+    now[0] = BACKOFF_S + 1
     assert not mode._pressure.active(decode)  # type: ignore[attr-defined]
     served_alone(delta=40, computed=900)  # again: twice as long
-    now[0] += 2 * PRESSURE_BACKOFF_S - 1
+    now[0] += 2 * BACKOFF_S - 1
     assert mode._pressure.active(decode)  # type: ignore[attr-defined]
     now[0] += 2
     served_alone(delta=40, computed=60)  # held again: the backoff ends
@@ -350,9 +344,9 @@ def test_a_push_back_that_recomputed_the_history_stops_push_backs_for_a_while() 
     engines.receive_failed = True
     assert keeps_a_send()  # this push back's receive failed: the prefill engine recomputed
     assert not keeps_a_send()  # nothing kept, nothing pushed back
-    now[0] = PUSH_BACK_BACKOFF_S + 1
+    now[0] = BACKOFF_S + 1
     assert keeps_a_send()  # failed again: twice as long
-    now[0] += 2 * PUSH_BACK_BACKOFF_S - 1
+    now[0] += 2 * BACKOFF_S - 1
     assert not keeps_a_send()
     now[0] += 2
     engines.receive_failed = False

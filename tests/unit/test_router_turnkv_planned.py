@@ -18,8 +18,8 @@ from turnkv_server.router.config import RouterConfig, from_args
 from turnkv_server.router.engines import Engine, EnginePool, Placement, Upstream
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext, Turn, TurnEnd, TurnPlan
-from turnkv_server.router.modes.planned import SessionPlace, Turnkv
-from turnkv_server.router.planner import Where
+from turnkv_server.router.modes.planned import Turnkv
+from turnkv_server.router.planner import SessionPlace, Where
 from turnkv_server.router.sessions import SessionKey
 
 from .test_router_turnkv_mode import DECODE, PREFILL, Tokenizer, turn
@@ -220,7 +220,7 @@ def test_a_prefetch_only_where_the_home_lost_histories_and_its_sessions_fit() ->
         t.prompt_token_ids, t.output_token_ids = [5] * 3000, [6] * 10
         served(mode, t, plan, total=3000, computed=3000)
         assert t.session is not None
-        scheduled = t.session.key in mode._prefetches._pending
+        scheduled = t.session.key in mode._prefetches.pending
         mode.forget_session(t.session)
         return scheduled
 

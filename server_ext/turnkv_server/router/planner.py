@@ -141,6 +141,21 @@ class Holdings:
         return max(0, int(capacity_tokens * LEASE_SHARE) - self.held(engine))
 
 
+@dataclass
+class SessionPlace:
+    """What the planner keeps of a session between its turns."""
+
+    # The engine other than the home holding a copy of the history, and how many of its
+    # leading tokens (a copy of an older history is still its prefix, edits aside).
+    copy_on: str | None = None
+    copy_tokens: int = 0
+    history_len: int = 0  # prompt and output tokens of the last turn
+    # Whether `Session.tokens` is that history (a turn served untokenized leaves it older).
+    tokens_current: bool = False
+    turns_since_split: int | None = None
+    expected_output: float = 0.0
+
+
 @dataclass(frozen=True)
 class TurnFacts:
     """What the planner knows of the turn and its session."""

@@ -14,15 +14,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnkv_server.router.engines import Engine
 from turnkv_server.router.planner import (
     Choice,
     Decision,
     EngineLoad,
     Planner,
+    SessionPlace,
     TurnFacts,
     Where,
     tokens_to_compute,
 )
+from turnkv_server.router.sessions import Session
+from turnkv_server.router.token_history import common_prefix_len
+
+
+def read_facts(prompt_ids: list[int], session: Session | None, place: SessionPlace | None,
+               home: Engine, other: Engine | None, can_push_back: bool) -> TurnFacts:
+    """What each engine holds of a prompt the router read: the history's prefix the prompt
+    keeps, on the home where it served the last turn, on the other engine as far as its copy
+    goes."""
+    prompt = len(prompt_ids)
+    shared = 0
+    if session is not None and place is not None:
+        shared = (common_prefix_len(prompt_ids, session.tokens) if place.tokens_current
+                  else min(prompt, place.history_len))
+    home_holds = shared if session is not None and session.decode == home.name else 0
+    copy = place is not None and other is not None and place.copy_on == other.name
+    return TurnFacts(
+        prompt_tokens=prompt, home_holds=home_holds,
+        helper_holds=min(shared, place.copy_tokens) if copy and place else 0,
+        block_size=home.block_size,
+        expected_output=round(place.expected_output) if place else 0,
+        turns_since_split=place.turns_since_split if place else None,
+        history_tokens=place.history_len if place else 0, can_push_back=can_push_back)
+
 
 # A move must cost this fraction less than the best placement on the home: its benefit is
 # estimated from one turn, its cost (the history's KV over the link) is sure.

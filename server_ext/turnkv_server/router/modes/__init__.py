@@ -1,7 +1,7 @@
 """The serving modes, by name (`turnkv_server.mode_names`): vLLM's own (`standard`,
-`bidirectional`, `push`), turnkv's (`turnkv`: the planner's, `planned`, or with fixed pools
-the P/D form, `turnkv`) and session-affinity routing over aggregated
-engines (`affinity`, the baseline); `base` says what a mode is."""
+`bidirectional`, `push`), turnkv's (`turnkv`: what every turn of it runs, `planned`, and what
+moves KV, the P/D form of `--fixed-pools` among it, `turnkv`) and session-affinity routing over
+aggregated engines (`affinity`, the baseline); `base` says what a mode is."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from turnkv_server.mode_names import ROUTER_MODES, RouterMode
 from turnkv_server.router.modes.affinity import Affinity
 from turnkv_server.router.modes.base import Mode, ModeContext
 from turnkv_server.router.modes.bidirectional import Bidirectional
-from turnkv_server.router.modes.planned import Turnkv
 from turnkv_server.router.modes.push import Push
 from turnkv_server.router.modes.standard import Standard
+from turnkv_server.router.modes.turnkv import PdTurnkv
 
 MODES: dict[RouterMode, type[Mode]] = {
-    "turnkv": Turnkv,
+    # The planner's turns (`planned.Turnkv`) with the P/D machinery that moves KV.
+    "turnkv": PdTurnkv,
     "standard": Standard,
     # The same router mode; the launcher turns the prefill engines' prefix cache off.
     "standard-nocache": Standard,

@@ -17,7 +17,7 @@ null (the engine's prefix cache finds the shared prefix by itself).
 
 With `--engine-leases` the engines run the turnkv connector (an aggregated engine has no
 peer: no KV moves) and every turn tells its engine the session's lease as turnkv mode tells a
-pair (`leases.lease_params`): the engine holds the session's blocks after the turn, orders its
+pair (`planned.lease_params`): the engine holds the session's blocks after the turn, orders its
 evictions by the session's hints, and with a lower tier below it loads an evicted history back.
 """
 
@@ -37,14 +37,14 @@ from turnkv_server.router.modes.base import (
     TurnPlan,
 )
 from turnkv_server.router.modes.engine_orders import EngineOrders
-from turnkv_server.router.modes.leases import (
-    Prefetches,
+from turnkv_server.router.modes.planned import (
     engine_ttl,
     lease_key,
     lease_params,
     prefetch_lease,
     turn_hints,
 )
+from turnkv_server.router.modes.prefetch import Prefetches
 from turnkv_server.router.sessions import Session
 
 

@@ -62,7 +62,7 @@ class Turn:
     # The prefix it shares with other sessions' turns (the tag's, or for a turn with no
     # session, OpenAI's `prompt_cache_key`): placed where that prefix is warm.
     prefix_id: str | None = None
-    # Whether a prefetch of its history had finished when it arrived (`modes.leases`): the
+    # Whether a prefetch of its history had finished when it arrived (`modes.prefetch`): the
     # turn's, set once by `Mode.begin`, whichever attempt serves it.
     prefetch: PrefetchOutcome | None = None
     # How long it waited for admission, in ms (`admission.Admission`).
@@ -269,7 +269,7 @@ class Mode:
         client left while it was queued).
         Does: whatever belongs to the turn rather than to one attempt of it, set on the `Turn`
         (`turn.prefetch`: whether the session's prefetch was in time, waiting for one in
-        flight). It may await (a prefetch, at most `leases.WAIT_S`): the turn waits with it.
+        flight). It may await (a prefetch, at most `prefetch.WAIT_S`): the turn waits with it.
         Must not: send the turn's own requests (its attempts do), fail the turn (what it
         waits for is advisory), or depend on the placement (not made yet)."""
 

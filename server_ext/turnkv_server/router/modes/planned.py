@@ -1,60 +1,43 @@
-"""The `turnkv` mode: each turn placed by the planner (`router.planner`), from measured costs.
+"""The `turnkv` mode as every turn of it runs: placed by the planner (`router.planner`), from
+measured costs, and served under the session's lease on its engines.
 
-Each session has a home, either engine of its pair (the launcher starts both with the turnkv
-connector as `kv_both`, so a "prefill" engine serves whole turns as well as a "decode" one): a
-new session's is the engine of its pair home to fewer sessions, as in `--pair-pool`. Per turn:
+Each session has a home, either engine of its pair (both run the turnkv connector as `kv_both`):
+a new session's is the engine of its pair home to fewer sessions (`PairPool`). Per turn, `begin`
+waits for the session's prefetch where one is pending (`modes.prefetch`); `plan` reads the
+engines' load (requests in flight, recent misses, `Backoff`; the room each cache has beside
+what the sessions' leases hold there, `planner.Holdings`), asks the planner whether it needs
+the prompt (an idle home gets no /tokenize round trip) and for its decision, and carries it out:
+`whole`, the home alone, here; a `split` or a `move`, with the P/D machinery (`PdTurnkv` in
+`modes.turnkv`, the class the registry makes, which extends this one); `finish` feeds the cost
+model what the turn measured and keeps the session's place (`planner.SessionPlace`). Every
+request carries the session's lease (`lease_params`), as `affinity --engine-leases` tells its
+engines too.
 
-1. `plan` reads the engines' load (requests in flight; whether each lost a held history or
-   failed a push back lately; the room its cache has left beside what the sessions' leases
-   hold there, as the planner's `Holdings` counts them), asks the planner whether it needs
-   the prompt (only where a split could pay, `Planner.needs_prompt`: an idle home gets no
-   /tokenize round trip) and for its decision, and carries it out with the P/D form's machinery
-   (`modes.turnkv`): `whole` is a turn the home serves alone, as the pool serves it; `split`
-   is the P/D plan with the other engine as prefill engine and the home as decode engine; a
-   `move` that pulls is the P/D plan from the old home to the new one, one that recomputes is
-   a whole turn on the new home. The turn's stats carry the decision (`placement`).
-2. `finish` feeds the cost model what the turn measured (prefill cost per token on the engine
-   that computed, decode step time at the home's batch), keeps the session's record (what each
-   engine holds of its history, when it last split) and pushes the history back to the other
-   engine only where the planner said so.
-
-`--fixed-pools` keeps the P/D form, `--pair-pool` the pool: both skip the planner.
-
-The pair as one pool (`--pair-pool`, `PairPool`): each session lives on its home, which serves
-its turns whole, as an aggregated engine would. Why: a P/D turn keeps the session's history on
-both engines (the decode engine holds the turn, the push back gives the prefill engine its
-copy), so under memory pressure the pair holds half the sessions it could, and every turn that
-finds its history gone on either side pays for it again. With the pool each engine holds only
-its own sessions (its lease, hint-ordered eviction, its tier and the prefetch work as before,
-on that one engine), no KV crosses the link and the pair holds twice as many histories. What
-it gives up is what P/D is for: a long delta is computed on an engine that is decoding other
-sessions meanwhile, so their inter-token latency suffers. docs/benchmarks.md measures the trade
-under pressure. The router's placement keeps a session on its home by naming that engine as
-both the session's prefill and decode engine, as it keeps an aggregated engine's sessions; a
-home that goes down or is overloaded moves the session to its pair's engines, and a home is
-chosen again. Sessionless turns are served by the pair as ever.
+`--fixed-pools` keeps the P/D form, `--pair-pool` the pair as one pool (each session's home
+serves its turns whole): both skip the planner (`PdTurnkv._plan_unplanned`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from turnkv_server.engine.protocol import Receive, Send
+from turnkv.protocol import CacheHints
+from turnkv_server.engine.protocol import KEY, Receive, Send, TurnParams
 from turnkv_server.router.engines import Engine, Placement
+from turnkv_server.router.modes import prefetch
 from turnkv_server.router.modes.base import (
     DecodeAlone,
+    Mode,
     ModeContext,
     Turn,
     TurnEnd,
     TurnPlan,
-    gives_token_ids,
     tokenize,
 )
-from turnkv_server.router.modes.leases import send_or_none, turn_hints
-from turnkv_server.router.modes.turnkv import HELD_TAIL_TOKENS, PdTurnkv, transfer_id
+from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.planner import (
     Choice,
     CostModel,
@@ -62,15 +45,102 @@ from turnkv_server.router.planner import (
     EngineLoad,
     Holdings,
     Priors,
+    SessionPlace,
     TurnFacts,
 )
-from turnkv_server.router.sessions import Session, SessionKey
-from turnkv_server.router.token_history import common_prefix_len
-from turnkv_server.router.weighing import WeighingPlanner
+from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey
+from turnkv_server.router.weighing import WeighingPlanner, read_facts
 
 # Weight of a turn's output length in the session's expected output.
 OUTPUT_WEIGHT = 0.5
+# A held history leaves at most the tail of its last block to recompute (127 tokens with the
+# CPU backend's 128-token blocks, 15 on GPUs). An engine that computed more than this beyond
+# the delta had lost the session's KV: its leases are going to memory pressure.
+HELD_TAIL_TOKENS = 256
+# After such a miss, or a push back whose receive failed, the engine is under pressure for this
+# long, doubling while misses go on (`Backoff`).
+BACKOFF_S = 30.0
+BACKOFF_MAX_S = 600.0
 
+
+# -- the session's lease, as its engines' connector is told it ---------------------------------
+
+def lease_key(session: Session) -> str:
+    """The engines' name for a session: tenant-scoped, and no IDs or tenant names in their logs."""
+    raw = f"{session.key.tenant}\0{session.key.session_id}".encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def engine_ttl(policy: LeasePolicy, hints: CacheHints) -> float | None:
+    """The TTL the engines' leases get: the session's own (`LeasePolicy.ttl`) whenever a hint
+    shapes it, so that an engine keeps the KV as long as the router keeps the session (each
+    engine still caps it); None, each engine's own default, when no hint does."""
+    if hints.ttl is None and hints.next_turn_in is None:
+        return None
+    return policy.ttl(hints)
+
+
+def turn_hints(turn: Turn) -> CacheHints:
+    return turn.tag.hints if turn.tag is not None else CacheHints()
+
+
+def lease_params(turn: Turn, policy: LeasePolicy, send: Send | None = None,
+                 receive: Receive | None = None) -> dict[str, Any]:
+    """A request's `kv_transfer_params` for a turn: its transfers, and for a session the lease
+    its blocks leave behind. The hint rides on every request of the turn that leaves a lease
+    (prefill, decode, push back): each engine orders its evictions by it."""
+    session = turn.session
+    if session is None:
+        params = TurnParams(receive=receive, send=send)
+    else:
+        hints = turn_hints(turn)
+        params = TurnParams(session=lease_key(session), ttl_s=engine_ttl(policy, hints),
+                            priority=hints.priority or 0, release=hints.final,
+                            receive=receive, send=send,
+                            next_turn_in_s=None if hints.final else hints.next_turn_in,
+                            epoch=session.epoch)
+    return {KEY: params.to_wire()}
+
+
+def prefetch_lease(session: Session, hints: CacheHints, policy: LeasePolicy) -> dict[str, Any]:
+    """A prefetch's `kv_transfer_params`: the session's lease, with the session expected back
+    `LEAD_S` after the prefetch (when it is sent)."""
+    params = TurnParams(session=lease_key(session), ttl_s=engine_ttl(policy, hints),
+                        priority=session.priority, next_turn_in_s=prefetch.LEAD_S,
+                        epoch=session.epoch)
+    return {KEY: params.to_wire()}
+
+
+class Backoff:
+    """Per-engine backoffs: after a miss (a decode engine whose leases lost a held history, a
+    push back whose receive failed), an engine is avoided for a while, twice as long after
+    each further miss (up to a cap), and no longer once a try succeeds."""
+
+    def __init__(self, clock: Callable[[], float], first_s: float = BACKOFF_S,
+                 max_s: float = BACKOFF_MAX_S) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self._clock = clock
+        # Engine name -> (until when it is avoided, the current backoff).
+        self._until: dict[str, tuple[float, float]] = {}
+
+    def active(self, engine: str) -> bool:
+        until, _ = self._until.get(engine, (0.0, 0.0))
+        return self._clock() < until
+
+    def record(self, engine: str, missed: bool) -> float | None:
+        """A try on `engine` missed (start or double its backoff: returns its length in
+        seconds) or succeeded (end it: None)."""
+        if not missed:
+            self._until.pop(engine, None)
+            return None
+        _, backoff = self._until.get(engine, (0.0, self.first_s / 2))
+        backoff = min(backoff * 2, self.max_s)
+        self._until[engine] = (self._clock() + backoff, backoff)
+        return backoff
+
+
+# -- the homes, and the mode ---------------------------------------------------------------
 
 # The homes remembered, at most: a backstop (the router's table tells the mode of every session
 # that leaves it, `Mode.forget_session`; a turn replayed after its session ended is placed once
@@ -88,28 +158,9 @@ class PairPool:
         self._homed: Counter[str] = Counter()
         self._max_homes = max_homes
 
-    def __len__(self) -> int:
-        return len(self._homes)
-
     def homed(self, engine: str) -> int:
         """How many sessions `engine` is home to."""
         return self._homed[engine]
-
-    def plan(self, session: Session, placement: Placement, params: dict[str, Any],
-             others: Sequence[Engine] = ()) -> TurnPlan:
-        """The session's home serves the turn alone, under the session's lease (`params`),
-        computing what its cache and tier do not hold; nothing is sent for a push back.
-
-        The router does not tokenize the prompt, as in `affinity`: the engine's prefix cache
-        finds the history by itself, and a `/tokenize` round trip per turn waits behind the
-        engine's own work (with it the pool measured 10% slower than `affinity-tier` under
-        pressure, without it 5%: docs/benchmarks.md). (The
-        stats read as an aggregated engine's: the total from the engine's usage, no
-        `prefix_break_at`; a prefetch tokenizes when it runs.) `held` False: what the engine
-        computed says nothing about a short delta's backoff."""
-        home = self.home(session, placement, others)
-        return TurnPlan(Placement(home, home, placement.reason), prefill_params=None,
-                        decode_params=params, alone=DecodeAlone(None, new_tokens=0, held=False))
 
     def home(self, session: Session, placement: Placement, others: Sequence[Engine] = ()
              ) -> Engine:
@@ -143,29 +194,25 @@ class PairPool:
             del self._homed[engine]
 
 
-@dataclass
-class SessionPlace:
-    """What the planner keeps of a session between its turns."""
+class Turnkv(Mode):
+    """What every turn of the `turnkv` mode runs; what moves KV, `PdTurnkv` adds (the methods
+    declared at the end of this class)."""
 
-    # The engine other than the home holding a copy of the history, and how many of its
-    # leading tokens (a copy of an older history is still its prefix, edits aside).
-    copy_on: str | None = None
-    copy_tokens: int = 0
-    history_len: int = 0  # prompt and output tokens of the last turn
-    # Whether `Session.tokens` is that history (a turn served untokenized leaves it older).
-    tokens_current: bool = False
-    turns_since_split: int | None = None
-    expected_output: float = 0.0
+    affinity = True
+    serves_without_prefill = True
 
-
-class Turnkv(PdTurnkv):
-    def __init__(self, ctx: ModeContext) -> None:
+    def __init__(self, ctx: ModeContext, orders: EngineOrders) -> None:
         super().__init__(ctx)
         priors = Priors(transfer_tokens_per_ms=ctx.transfer_tokens_per_ms)
         self.planner = WeighingPlanner(CostModel(priors), ctx.itl_target_ms)
         self._homes = PairPool()
         self._places: OrderedDict[SessionKey, SessionPlace] = OrderedDict()
         self._holdings = Holdings()
+        # Push backs, releases, give-ups, renewals and prefetches run on after their turn.
+        self._orders = orders
+        self._prefetches = prefetch.Prefetches(ctx.upstream, orders)
+        # Engines that lost a held history lately; engines a push back to failed lately.
+        self._pressure, self._no_push_back = Backoff(ctx.clock), Backoff(ctx.clock)
 
     @property
     def planned(self) -> bool:
@@ -174,20 +221,15 @@ class Turnkv(PdTurnkv):
     # -- before the turn ---------------------------------------------------------------------
 
     async def begin(self, turn: Turn) -> None:
-        # Named here, as every hook the turn pipeline calls, so that a turn reads this class
-        # and what it calls, not its bases too: the wait for a prefetch is the leases'.
-        await super().begin(turn)
+        """A turn is never raced with its session's prefetch (`Prefetches.before_turn`)."""
+        session = turn.session
+        if session is not None and session.key in self._prefetches.pending:
+            turn.prefetch = await self._prefetches.before_turn(session.key)
 
     async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
-        session = turn.session
-        if self.ctx.pair_pool and session is not None:
-            # Releasing the session's leases when it ends takes a request of its model.
-            session.mode_state.model = turn.body.get("model")
-            other = self._other(placement.decode)
-            return self._homes.plan(session, placement, self._params(turn),
-                                    others=[other] if other is not None else [])
         if not self.planned:
-            return await super().plan(turn, placement)
+            return await self._plan_unplanned(turn, placement)
+        session = turn.session
         if session is not None:
             session.mode_state.model = turn.body.get("model")
         home = self._home(session, placement)
@@ -203,7 +245,8 @@ class Turnkv(PdTurnkv):
             # Rendered where it waits least: the engine that is not the home.
             prompt_ids = await tokenize(self.ctx.upstream, other or home, turn)
         if prompt_ids is not None:
-            facts = self._facts(turn, prompt_ids, home, other, place)
+            facts = read_facts(prompt_ids, session, place, home, other,
+                               can_push_back=self._can_push_back(turn))
         decision = self.planner.decide(home_load, other_load, facts, pin)
         if session is not None:
             decided = self._engine(decision.home)
@@ -250,63 +293,26 @@ class Turnkv(PdTurnkv):
             return None
         return pins[(session.turns if session is not None else 0) % len(pins)]
 
-    def _facts(self, turn: Turn, prompt_ids: list[int], home: Engine, other: Engine | None,
-               place: SessionPlace | None) -> TurnFacts:
-        """What each engine holds of the prompt: the history's prefix the prompt keeps, on
-        the home where it served the last turn, on the other engine as far as its copy goes."""
-        session, prompt = turn.session, len(prompt_ids)
-        shared = 0
-        if session is not None and place is not None:
-            shared = (common_prefix_len(prompt_ids, session.tokens) if place.tokens_current
-                      else min(prompt, place.history_len))
-        home_holds = shared if session is not None and session.decode == home.name else 0
-        copy = place is not None and other is not None and place.copy_on == other.name
-        return TurnFacts(
-            prompt_tokens=prompt, home_holds=home_holds,
-            helper_holds=min(shared, place.copy_tokens) if copy and place else 0,
-            block_size=home.block_size,
-            expected_output=round(place.expected_output) if place else 0,
-            turns_since_split=place.turns_since_split if place else None,
-            history_tokens=place.history_len if place else 0,
-            can_push_back=self._can_push_back(turn))
+    def _params(self, turn: Turn, send: Send | None = None,
+                receive: Receive | None = None) -> dict[str, Any]:
+        return lease_params(turn, self.ctx.session_policy, send, receive)
 
-    @staticmethod
-    def _can_push_back(turn: Turn) -> bool:
+    def _can_push_back(self, turn: Turn) -> bool:
         """The turn's history will be known (the engines give its token IDs) and another turn
         may follow."""
         return (turn.session is not None and not turn_hints(turn).final
-                and gives_token_ids(turn))
+                and (turn.api is None or turn.api.gives_token_ids))
 
     async def _carry_out(self, turn: Turn, decision: Decision, prompt_ids: list[int] | None,
                          facts: TurnFacts, placement: Placement) -> TurnPlan:
-        home, prefill = self._engine(decision.home), self._engine(decision.prefill)
-        # A push back names its receiver as the placement's prefill engine (`PdTurnkv.finish`
-        # sends it there): the engine that computed a split, else the home's other engine.
-        receiver = (prefill if prefill is not home else self._other(home)) \
-            if decision.push_back else None
-        keep = transfer_id(turn, "d2p") if receiver is not None else None
-        decode_params = self._params(turn, send=send_or_none(keep))
-        old = self.ctx.pool.named.get(turn.session.decode or "") \
-            if self.ctx.pool and turn.session else None
-        if decision.where == "split" or (decision.where == "move" and not decision.pull
-                                         and old is not None and old.healthy):
-            # From the other engine's copy, which the last push back may still be writing.
-            await self._settle_push_back(turn.session)
-        if prefill is not home:  # a split, or a move that pulls
-            p2d = transfer_id(turn, "p2d")
-            decode_params = self._params(turn, send=send_or_none(keep), receive=Receive(
-                p2d, self.ctx.side_channels[prefill.name]))
-            return TurnPlan(Placement(prefill, home, placement.reason),
-                            prefill_params=self._params(turn, send=Send(p2d, stream=True)),
-                            concurrent=True, decode_params=decode_params, prefill_send=p2d,
-                            decode_send=keep, decision=decision)
-        # Whole (or a move that recomputes): the home alone.
-        held = prompt_ids is not None and facts.home_holds > 0 and decision.where == "whole"
+        if decision.where != "whole" or decision.push_back:
+            return await self._move_kv(turn, decision, prompt_ids, facts, placement)
+        home = self._engine(decision.home)  # alone, and keeps nothing to send
+        held = prompt_ids is not None and facts.home_holds > 0
         alone = DecodeAlone(prompt_ids, len(prompt_ids) - facts.home_holds if prompt_ids
                             else 0, held=held)
-        return TurnPlan(Placement(receiver or home, home, placement.reason),
-                        prefill_params=None, alone=alone, decode_params=decode_params,
-                        decode_send=keep, decision=decision)
+        return TurnPlan(Placement(home, home, placement.reason), prefill_params=None,
+                        alone=alone, decode_params=self._params(turn), decision=decision)
 
     # -- after it ----------------------------------------------------------------------------
 
@@ -315,9 +321,9 @@ class Turnkv(PdTurnkv):
         if decision is not None and end.how == "complete" and end.stats is not None:
             self._observe(turn, plan, decision, end)
         if plan.prefill_send or plan.decode_send or (plan.alone is not None and plan.alone.held):
-            super().finish(turn, plan, end)  # the P/D form: sends, push back, a held delta
-        elif end.how == "complete":  # the home alone, nothing sent: only the lease's prefetch
-            self._schedule_prefetch(turn, plan)
+            self._finish_pd(turn, plan, end)  # sends, a push back, a held delta judged
+        elif end.how == "complete" and turn_hints(turn).next_turn_in is not None:
+            self._schedule_prefetch(turn, plan)  # the home alone, a pause ahead
 
     def _observe(self, turn: Turn, plan: TurnPlan, decision: Decision, end: TurnEnd) -> None:
         stats = end.stats
@@ -369,30 +375,23 @@ class Turnkv(PdTurnkv):
             held[place.copy_on] = place.copy_tokens
         self._holdings.hold(session.key, held)
 
-    def _prefetch_pays(self, engine: Engine) -> bool:
-        """Where the sessions the engine is home to fit its cache and, under the planner,
-        only where it lost a held history lately (a turn there computed more than its delta).
-        Elsewhere the history is still resident, so the prefetch is only a request on the
-        engine (a `/tokenize` too, for an untokenized turn), which the turn then waits for
-        when it comes back while the engine is busy; and where the homes' histories do not
-        fit, it makes one resident by evicting another's, which that session's turn then
-        restores."""
-        if self.planned and not self._pressure.active(engine.name):
-            return False
-        room = self._holdings.room(engine.name, engine.kv_tokens)
-        return room is None or room > 0
-
     def forget_session(self, session: Session) -> None:
-        super().forget_session(session)
+        self._prefetches.cancel(session.key)
         self._homes.forget(session.key)
         self._places.pop(session.key, None)
         self._holdings.drop(session.key)
 
-    def drop_session(self, session: Session) -> None:
-        place = self._places.get(session.key)
-        copy_on = place.copy_on if place is not None else None
-        if copy_on is not None and copy_on not in (session.prefill, session.decode):
-            # The copy an earlier turn left on an engine the last turn did not name: the
-            # session is ending, so naming it lets `PdTurnkv` release its lease with the rest.
-            session.prefill = copy_on
-        super().drop_session(session)
+    # -- what a pause ahead and a turn that moves KV add: `PdTurnkv`'s ------------------------
+
+    async def _plan_unplanned(self, turn: Turn, placement: Placement) -> TurnPlan:
+        raise NotImplementedError  # `--fixed-pools` (the P/D form), `--pair-pool`
+
+    async def _move_kv(self, turn: Turn, decision: Decision, prompt_ids: list[int] | None,
+                       facts: TurnFacts, placement: Placement) -> TurnPlan:
+        raise NotImplementedError  # a split, a move, or a whole turn pushed back after
+
+    def _finish_pd(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
+        raise NotImplementedError  # an attempt that sent or kept KV, or held a short delta
+
+    def _schedule_prefetch(self, turn: Turn, plan: TurnPlan) -> None:
+        raise NotImplementedError  # the prefetch before the session's hinted return

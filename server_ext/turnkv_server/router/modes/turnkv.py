@@ -1,28 +1,26 @@
-"""The `turnkv` mode's P/D form (`--fixed-pools`): the turnkv connector on every engine, session
-KV kept on both sides. Without fixed pools the planner places each turn (`modes.planned`) and
-carries out its splits and push backs with this machinery. docs/architecture.md ("The P/D
-form") tells the whole path; in short, per turn:
+"""What the `turnkv` mode adds to a turn served whole on its home (`modes.planned.Turnkv`,
+which `PdTurnkv` extends): KV moved between the pair's engines (the P/D machinery), the forms
+that skip the planner, the prefetch before a hinted return, and the session's leases renewed
+and released between turns. docs/architecture.md ("The P/D form") tells the whole path; per turn:
 
-1. `plan`: prefill and decode go out together under one transfer ID; the prefill engine writes
-   the blocks the decode engine lacks beyond its prefix hit, layer by layer. A short delta (at
-   most `short_delta_tokens` new tokens, counted with the decode engine's /tokenize) is
-   computed by the decode engine alone, unless the ITL target (`modes.itl`) says its other
-   requests cannot wait; while no prefill engine is up, the decode engine serves every turn so.
-2. `finish`, after a whole reply: the decode engine keeps the turn's blocks, and the router
-   pushes the history back to the prefill engine (a one-token request that receives them)
-   during the agent's tool time. Both engines hold the session's blocks under its lease (the
-   router's TTL for it, the client's priority and `next_turn_in`); `final` and DELETE release
-   them, hints between turns renew them (`hinted`).
+1. plan: a planner's `split` (or a `move` that pulls) is the P/D plan with the other engine as
+   prefill engine: prefill and decode go out together under one transfer ID, and the prefill
+   engine writes the blocks the decode engine lacks beyond its prefix hit, layer by layer. With
+   `--fixed-pools` every turn is (`_plan_pd`), but a short delta (at most `short_delta_tokens`
+   new tokens, counted with the decode engine's /tokenize), which the decode engine computes
+   alone unless the ITL target (`modes.itl`) says its other requests cannot wait; while no
+   prefill engine is up, the decode engine serves every turn so. (`--pair-pool`: the home
+   serves every turn whole.)
+2. finish, after a whole reply: the decode engine keeps the turn's blocks, and the router
+   pushes the history back to the other engine (a one-token request that receives them)
+   during the agent's tool time, where the planner asked for it (always, with fixed pools).
+   Both engines hold the session's blocks under its lease; `final` and DELETE release them,
+   hints between turns renew them (`hinted`).
 
 A send whose receiver will not come (a cut stream, an empty output, a refused request, an
-ended session) is given up at once (`TurnParams.abandon`). Misses back off
-(`leases.Backoff`): a decode engine that lost a short delta's history skips short deltas, and
-a push back whose receive failed stops push backs to that engine, for a while. Everything
-reaches the engines as `kv_transfer_params["turnkv"]` (`turnkv_server.engine.protocol`).
-
-What every turn of the mode needs of the leases (each request's lease params, the wait for a
-prefetch, the prefetch after a hinted turn) is `leases.LeasedMode`'s, which this form extends:
-a turn the planner's home serves alone, sending nothing, needs nothing of this module.
+ended session) is given up at once (`TurnParams.abandon`). Misses back off (`planned.Backoff`):
+a decode engine that lost a short delta's history skips short deltas, and a push back whose
+receive failed stops push backs to that engine, for a while.
 """
 
 from __future__ import annotations
@@ -53,15 +51,15 @@ from turnkv_server.router.modes.base import (
 )
 from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
-from turnkv_server.router.modes.leases import (
-    Backoff,
-    LeasedMode,
+from turnkv_server.router.modes.planned import (
+    HELD_TAIL_TOKENS,
+    Turnkv,
     engine_ttl,
     lease_key,
     prefetch_lease,
-    send_or_none,
     turn_hints,
 )
+from turnkv_server.router.planner import Decision, TurnFacts
 from turnkv_server.router.sessions import Session
 from turnkv_server.router.token_history import common_prefix_len
 
@@ -73,18 +71,6 @@ PUSH_BACK_TIMEOUT_S = 120.0
 # The decode engine's blocks are ready when the push back starts: a peer that does not answer
 # within this is gone, and the prefill engine recomputes instead of waiting.
 PUSH_BACK_RECEIVE_S = 10.0
-# A held history leaves at most the tail of its last block to recompute (127 tokens with the
-# CPU backend's 128-token blocks, 15 on GPUs). A decode engine that computed more than this
-# beyond the delta had lost the session's KV: its leases are going to memory pressure.
-HELD_TAIL_TOKENS = 256
-# After such a miss, that decode engine's turns go through the prefill engine for this long
-# (which moves them the history back), doubling while misses go on.
-PRESSURE_BACKOFF_S = 30.0
-PRESSURE_BACKOFF_MAX_S = 600.0
-# After a push back whose receive failed, turns keep nothing for a push back to that prefill
-# engine for this long, doubling while push backs go on failing.
-PUSH_BACK_BACKOFF_S = 30.0
-PUSH_BACK_BACKOFF_MAX_S = 600.0
 
 
 def new_tokens(prompt_ids: list[int], history: list[int]) -> int:
@@ -99,18 +85,11 @@ def lost_history(computed: int | None, delta: int) -> bool:
     return computed is not None and computed > delta + HELD_TAIL_TOKENS
 
 
-class PdTurnkv(LeasedMode):
-    """The P/D form (`--fixed-pools`), and the machinery the planner's form reuses."""
-
-    affinity = True
-    serves_without_prefill = True
+class PdTurnkv(Turnkv):
+    """The `turnkv` mode, whole: the class the registry makes."""
 
     def __init__(self, ctx: ModeContext) -> None:
         super().__init__(ctx, EngineOrders(ctx, wait_before_renewal_s=PUSH_BACK_TIMEOUT_S))
-        # Decode engines whose turns skip short deltas; prefill engines turns keep nothing to
-        # push back to.
-        self._pressure = Backoff(PRESSURE_BACKOFF_S, PRESSURE_BACKOFF_MAX_S, ctx.clock)
-        self._no_push_back = Backoff(PUSH_BACK_BACKOFF_S, PUSH_BACK_BACKOFF_MAX_S, ctx.clock)
         self._itl = ItlTarget(ctx.itl_target_ms)
         names = [e.name for e in ctx.pool.engines()] if ctx.pool is not None else []
         missing = [name for name in names if name not in ctx.side_channels]
@@ -118,9 +97,25 @@ class PdTurnkv(LeasedMode):
             raise ValueError(f"turnkv mode needs the side channel (HOST:PORT) of every engine; "
                              f"missing: {', '.join(missing)}")
 
-    # -- before the turn (`begin`, the wait for a prefetch, is `LeasedMode`'s) ----------------
+    # -- before the turn (`begin` is `Turnkv`'s) ----------------------------------------------
 
-    async def plan(self, turn: Turn, placement: Placement) -> TurnPlan:
+    async def _plan_unplanned(self, turn: Turn, placement: Placement) -> TurnPlan:
+        session = turn.session
+        if not (self.ctx.pair_pool and session is not None):
+            return await self._plan_pd(turn, placement)
+        # The pair as one pool: the session's home serves the turn alone, under the session's
+        # lease, computing what its cache and tier do not hold; nothing is kept for a push
+        # back. The prompt is not tokenized, as in `affinity` (a `/tokenize` round trip per
+        # turn waits behind the engine's own work: docs/benchmarks.md), so the stats read as
+        # an aggregated engine's, and what the engine computed tells nothing (`held` False).
+        session.mode_state.model = turn.body.get("model")
+        other = self._other(placement.decode)
+        home = self._homes.home(session, placement, [other] if other is not None else [])
+        return TurnPlan(Placement(home, home, placement.reason), prefill_params=None,
+                        decode_params=self._params(turn),
+                        alone=DecodeAlone(None, new_tokens=0, held=False))
+
+    async def _plan_pd(self, turn: Turn, placement: Placement) -> TurnPlan:
         session = turn.session
         if session is not None:
             # Releasing the session's leases when it ends takes a request of its model.
@@ -196,6 +191,37 @@ class PdTurnkv(LeasedMode):
         history = session.tokens if session is not None and held else []
         return DecodeAlone(prompt_ids, new_tokens(prompt_ids, history), held=held)
 
+    async def _move_kv(self, turn: Turn, decision: Decision, prompt_ids: list[int] | None,
+                       facts: TurnFacts, placement: Placement) -> TurnPlan:
+        home, prefill = self._engine(decision.home), self._engine(decision.prefill)
+        # A push back names its receiver as the placement's prefill engine (`_finish_pd`
+        # sends it there): the engine that computed a split, else the home's other engine.
+        receiver = (prefill if prefill is not home else self._other(home)) \
+            if decision.push_back else None
+        keep = transfer_id(turn, "d2p") if receiver is not None else None
+        decode_params = self._params(turn, send=send_or_none(keep))
+        old = self.ctx.pool.named.get(turn.session.decode or "") \
+            if self.ctx.pool and turn.session else None
+        if decision.where == "split" or (decision.where == "move" and not decision.pull
+                                         and old is not None and old.healthy):
+            # From the other engine's copy, which the last push back may still be writing.
+            await self._settle_push_back(turn.session)
+        if prefill is not home:  # a split, or a move that pulls
+            p2d = transfer_id(turn, "p2d")
+            decode_params = self._params(turn, send=send_or_none(keep), receive=Receive(
+                p2d, self.ctx.side_channels[prefill.name]))
+            return TurnPlan(Placement(prefill, home, placement.reason),
+                            prefill_params=self._params(turn, send=Send(p2d, stream=True)),
+                            concurrent=True, decode_params=decode_params, prefill_send=p2d,
+                            decode_send=keep, decision=decision)
+        # Whole, kept for a push back, or a move that recomputes: the home alone.
+        held = prompt_ids is not None and facts.home_holds > 0 and decision.where == "whole"
+        alone = DecodeAlone(prompt_ids, len(prompt_ids) - facts.home_holds if prompt_ids
+                            else 0, held=held)
+        return TurnPlan(Placement(receiver or home, home, placement.reason),
+                        prefill_params=None, alone=alone, decode_params=decode_params,
+                        decode_send=keep, decision=decision)
+
     async def _settle_push_back(self, session: Session | None) -> None:
         if session is None or session.mode_state.push_back is None:
             return
@@ -207,7 +233,7 @@ class PdTurnkv(LeasedMode):
 
     # -- after it ----------------------------------------------------------------------------
 
-    def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
+    def _finish_pd(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
         prefill, decode = plan.placement.prefill, plan.placement.decode
         model = turn.body.get("model")
         if end.how == "refused":
@@ -252,10 +278,38 @@ class PdTurnkv(LeasedMode):
         turn.session.mode_state.push_back = self._orders.spawn(
             self._push_back(prefill, decode, request, plan.decode_send))
 
-    def forget_session(self, session: Session) -> None:
-        self._prefetches.cancel(session.key)
+    def _schedule_prefetch(self, turn: Turn, plan: TurnPlan) -> None:
+        """After a whole reply, a hinted pause ahead: the turn's engines make the history
+        resident shortly before the session is back (a prefill engine's copy arrives with
+        the push back)."""
+        hints = turn_hints(turn)
+        if turn.session is None or hints.final or hints.next_turn_in is None:
+            return
+        prefill, decode = plan.placement.prefill, plan.placement.decode
+        self._prefetches.schedule(
+            turn.session.key, [decode] if prefill is decode else [prefill, decode], turn,
+            prefetch_lease(turn.session, hints, self.ctx.session_policy), hints.next_turn_in,
+            pays=self._prefetch_pays)
+
+    def _prefetch_pays(self, engine: Engine) -> bool:
+        """Where the sessions the engine is home to fit its cache and, under the planner,
+        only where it lost a held history lately. Elsewhere the history is still resident: the
+        prefetch is only a request the turn may wait for; and where the homes' histories do
+        not fit, it makes one resident by evicting another's, which that turn then restores."""
+        if self.planned and not self._pressure.active(engine.name):
+            return False
+        room = self._holdings.room(engine.name, engine.kv_tokens)
+        return room is None or room > 0
+
+    # -- between turns -----------------------------------------------------------------------
 
     def drop_session(self, session: Session) -> None:
+        place = self._places.get(session.key)
+        copy_on = place.copy_on if place is not None else None
+        if copy_on is not None and copy_on not in (session.prefill, session.decode):
+            # The copy an earlier turn left on an engine the last turn did not name: the
+            # session is ending, so naming it releases its lease with the rest.
+            session.prefill = copy_on
         self.forget_session(session)
         task, session.mode_state.push_back = session.mode_state.push_back, None
         if task is not None and not task.done():
@@ -326,9 +380,12 @@ class PdTurnkv(LeasedMode):
                 self._orders.abandon(decode, request.get("model"), transfer_id)
 
 
-
 def transfer_id(turn: Turn, direction: str) -> str:
     return f"{turn.request_id}-{direction}"
+
+
+def send_or_none(transfer_id: str | None) -> Send | None:
+    return Send(transfer_id) if transfer_id is not None else None
 
 
 def _receive_failed(reply: Reply) -> bool | None:
@@ -338,5 +395,3 @@ def _receive_failed(reply: Reply) -> bool | None:
     except (ValueError, AttributeError, BadParams):
         return None
     return None if figures is None else figures.receive_failed
-
-
