@@ -9,8 +9,7 @@ in `sweep`, so no timer thread touches the table.
 Each session keeps its token history (the last turn's prompt and output token IDs): reused KV
 is correct only as far as a new prompt repeats it, as the engines computed it (`token_history`).
 
-What the live sessions add up to is kept as they change (`SessionCounts`), so that no admission
-re-check or new session sums the table.
+What the live sessions add up to is kept as they change (`SessionCounts`): nothing sums the table.
 
 Each life of a session (opened again after it ended, it is a later one) has an epoch that its
 requests carry: engines ignore the holds and renewals of a released life (`engine.protocol`).
@@ -24,11 +23,13 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from turnkv.protocol import CacheHints, RouterTurnStats, TurnTag
-from turnkv_server.router.engines import Placement
 from turnkv_server.router.mode_state import ModeState
+
+if TYPE_CHECKING:  # engines imports aiohttp, which the CLI's settings (`config`) must not
+    from turnkv_server.router.engines import Placement
 
 _last_epoch = 0
 _UNSET = object()
@@ -117,8 +118,7 @@ class Session:
 
 # -- the counts ---------------------------------------------------------------------------
 
-# The session fields a share depends on: setting any of them (to another value) updates the
-# counts.
+# The session fields a share depends on: setting any of them (anew) updates the counts.
 COUNTED_FIELDS = frozenset({"tokens", "last_stats", "in_flight", "queued", "decode", "placed"})
 
 
