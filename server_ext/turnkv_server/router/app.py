@@ -332,7 +332,7 @@ async def disconnected(request: Request) -> None:
 class RouterApp(FastAPI):
     """The router's ASGI app: FastAPI, with a turn's POST served ahead of its middleware stack
     and route matching. Turns are nearly every request, and Starlette's error and exception
-    middleware and FastAPI's exit stack are a large share of a turn's CPU; the turn routes
+    middleware and FastAPI's exit stack are calls each turn pays for little; the turn routes
     answer their failures in the API's shape themselves, so all those layers add to a turn
     is the answer to what the router did not expect, which `_serve_turn` gives the same way.
     Any other request (another method on a turn's path included) goes through FastAPI."""
