@@ -24,15 +24,13 @@ from turnkv_server.router.apis.responses_state import ResponsesService
 from turnkv_server.router.config import RouterConfig
 from turnkv_server.router.engine_queries import cache_config
 from turnkv_server.router.engines import Engine, EngineConnectionError, EnginePool, Upstream
-from turnkv_server.router.errors import BadRequest, error_response
+from turnkv_server.router.errors import RETRY_AFTER_S, BadRequest, error_response
 from turnkv_server.router.modes.base import Mode
 from turnkv_server.router.session_store import RedisStore, StoreUnavailable
 from turnkv_server.router.sessions import Session, SessionKey, SessionService
 from turnkv_server.router.stats import RouterMetrics
 from turnkv_server.router.tenants import Tenants
 from turnkv_server.router.turn import Turns
-
-RETRY_AFTER_S = "2"
 
 
 class Served(Protocol):
