@@ -133,10 +133,11 @@ class TurnTimes(BaseModel):
     engine_prefill_ms: float | None = None
     first_token_ms: float | None = None
     total_ms: float = 0.0
-    # How long the engine's lower tier took to load the KV it restored (`prompt_tokens`'s
-    # `*_restored`) into the request's blocks, as the engine's scheduler saw it: from the
-    # blocks' allocation to the load's end, so at the granularity of its steps. None where no
-    # tier loaded anything, or the engine's reply was not read (a streamed turn's decode side).
+    # How long the request waited for the engine's lower tier to load the KV it restored
+    # (`prompt_tokens`'s `*_restored`) into its blocks, as the engine's scheduler saw it: from
+    # the blocks' allocation to the load's end, so at the granularity of its steps; 0 where the
+    # tier loaded it in the step that computed the rest. None where no tier loaded anything, or
+    # the engine's reply was not read (a streamed turn's decode side).
     restore_ms: float | None = None
 
     @field_validator("queue_ms", mode="before")

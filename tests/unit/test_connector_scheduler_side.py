@@ -799,3 +799,18 @@ def test_a_stale_release_leaves_the_sessions_next_life_alone() -> None:
     assert side.take_stats()["holds_stale"] == 1
     side.on_new_request(turn_of("rel2", 1, session="s", epoch=6, release=True))
     assert "s" not in side.holder.leases  # type: ignore[union-attr]
+
+
+def test_a_load_by_the_tier_in_the_step_that_computes_waited_for_nothing() -> None:
+    """A request scheduled with more tokens computed than its local hit and no receive of
+    ours, with no load reported first: the tier beside this connector loaded them in the step
+    that computes the rest (`tier.offloading_connector`), so its reply says it waited 0 ms."""
+    pool, side = setup()
+    loaded = request("r1", 40, session="s")
+    side.on_new_request(loaded)
+    assert side.get_num_new_matched_tokens(loaded, 0) == (0, False)
+    ids = allocate(pool, 3)
+    side.update_state_after_alloc(loaded, ids, 0)
+    side.scheduled("r1", ids, True, computed_tokens=32, scheduled_tokens=8)
+    reply = finish(pool, side, loaded, ids)[1]
+    assert reply is not None and reply["turnkv"]["restore_ms"] == 0.0

@@ -24,8 +24,9 @@ class TrackedRequest:
     over_quarantine: bool = False  # a receive declined for quarantined blocks over their cap
     receive_done: bool = False
     receive_failed: bool = False
-    # When vLLM gave the request its blocks, and how long a lower tier (vLLM's offloading
-    # connector beside this one) then took to load its KV into them.
+    # When vLLM gave the request its blocks, and how long the request then waited for a lower
+    # tier (the offloading connector beside this one) to load its KV into them: 0 where the
+    # tier loaded it in the step that computes the rest (`tier.offloading_connector`).
     allocated_at: float | None = None
     restore_ms: float | None = None
 
@@ -34,8 +35,12 @@ class TrackedRequest:
         computes again what it did not keep of it (the last token of a prompt received whole,
         so that the next one is sampled)."""
         self.scheduled = True
-        self.external_tokens = max(0, min(self.external_tokens,
-                                          computed_tokens - self.local_tokens))
+        loaded = computed_tokens - self.local_tokens
+        if self.restore_ms is None and loaded > self.external_tokens:
+            # More than this connector's receive: the tier beside it loaded the rest, and no
+            # step waited for it (an asynchronous load reports first, `SchedulerSide.received`).
+            self.restore_ms = 0.0
+        self.external_tokens = max(0, min(self.external_tokens, loaded))
 
     def completed_blocks(self, new_blocks: Sequence[int], replace: bool, computed_tokens: int,
                          scheduled_tokens: int, block_size: int

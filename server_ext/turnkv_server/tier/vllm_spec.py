@@ -134,6 +134,12 @@ def _plan(engine_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec, bpc: int) -> 
     )
 
 
+# The specs (`spec_name`) whose worker copies a load when it is submitted, before the forward
+# pass that reads it (`HostCopyWorker`): `offloading_connector.HostTierConnector` loads in the
+# step that computes under them.
+LOADS_COPIED_AT_SUBMIT = frozenset({"HostOffloadingSpec", "HostTieringOffloadingSpec"})
+
+
 class HostCopyWorker(OffloadingWorker):
     """vLLM's `OffloadingWorker` (upstream `kv_offload/base.py`) over host copies. A load is
     copied when submitted (the forward pass that reads it follows in the same step); a store is
