@@ -39,6 +39,7 @@ from rich.table import Table
 
 from turnkv_server.bench.plan import BenchSettings, cluster_config
 from turnkv_server.launcher import Cluster
+from turnkv_server.launcher.processes import raise_on_sigterm
 
 SKIP_GAPS = 2  # the first token's gap and the step after it: the prompt's, not a decode step's
 
@@ -110,6 +111,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     settings = BenchSettings(tier_host_blocks=args.tier_host_blocks)
     console = Console(stderr=True)
+    raise_on_sigterm()  # a killed run still stops its clusters
     rng = random.Random(0)
     # mode -> "context x batch" -> per round, the median gap in ms
     medians: dict[str, dict[str, list[float]]] = {m: {} for m in modes}

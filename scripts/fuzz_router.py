@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import sys
 import time
 from collections import Counter
@@ -66,6 +65,7 @@ from tests.support.run_record import (  # noqa: E402
     write_json,
 )
 from turnkv_server.launcher import Cluster, ClusterConfig, ClusterState  # noqa: E402
+from turnkv_server.launcher.processes import raise_on_sigterm  # noqa: E402
 
 # A turn's engine lease without a TTL hint; fuzzed hints ask for up to 600 s, which the
 # engines cap at MAX_LEASE_S (the operator's cap), so that every lease is over soon after
@@ -359,14 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cases < len(KINDS):
         parser.error(f"--cases must be at least {len(KINDS)} (one per kind)")
-    # SIGTERM (a CI runner, `kill`) must still stop the cluster: make it an exception that
-    # the `with Cluster(...)` block sees.
-    signal.signal(signal.SIGTERM, _terminate)
+    raise_on_sigterm()  # a killed run still stops its cluster
     return fuzz(args, Console(stderr=True))
 
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from tests.support.redis_server import redis_server  # noqa: E402
 from tests.support.run_record import OUT_DIR, new_run_dir, scan_logs  # noqa: E402
 from turnkv_server.connector.settings import ConnectorSettings  # noqa: E402
 from turnkv_server.launcher import Cluster, ClusterConfig  # noqa: E402
+from turnkv_server.launcher.processes import raise_on_sigterm  # noqa: E402
 
 # Blocks in each engine's KV cache: the connector's pin cap is half of them (64), which 64
 # live sessions of a few blocks each press against (as in tests/integration/test_load.py).
@@ -234,14 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sessions, --turns and --scripts must be at least 1")
     plan = SoakPlan(args.minutes, args.sessions, args.turns, args.scripts, args.retry_budget,
                     args.seed, args.faults)
-    # SIGTERM (a CI runner, `kill`) must still stop the clusters: make it an exception that
-    # the `with Cluster(...)` blocks see.
-    signal.signal(signal.SIGTERM, _terminate)
+    raise_on_sigterm()  # a killed run still stops its clusters
     return soak(plan, Path(args.out), Path(args.plot), Console(stderr=True))
 
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from turnkv_server.launcher.processes import (
     ProcessRef,
     group_members,
     pin_group,
+    raise_on_sigterm,
     stop_group,
     unpinned_threads,
 )
@@ -409,3 +411,16 @@ def test_engines_build_no_precompiled_header_of_their_own(
     for spec in cluster._engine_specs(Path("/m"), "m"):
         environment = spec.environment(tmp_path / spec.name, tmp_path)
         assert environment.get("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS") == "0", spec.name
+
+
+def test_a_sigterm_reaches_a_scripts_cluster_blocks_as_an_exception() -> None:
+    """`raise_on_sigterm`: a killed script unwinds its `with Cluster(...)` blocks (which stop
+    what they started) instead of dying with its engines and router still running."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        raise_on_sigterm()
+        with pytest.raises(KeyboardInterrupt, match="signal 15"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # interrupted: the handler runs as soon as the signal lands
+    finally:
+        signal.signal(signal.SIGTERM, before)

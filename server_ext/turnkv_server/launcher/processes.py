@@ -52,6 +52,15 @@ def group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
+def raise_on_sigterm() -> None:
+    """Make SIGTERM (a CI runner, `kill`) a `KeyboardInterrupt` in the main thread, so that a
+    script's `with Cluster(...)` blocks still stop what they started."""
+    def terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
 def stop_group(ref: ProcessRef, timeout: float = 15.0) -> None:
     """SIGTERM the group that ``ref`` leads, then SIGKILL whatever is left after ``timeout``."""
     pgid = ref.pid

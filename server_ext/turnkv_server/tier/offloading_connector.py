@@ -34,7 +34,6 @@ receive (vLLM expects those only of requests waiting for remote KV).
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import cast
 
@@ -59,8 +58,6 @@ _ALLOCATED_THIS_STEP = "_current_batch_allocated_block_ids"
 # Its load jobs of the current step, and its state per request (each with `transfer_jobs`).
 _STEP_LOADS = "_current_batch_load_jobs"
 _REQUESTS = "_req_status"
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,11 +89,12 @@ class HostTierConnector(OffloadingConnector):
             isinstance(getattr(self.connector_scheduler, name, None), dict)
             for name in (_STEP_LOADS, _REQUESTS)
         ):
-            # Loads in the step hide their jobs from the step's stores (`build_connector_meta`).
-            log.warning("vLLM's offloading scheduler has no %s or %s: the host tier loads "
-                        "asynchronously, a step before the request computes", _STEP_LOADS,
-                        _REQUESTS)
-            self._loads_in_step = False
+            # Without them a store could be built while the step's load is pending (upstream
+            # asserts), and the worker half, which cannot see this, would report no load:
+            # refuse to start, as for the store fence.
+            raise RuntimeError(
+                f"vLLM's offloading scheduler has no {_STEP_LOADS} or {_REQUESTS}: its jobs "
+                "changed upstream (kv_connector/v1/offloading/scheduler.py)")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
