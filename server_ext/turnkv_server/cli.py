@@ -113,6 +113,11 @@ def up(
     tier_disk_bytes: Annotated[int | None, typer.Option(
         metavar="BYTES", help="with --tier-host-blocks: a disk tier of at most this many "
         "bytes below it, in the run folder (checked files; docs/tier.md)", min=1)] = None,
+    shared_tier: Annotated[bool, typer.Option(
+        help="turnkv with --tier-host-blocks: below the host tiers, a file tier in the run "
+        "folder that every engine reads and writes, so that a session moves to another "
+        "engine for a read, not a recompute (docs/tier.md); on unless the engines run on "
+        "simulated hosts")] = True,
     engine_leases: Annotated[bool, typer.Option(
         help="affinity: the engines run the turnkv connector and hold sessions' leases")] = (
         False),
@@ -154,6 +159,7 @@ def up(
             cores_per_engine=cores_per_engine, router_port=port, run_dir=run_dir,
             decoder_kv_ttl=decoder_kv_ttl, short_delta_tokens=short_delta_tokens,
             tier_host_blocks=tier_host_blocks, tier_disk_bytes=tier_disk_bytes,
+            tier_shared=None if shared_tier else False,
             engine_leases=engine_leases, tool_call_parser=tool_call_parser,
             engine_extra_args=tuple(engine_arg or ()),
             router_args=(*(("--redis", redis) if redis else ()), *itl_target_args(itl_target_ms),

@@ -69,8 +69,12 @@ BENCH_BASELINES: dict[str, BenchMode] = {
 TURNKV_BENCH_MODES: dict[str, BenchMode] = {
     "turnkv": BenchMode(
         "turnkv", "sessions' KV kept on their engines across turns, each turn placed by the "
-        "planner, with affinity-offload's host tier below each engine's cache",
+        "planner, with affinity-offload's host tier below each engine's cache and a file "
+        "tier below both that either engine reads",
         host_tier=True),
+    "turnkv-own-tier": BenchMode(
+        "turnkv", "turnkv whose engines' host tiers share no file tier: a session's history "
+        "is read back only by its home (the other engine computes it)", host_tier=True),
     "turnkv-end-write": BenchMode(
         "turnkv", "turnkv sending a prefill's KV in one write when it ends, not layer by "
         "layer"),

@@ -24,7 +24,8 @@ from turnkv_server.models import build_tiny
 #   lease-eviction test sizes a prompt on it before the tier pair starts;
 # - the tiny turnkv pair with 32-block caches and tiers: `lease-eviction`, `tier`, then other
 #   routers in front of it (`tier-affinity`, `tier-pool`, `tier-admission`);
-# - the tiny turnkv pair with 128-block caches and 3 s leases: `security`, then `load`;
+# - the tiny turnkv pair with 128-block caches, 3 s leases and a shared file tier: `security`,
+#   `load`, then the planner's moves over the shared tier;
 # - tiny turnkv engines: the shared-session routers, `cached_tokens`, the stock clients, the
 #   Responses and Messages APIs (a turnkv router, then an affinity one), the faults, the
 #   planner's pinned placements (test_planner_placements.py), then test_router.py, whose last
@@ -39,7 +40,7 @@ from turnkv_server.models import build_tiny
 #   of which stops the cluster through `turnkv down`.
 SCHEDULE = ("single-tiny", "lease-eviction", "tier", "tier-affinity", "tier-pool", "tier-planner",
             "tier-admission", "security",
-            "load", "shared-sessions",
+            "load", "planner-shared-tier", "shared-sessions",
             "usage-turnkv", "stock-clients", "api-routes", "api-routes-affinity", "faults",
             "planner-whole-split-move-copy-move-split", "planner-whole-split-whole",
             "planner-whole-split-split", "planner-whole-split-move",

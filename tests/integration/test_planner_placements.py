@@ -5,9 +5,11 @@ The placements are pinned (`--pin-placement`, a diagnostic option) so that each 
 where it should be: `whole` on the session's home, `split` (the other engine computes, the
 home receives the KV it lacks), `move` (the session's new home pulls its history from the
 old one), `move-copy` (the session moves to the engine holding a copy of its history, which
-serves the turn whole), one after another in one conversation and at an edited history; and
-unpinned, a move that recomputes because the session's home is down. (A whole turn that restores its
-history from the home's tier: test_tier.py.)
+serves the turn whole), one after another in one conversation and at an edited history;
+`move-tier` (the session moves to the other engine, which reads its history from the file tier
+both engines share) on a pair with that tier; and unpinned, a move that recomputes because the
+session's home is down. (A whole turn that restores its history from the home's tier:
+test_tier.py.)
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import httpx
 import pytest
 
 from tests.support.cluster_pool import ClusterPool
-from tests.support.clusters import TINY_ENGINES, ClusterSpec, RouterView
+from tests.support.clusters import SHORT_LEASES, TINY_ENGINES, ClusterSpec, RouterView
 from tests.support.oracle import Completion, RoutedCompletion, compare, routed_chat
 from tests.support.reference import ROUTER_SCRIPT, Reference, References
 from tests.support.waiting import wait_for
 from turnkv_server.launcher import ClusterState
 
 SCRIPT = ROUTER_SCRIPT
+SCRIPT_BLOCK = 128  # the tiny model's KV block on the CPU backend
 EDITED_AT = SCRIPT.edited_at
 assert EDITED_AT is not None
 # Each session's turns placed as the list says: every placement after another, each with a
@@ -48,6 +51,12 @@ CLUSTER = planner_view(PINS)
 # At the edited turn (the third: session turn index 2), each placement in turn.
 EDITED = {where: planner_view(("whole", "split", where))
           for where in ("whole", "split", "move", "move-copy")}
+# On the pair sharing a file tier (test_load.py's): the session moves back and forth for a
+# read of the tier, once at the edited turn.
+SHARED_PINS = ("whole", "move-tier", "move-tier")
+SHARED = ClusterSpec("planner-shared-tier", SHORT_LEASES, RouterView(
+    prefill=1, decode=1, args=("--health-interval", "3600", "--shared-tier",
+                               "--pin-placement", ",".join(SHARED_PINS))))
 # Unpinned, probing the engines' health every second: a home that stops answering is seen down.
 HOME_DOWN = ClusterSpec("planner-home-down", TINY_ENGINES["turnkv"], RouterView(
     prefill=1, decode=1, args=("--health-interval", "1")))
@@ -87,7 +96,7 @@ def _check(ref: Completion | None, out: RoutedCompletion, turn: int, pin: str,
     assert placement["pulled"] == (pin == "move"), placement
     home = placement["home"]
     assert stats["decode_node"] == home
-    if pin in ("whole", "move-copy"):
+    if pin in ("whole", "move-copy", "move-tier"):
         assert stats["prefill_node"] is None and placement["prefill"] == home
     else:
         # Another engine computed the prompt and wrote its KV into the home.
@@ -97,6 +106,13 @@ def _check(ref: Completion | None, out: RoutedCompletion, turn: int, pin: str,
         assert stats["moved"] and home != home_before
         tokens = stats["prompt_tokens"]
         assert tokens["decode_computed"] < tokens["total"], tokens
+    elif pin == "move-tier":
+        # Not computed again: the first move's engine never held any of the session's KV
+        # (its salt is its own), so what it did not compute came from the shared tier (no
+        # push back left a copy); the move back finds its own blocks and the tier's.
+        assert stats["moved"] and home != home_before and not placement["push_back"]
+        tokens = stats["prompt_tokens"]
+        assert tokens["decode_computed"] <= tokens["total"] - SCRIPT_BLOCK, tokens
     elif where == "move" and home_before is not None:
         assert stats["moved"] and placement["prefill"] == home_before != home
     elif home_before is not None:
@@ -135,6 +151,31 @@ def test_an_edited_history_stays_exact_in_every_placement(
     _check(reference.edited_turn, out, EDITED_AT, where, home)
     assert out.stats["prefix_break_at"] is not None
     assert client.delete(f"{state.router}/v1/turnkv/sessions/{session_id}").status_code == 200
+
+
+@pytest.mark.cluster(SHARED)
+def test_a_session_moved_over_the_shared_tier_equals_a_single_engine(
+    reference: Reference, clusters: ClusterPool, client: httpx.Client,
+) -> None:
+    """Each move reads the history the other engine lacks from the tier both write to, at
+    every turn of the conversation and at an edited history (whose blocks after the edit no
+    tier holds)."""
+    _, state = clusters.get(SHARED)
+    for session_id, edited in (("shared-tier", False), ("shared-tier-edited", True)):
+        home: str | None = None
+        for turn in range(1, (EDITED_AT if edited else SCRIPT.turns) + 1):
+            pin = SHARED_PINS[(turn - 1) % len(SHARED_PINS)]
+            if edited and turn == EDITED_AT:
+                assert reference.edited_messages is not None
+                out = _turn(state, client, reference.edited_messages, session_id, stream=False)
+                home = _check(reference.edited_turn, out, turn, pin, home)
+                assert out.stats["prefix_break_at"] is not None
+            else:
+                out = _turn(state, client, reference.messages[turn - 1], session_id,
+                            stream=turn % 2 == 0)
+                home = _check(reference.turns[turn - 1], out, turn, pin, home)
+        assert client.delete(f"{state.router}/v1/turnkv/sessions/{session_id}").status_code \
+            == 200
 
 
 def _healthy(state: ClusterState, client: httpx.Client) -> dict[str, bool]:

@@ -193,11 +193,13 @@ SMOLLM2_LAUNCHER = ClusterSpec("connector-launcher", SMOLLM2_ENGINES)
 LEASE_EVICTION_BLOCKS = 32
 TIER_HOST_BLOCKS = 16
 TIER_DISK_BLOCKS = 256
+# No shared tier below them (`ClusterConfig.tier_shared`): what these tests watch is each
+# engine's own tiers, and the shared one would serve a chunk the disk tier refused.
 TIER_ENGINES = EngineSet("tiny-turnkv-1p1d-32-blocks-tiers", lambda run_dir: _tiny(
     "turnkv", run_dir, kv_cache_bytes=(LEASE_EVICTION_BLOCKS + 1) * TINY_BLOCK_BYTES,
     connector_settings={"max_pinned_fraction": 1.0}, short_delta_tokens=0,
     tier_host_blocks=TIER_HOST_BLOCKS, tier_disk_bytes=TIER_DISK_BLOCKS * TINY_BLOCK_BYTES,
-    router_args=IDLE_ROUTER))
+    tier_shared=False, router_args=IDLE_ROUTER))
 LEASE_EVICTION = ClusterSpec("lease-eviction", TIER_ENGINES, RouterView(short_delta_tokens=0,
                                                                          args=FIXED_POOLS))
 TIER = ClusterSpec("tier", TIER_ENGINES, RouterView(short_delta_tokens=0, args=FIXED_POOLS))
@@ -222,8 +224,12 @@ TIER_ADMISSION = ClusterSpec("tier-admission", TIER.engines, RouterView(
 # sessions press against the connector's pin cap of half of them; engine leases last
 # SHORT_LEASE_S unless a client asks otherwise, never past SHORT_LEASE_MAX_S, so that what a
 # fuzzed or loaded session left behind comes back soon. Each module puts a router of its own
-# in front (API keys for the one, none for the other).
+# in front (API keys for the one, none for the other). Each engine has a host tier of
+# SHARED_TIER_HOST_BLOCKS blocks and, below both, the launcher's file tier that either engine
+# reads (a turnkv cluster's default with a host tier): the fuzz and the load run over it too,
+# and test_planner_placements.py's router moves sessions over it (`--shared-tier`).
 LOAD_BLOCKS = 128
+SHARED_TIER_HOST_BLOCKS = 64
 SHORT_LEASE_S = 3.0
 # The operator's cap on a lease, which a client's TTL hint cannot pass: the fuzz draws hints
 # of up to 600 s, whose leases must still end within a test's wait.
@@ -231,7 +237,7 @@ SHORT_LEASE_MAX_S = 8.0
 SHORT_LEASES = EngineSet("tiny-turnkv-1p1d-128-blocks-short-leases", lambda run_dir: _tiny(
     "turnkv", run_dir, kv_cache_bytes=(LOAD_BLOCKS + 1) * TINY_BLOCK_BYTES,
     connector_settings={"lease_ttl_s": SHORT_LEASE_S, "lease_max_ttl_s": SHORT_LEASE_MAX_S},
-    router_args=IDLE_ROUTER))
+    tier_host_blocks=SHARED_TIER_HOST_BLOCKS, router_args=IDLE_ROUTER))
 
 # The SDK, adapter and example tests: one prefill and one decode engine behind the router in
 # `bidirectional` mode, where a session's turns reuse its KV. `state.router` is the router's

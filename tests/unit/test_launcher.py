@@ -22,7 +22,12 @@ from turnkv_server.launcher import (
 )
 from turnkv_server.launcher.cluster import _core_sets
 from turnkv_server.launcher.engine import SECRET_ENV, EngineProcess, first_error, resolve_dtype
-from turnkv_server.launcher.kv_transfer import disk_tier, host_tier, kv_transfer_config
+from turnkv_server.launcher.kv_transfer import (
+    disk_tier,
+    host_tier,
+    kv_transfer_config,
+    shared_tier,
+)
 from turnkv_server.launcher.processes import (
     ProcessRef,
     group_members,
@@ -126,6 +131,43 @@ def test_a_disk_tier_puts_the_host_tier_under_vllms_tiering_with_ours_below() ->
     for root, size in (("", 1 << 30), ("/tmp/t", 0), ("/tmp/t", True), ("/tmp/t", "1024")):
         with pytest.raises(ValueError):
             disk_tier(root, size)  # type: ignore[arg-type]
+
+
+def test_a_turnkv_clusters_engines_share_a_file_tier_below_their_host_tiers(
+        tmp_path: Path) -> None:
+    """One folder for every engine, after any disk tier of their own, emptied at start and
+    removed at stop; the router is told. Not without a host tier, not on simulated hosts
+    unless asked, and never for another mode."""
+    run = tmp_path / "run"
+    cluster = Cluster(ClusterConfig(mode="turnkv", run_dir=run, tier_host_blocks=64,
+                                    tier_disk_bytes=1 << 30))
+    stale = run / "tier-shared" / "old.bin"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x")
+    specs = cluster._engine_specs(Path("/m"), "m")
+    assert not stale.exists()
+    belows = [spec.kv_transfer_config["kv_connector_extra_config"]["connectors"][1][
+        "kv_connector_extra_config"]["secondary_tiers"] for spec in specs
+        if spec.kv_transfer_config]
+    assert len(belows) == 2
+    for below in belows:
+        assert [t["type"] for t in below] == ["CheckedDiskTier", "fs"]
+        assert below[1] == shared_tier(str(run / "tier-shared"))
+    assert "--shared-tier" in cluster.router_command()
+    (run / "tier-shared").mkdir()
+    cluster.stop()
+    assert not (run / "tier-shared").exists()
+    assert ClusterConfig(mode="turnkv", tier_host_blocks=64).shares_tier()
+    assert not ClusterConfig(mode="turnkv").shares_tier()
+    assert not ClusterConfig(mode="turnkv", tier_host_blocks=64, tier_shared=False).shares_tier()
+    assert not ClusterConfig(mode="affinity", tier_host_blocks=64).shares_tier()
+    plain = Cluster(ClusterConfig(mode="turnkv", run_dir=run))
+    assert "--shared-tier" not in plain.router_command()
+    for wrong in (dict(mode="turnkv"), dict(mode="affinity", tier_host_blocks=64)):
+        with pytest.raises(ValueError, match="tier_shared"):
+            ClusterConfig(tier_shared=True, **wrong)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        shared_tier("")
 
 
 def test_the_side_channel_secret_is_per_cluster_and_only_in_the_environment(

@@ -41,6 +41,14 @@ def test_a_host_gives_its_address_namespace_and_interface() -> None:
     assert ucx_environment(None, {}) == {"UCX_NET_DEVICES": "lo"}
 
 
+def test_engines_on_simulated_hosts_share_no_file_tier_unless_asked() -> None:
+    """Their file system is the simulation's: real hosts would have no folder in common."""
+    hosts = {"prefill-0": PREFILL, "decode-0": DECODE}
+    assert not ClusterConfig(mode="turnkv", tier_host_blocks=64, hosts=hosts).shares_tier()
+    assert ClusterConfig(mode="turnkv", tier_host_blocks=64, hosts=hosts,
+                         tier_shared=True).shares_tier()
+
+
 def test_the_configuration_names_only_processes_it_has() -> None:
     assert ClusterConfig(num_decode=2).engine_names() == ["prefill-0", "decode-0", "decode-1"]
     assert ClusterConfig(mode="affinity").engine_names() == ["engine-0", "engine-1"]

@@ -3,15 +3,17 @@ where a turn runs and what moves, from what the turns measured."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from turnkv_server.router.decisions import Priors, TurnFacts
 from turnkv_server.router.planner import (
     SPLIT_MEMORY_TURNS,
     CostModel,
     EngineLoad,
     Ewma,
-    Priors,
-    TurnFacts,
+    InFlightKv,
     batch_bucket,
     context_bucket,
     tokens_to_compute,
@@ -390,3 +392,123 @@ def test_no_push_back_to_a_helper_without_room_for_the_copy() -> None:
     # Room for the prompt it computes, not for the copy that would outlive the turn.
     tight = planner.decide(busy, EngineLoad(HELPER, room_tokens=4150), facts)
     assert tight.where == "split" and not tight.push_back
+
+
+# -- a tier both engines read (`--shared-tier`) ----------------------------------------------
+
+def shared_turn(prompt: int = 3000, delta: int = 300, **more: object) -> TurnFacts:
+    """A turn adding `delta` tokens to a history its home holds and the shared tier too; the
+    other engine holds no copy (with a shared tier nothing is pushed back)."""
+    held = prompt - delta
+    return TurnFacts(prompt_tokens=prompt, home_holds=held, helper_holds=0, block_size=128,
+                     expected_output=30, shared_tier=True, tier_holds=held,
+                     **more)  # type: ignore[arg-type]
+
+
+def test_a_busy_home_moves_the_turn_to_the_idle_engine_over_the_shared_tier() -> None:
+    """The pressure case: the home runs another session's turn, the other engine is idle and
+    its cache is full of other sessions' leases. Without a shared tier the turn stays whole
+    (the other engine would compute the whole history, or end leases); with one the other
+    engine reads the history and computes only the delta."""
+    planner = Planner(measured(home_ms=3.0, helper_ms=3.0))
+    busy = EngineLoad(HOME, in_flight=1, prefilling=1, room_tokens=0, capacity_tokens=3200,
+                      kv_in_flight=2800)
+    idle = EngineLoad(HELPER, room_tokens=0, capacity_tokens=3200)
+    decision = planner.decide(busy, idle, shared_turn())
+    assert (decision.where, decision.home, decision.prefill, decision.pull) == (
+        "move", HELPER, HELPER, False)
+    assert "move-tier ~" in decision.why
+    private = dataclasses.replace(shared_turn(), shared_tier=False, tier_holds=0)
+    assert planner.decide(busy, idle, private).where == "whole"
+
+
+def test_a_move_over_the_shared_tier_costs_its_read_and_needs_room_in_the_cache() -> None:
+    planner = Planner(measured(home_ms=3.0, helper_ms=3.0))
+    busy = EngineLoad(HOME, in_flight=1, prefilling=1, capacity_tokens=3200, kv_in_flight=2800)
+    # Not to an engine whose cache cannot hold the prompt at all.
+    small = EngineLoad(HELPER, capacity_tokens=2000)
+    assert planner.decide(busy, small, shared_turn()).where == "whole"
+    # Nor to one as busy as the home.
+    as_busy = EngineLoad(HELPER, in_flight=1, prefilling=1, capacity_tokens=3200,
+                         kv_in_flight=2800)
+    assert planner.decide(busy, as_busy, shared_turn()).where == "whole"
+    # A read far slower than the delta's compute does not pay.
+    slow = Planner(measured(home_ms=3.0, helper_ms=3.0))
+    slow.costs.priors = Priors(tier_read_tokens_per_ms=0.5)
+    idle = EngineLoad(HELPER, capacity_tokens=3200)
+    assert slow.decide(busy, idle, shared_turn()).where == "whole"
+    assert planner.decide(busy, idle, shared_turn()).where == "move"
+
+
+def test_with_a_shared_tier_nothing_is_pushed_back() -> None:
+    """The other engine reads the history from the shared tier when a turn needs it there:
+    a copy would only take its cache meanwhile."""
+    planner = Planner(measured())
+    busy, idle = EngineLoad(HOME, in_flight=3), EngineLoad(HELPER)
+    assert planner.decide(busy, idle, history_turn(delta=2000, can_push_back=True)).push_back
+    facts = shared_turn(prompt=4096, delta=2000, can_push_back=True)
+    assert not planner.decide(busy, idle, facts).push_back
+
+
+def test_a_split_reads_from_the_shared_tier_what_the_helper_lacks() -> None:
+    """A long delta beside busy decodes still splits; the helper reads the history rather
+    than compute it, so the split pays where, without the tier, it would not."""
+    planner = Planner(measured())
+    busy, helper = EngineLoad(HOME, in_flight=4), EngineLoad(HELPER, in_flight=1)
+    facts = shared_turn(prompt=8000, delta=3000)
+    private = dataclasses.replace(facts, shared_tier=False, tier_holds=0)
+    assert planner.decide(busy, helper, private).where == "whole"
+    assert planner.decide(busy, helper, facts).where == "split"
+
+
+def test_move_tier_can_be_pinned() -> None:
+    decision = Planner(measured()).decide(EngineLoad(HOME), EngineLoad(HELPER), shared_turn(),
+                                          pin="move-tier")
+    assert (decision.where, decision.home, decision.prefill, decision.pull,
+            decision.pinned) == ("move", HELPER, HELPER, False, True)
+
+
+def test_a_turn_the_home_has_no_room_for_beside_its_turns_waits_for_one() -> None:
+    """The estimate of a whole turn on a home whose turns in flight leave no room for it
+    includes waiting about a turn's decode; with room, none."""
+    planner = Planner(decoding(1, 100 * 40.0, 1, 100 * 40.0))
+    facts = shared_turn()
+    roomy = EngineLoad(HOME, in_flight=1, capacity_tokens=8000, kv_in_flight=2800)
+    full = dataclasses.replace(roomy, capacity_tokens=3200)
+    alone = EngineLoad(HELPER, in_flight=1, capacity_tokens=8000, kv_in_flight=2800)
+    with_room = planner.decide(roomy, alone, facts).estimates["ttft_ms"]
+    without = planner.decide(full, alone, facts).estimates["ttft_ms"]
+    assert without == pytest.approx(with_room + 30 * 40.0, rel=0.01)
+
+
+def test_in_flight_kv_counts_each_turn_until_it_ends_or_its_engine_idles() -> None:
+    kv = InFlightKv(max_turns=3)
+    kv.begin("a", HOME, 1000)
+    kv.begin("b", HOME, 500)
+    kv.begin("c", HELPER, 200)
+    assert (kv.tokens(HOME), kv.tokens(HELPER)) == (1500, 200)
+    kv.begin("a", HELPER, 100)  # replanned: counted once, where it went last
+    assert (kv.tokens(HOME), kv.tokens(HELPER)) == (500, 300)
+    kv.end("b")
+    kv.end("b")
+    assert kv.tokens(HOME) == 0
+    kv.begin("d", HOME, 50)  # bounded: the oldest turn goes
+    kv.begin("e", HOME, 50)
+    assert kv.tokens(HELPER) == 100
+    kv.idle(HOME)
+    assert kv.tokens(HOME) == 0 and kv.tokens(HELPER) == 100
+
+
+def test_no_split_or_pull_where_either_engine_lacks_room_beside_its_turns() -> None:
+    """A split holds the prompt's KV on both engines at once: where the home cannot hold it
+    beside its turns in flight, the write would wait there holding the helper's blocks. The
+    turn goes whole (or over the shared tier to an engine with room) instead."""
+    planner = Planner(measured())
+    facts = shared_turn(prompt=8000, delta=3000)
+    busy = EngineLoad(HOME, in_flight=4, capacity_tokens=20_000, kv_in_flight=5000)
+    helper = EngineLoad(HELPER, in_flight=1, capacity_tokens=20_000, kv_in_flight=2000)
+    assert planner.decide(busy, helper, facts).where == "split"
+    full_home = dataclasses.replace(busy, kv_in_flight=15_000)
+    assert planner.decide(full_home, helper, facts).where != "split"
+    full_helper = dataclasses.replace(helper, kv_in_flight=15_000)
+    assert planner.decide(busy, full_helper, facts).where != "split"

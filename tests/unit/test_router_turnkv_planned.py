@@ -15,11 +15,11 @@ from turnkv.stats import TurnStats as SdkTurnStats
 from turnkv_server.engine.protocol import parse
 from turnkv_server.router import stats
 from turnkv_server.router.config import RouterConfig, from_args
+from turnkv_server.router.decisions import SessionPlace, Where
 from turnkv_server.router.engines import Engine, EnginePool, Placement, Upstream
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import ModeContext, Turn, TurnEnd, TurnPlan
 from turnkv_server.router.modes.planned import Turnkv
-from turnkv_server.router.planner import SessionPlace, Where
 from turnkv_server.router.sessions import SessionKey
 
 from .test_router_turnkv_mode import DECODE, PREFILL, Tokenizer, turn

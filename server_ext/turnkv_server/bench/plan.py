@@ -128,10 +128,11 @@ def mode_settings(mode: str, settings: BenchSettings) -> BenchSettings:
 def run_config(mode: str, settings: BenchSettings, cluster: ClusterConfig) -> dict[str, Any]:
     """A run's `config` in the results: the settings as `mode` ran them (`tier_host_blocks`
     is the bench's, recorded for every mode), its layout, and what its own cluster had:
-    `host_tier_blocks`, the host tier below each engine's cache (None: the mode has none)."""
+    `host_tier_blocks`, the host tier below each engine's cache (None: the mode has none), and
+    whether a file tier below them was shared by its engines."""
     return {"mode": mode, **mode_settings(mode, settings).describe(), **layout(mode),
             "prefill_cache": cluster.prefill_cache, "host_tier_blocks": cluster.tier_host_blocks,
-            "run_dir": str(cluster.run_dir)}
+            "shared_tier": cluster.shares_tier(), "run_dir": str(cluster.run_dir)}
 
 
 def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> ClusterConfig:
@@ -162,6 +163,7 @@ def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> Cluster
         connector_settings={"layer_writes": False} if mode == "turnkv-end-write" else {},
         tier_host_blocks=settings.tier_host_blocks if has_host_tier(mode) else None,
         engine_leases=mode == "affinity-tier",
+        tier_shared=False if mode == "turnkv-own-tier" else None,
         startup_timeout=settings.startup_timeout_s,
         run_dir=run_dir,
     )

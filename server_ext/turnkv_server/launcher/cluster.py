@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ from turnkv_server.launcher.engine import (
     read_tail,
     resolve_dtype,
 )
-from turnkv_server.launcher.kv_transfer import disk_tier, kv_transfer_config
+from turnkv_server.launcher.kv_transfer import disk_tier, kv_transfer_config, shared_tier
 from turnkv_server.launcher.processes import ProcessRef, stop_group
 from turnkv_server.launcher.progress import LogPhases, StartupDisplay
 from turnkv_server.launcher.state import ClusterState, ServerState, clear_current, set_current
@@ -123,6 +124,7 @@ class Cluster:
         # Unique per start: NIXL refuses a restarted peer that reuses its agent's name.
         run_tag = uuid.uuid4().hex[:8]
         parser, self.tool_calling = resolve_parser(cfg.tool_call_parser, model_path)
+        shared = self._shared_tier()
         specs = []
         for name, role, port, nixl_port, core_set in zip(
                 cfg.engine_names(), roles, ports, nixl_ports, cores, strict=True):
@@ -141,7 +143,7 @@ class Cluster:
                     kv_transfer_config=kv_transfer_config(
                         cfg.mode, role, f"turnkv-{name}-{run_tag}", cfg.decoder_kv_ttl,
                         cfg.kv_recompute_threshold, cfg.connector_settings,
-                        cfg.tier_host_blocks, cfg.engine_leases, self._disk_tier()),
+                        cfg.tier_host_blocks, cfg.engine_leases, self._disk_tier(), shared),
                     dtype=resolve_dtype(cfg.dtype),
                     prefix_caching=cfg.prefill_cache or role != "prefill",
                     kv_cache_bytes=cfg.kv_cache_bytes,
@@ -161,6 +163,16 @@ class Cluster:
         under the run folder's `tier-disk`."""
         size = self.config.tier_disk_bytes
         return None if size is None else disk_tier(str(self.run_dir / "tier-disk"), size)
+
+    def _shared_tier(self) -> dict[str, Any] | None:
+        """The file tier every engine reads and writes, if the cluster has one: the run
+        folder's `tier-shared`, emptied here (its files are found by name, and a file of an
+        earlier cluster's must never be) and removed at stop."""
+        if not self.config.shares_tier():
+            return None
+        folder = shared_tier_dir(self.run_dir)
+        shutil.rmtree(folder, ignore_errors=True)
+        return shared_tier(str(folder))
 
     def _wait_for_engines(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout
@@ -243,7 +255,8 @@ class Cluster:
             cmd += ["--port-file", str(port_file)]
         if self.config.short_delta_tokens is not None:
             cmd += ["--short-delta-tokens", str(self.config.short_delta_tokens)]
-        cmd += [*self.config.router_args, *(["--engine-leases"] if cfg.engine_leases else [])]
+        cmd += [*self.config.router_args, *(["--engine-leases"] if cfg.engine_leases else []),
+                *(["--shared-tier"] if cfg.shares_tier() else [])]
         for engine in self.engines:
             spec = engine.spec
             # An affinity router serves every turn on one engine, whatever role it was
@@ -295,6 +308,7 @@ class Cluster:
         for engine in self.engines:
             engine.stop()
             engine.release_ports()
+        shutil.rmtree(shared_tier_dir(self.run_dir), ignore_errors=True)
         if self.config.register_as_current:
             clear_current(self.run_dir)
 
@@ -312,7 +326,13 @@ def stop_cluster(state: ClusterState) -> None:
     servers = ([state.router_process] if state.router_process else []) + state.engines
     for server in servers:
         stop_group(ProcessRef(pid=server.pid, create_time=server.create_time))
+    shutil.rmtree(shared_tier_dir(Path(state.run_dir)), ignore_errors=True)
     clear_current(Path(state.run_dir))
+
+
+def shared_tier_dir(run_dir: Path) -> Path:
+    """Where a cluster's engines share their file tier (`ClusterConfig.tier_shared`)."""
+    return run_dir / "tier-shared"
 
 
 def _core_sets(count: int, per_engine: int) -> list[tuple[int, ...]]:

@@ -72,6 +72,11 @@ class ClusterConfig:
     # Below each host tier, a disk tier of at most this many bytes in the run folder (None:
     # none): this project's bounded, checked files (`turnkv_server.tier.disk`).
     tier_disk_bytes: int | None = None
+    # turnkv with a host tier: below the engines' host tiers, a file tier they all read and
+    # write, in the run folder (`kv_transfer.shared_tier`), so that a session can move to
+    # another engine without its history computed again. None: where every engine runs on
+    # this machine (simulated hosts share its file system, which real ones would not).
+    tier_shared: bool | None = None
     engine_leases: bool = False
     # turnkv: the engines' side-channel secret (their environment only); None: a new one.
     side_channel_secret: str | None = field(default=None, repr=False)
@@ -91,6 +96,12 @@ class ClusterConfig:
         prefill: list[Role] = ["prefill"] * self.num_prefill
         decode: list[Role] = ["decode"] * self.num_decode
         return prefill + decode
+
+    def shares_tier(self) -> bool:
+        """Whether the engines share a file tier below their host tiers (`tier_shared`)."""
+        if self.tier_shared is not None:
+            return self.tier_shared
+        return self.mode == "turnkv" and self.tier_host_blocks is not None and not self.hosts
 
     def engine_names(self) -> list[str]:
         """Each engine's name, in start order: "single", or its role and index ("decode-0")."""
@@ -122,6 +133,9 @@ class ClusterConfig:
                 self.tier_host_blocks is None or self.tier_disk_bytes < 1):
             raise ValueError("tier_disk_bytes goes below a host tier (tier_host_blocks) and "
                              "must be positive")
+        if self.tier_shared and (self.mode != "turnkv" or self.tier_host_blocks is None):
+            raise ValueError("tier_shared goes below a turnkv cluster's host tiers "
+                             "(tier_host_blocks)")
         if self.side_channel_secret is not None:
             # Refused here, with the engines' own words, rather than by every engine at start.
             check_secret(self.side_channel_secret.encode())

@@ -16,7 +16,11 @@ project's host-memory spec (`turnkv_server.tier`), which serves what neither the
 nor the peer has: a session whose blocks were evicted under pressure. Beside turnkv the
 offloading connector is `HostTierConnector` (`tier.offloading_connector`), vLLM's with its
 store fence covering the blocks the peer writes. `host_tier` with a
-`disk_tier` puts this project's bounded, checked disk tier below host memory.
+`disk_tier` puts this project's bounded, checked disk tier below host memory, and with a
+`shared_tier` vLLM's file-system tier, one folder every engine of the cluster reads and writes:
+a block any engine stored there, any other can load (its file is named by the block's hash,
+which vLLM seeds the same in every process under its default sha256), so the router may move a
+session to the other engine, which reads its history there rather than compute it again.
 
 Every turnkv engine is configured with ``"kv_load_failure_policy": "recompute"`` (at the top,
 where vLLM reads it; the connector refuses to start under any other). The side channel's secret
@@ -46,12 +50,13 @@ def kv_transfer_config(
     mode: str, role: Role, engine_id: str, decoder_kv_ttl: float = RouterConfig.decoder_kv_ttl,
     recompute_threshold: int | None = None, connector_settings: dict[str, Any] | None = None,
     tier_host_blocks: int | None = None, engine_leases: bool = False,
-    tier_disk: dict[str, Any] | None = None,
+    tier_disk: dict[str, Any] | None = None, tier_shared: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """vLLM's --kv-transfer-config for an engine of ``role`` in a cluster of ``mode``; an
     aggregated engine's only with `engine_leases` (the turnkv connector, with no peer) or a
     tier (vLLM's offloading alone).
-    `tier_disk` (a `disk_tier` entry) goes below the host tier."""
+    `tier_disk` (a `disk_tier` entry) and `tier_shared` (a `shared_tier` one, turnkv's engines
+    only) go below the host tier."""
     if role == "single" or (role == "engine" and not engine_leases):
         if role == "single" or tier_host_blocks is None:
             return None
@@ -79,7 +84,7 @@ def kv_transfer_config(
             "engine_id": engine_id,
             "kv_connector_extra_config": {
                 "connectors": [turnkv, host_tier(tier_host_blocks, tier_disk,
-                                                 beside_turnkv=True)]},
+                                                 beside_turnkv=True, shared=tier_shared)]},
         }
     config: dict[str, Any] = {
         "kv_connector": "NixlPushConnector" if mode == "push" else "NixlConnector",
@@ -130,13 +135,27 @@ def disk_tier(root_dir: str, max_bytes: int) -> dict[str, Any]:
     }
 
 
+def shared_tier(root_dir: str) -> dict[str, Any]:
+    """A `secondary_tiers` entry for vLLM's file-system tier in `root_dir`, which every engine
+    of a cluster names alike: a file per chunk, written to a temporary name and renamed, found
+    by its name (the chunk's block hash), read by any engine. It deletes no file: the launcher
+    owns the folder (`launcher.cluster`), empties it at start and removes it at stop. Two
+    threads each way, not vLLM's sixteen: an engine here has one or two cores."""
+    if not root_dir:
+        raise ValueError("the shared tier needs a root_dir")
+    return {"type": "fs", "root_dir": root_dir, "n_read_threads": 2, "n_write_threads": 2}
+
+
 def host_tier(host_blocks: int, disk: dict[str, Any] | None = None,
-              session_order: bool = True, beside_turnkv: bool = False) -> dict[str, Any]:
+              session_order: bool = True, beside_turnkv: bool = False,
+              shared: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's `OffloadingConnector` over this project's host-memory spec, `host_blocks` engine
     blocks big; replies are stored too (vLLM's default stores prompts only, and an agent's
     next turn starts with its last reply). Its evictions follow the sessions' hints
     (`session_order`), else vLLM's LRU. With `disk` (a `disk_tier` entry) the host tier is
-    the primary of vLLM's tiering manager, with that disk tier below it. `beside_turnkv`:
+    the primary of vLLM's tiering manager, with that disk tier below it; with `shared` (a
+    `shared_tier` entry), that tier below it, after any disk tier (a lookup stops at the
+    first tier that holds a chunk: an engine's own files first). `beside_turnkv`:
     under `MultiConnector` after turnkv's connector, whose receives write blocks vLLM's own
     offloading connector does not fence (`tier.offloading_connector`); alone, vLLM's own."""
     if host_blocks < 1:
@@ -153,9 +172,10 @@ def host_tier(host_blocks: int, disk: dict[str, Any] | None = None,
         extra["cache_policy_module_path"] = SESSION_ORDER_MODULE
     else:
         extra["eviction_policy"] = "lru"
-    if disk is not None:
+    secondaries = [dict(tier) for tier in (disk, shared) if tier is not None]
+    if secondaries:
         extra["spec_name"] = "HostTieringOffloadingSpec"
-        extra["secondary_tiers"] = [dict(disk)]
+        extra["secondary_tiers"] = secondaries
     connector: dict[str, Any] = {"kv_connector": "OffloadingConnector"}
     if beside_turnkv:
         connector = {"kv_connector": TIER_CONNECTOR_CLASS,

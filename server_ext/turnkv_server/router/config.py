@@ -16,7 +16,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, cast, get_type_hints
 
 from turnkv_server.mode_names import DEFAULT_MODE, ROUTER_MODES, RouterMode
-from turnkv_server.router.planner import CHOICES, Choice
+from turnkv_server.router.decisions import CHOICES, Choice
 from turnkv_server.router.sessions import LeasePolicy
 from turnkv_server.router.tenants import (
     DEFAULT_TENANT,
@@ -141,8 +141,13 @@ class RouterConfig:
     pin_placement: str | None = field(default=None, metadata=cli(
         "turnkv mode, diagnostics only: place each session's turns as this comma-separated "
         "list says (whole; split; move, pulling the history; move-copy, to the other "
-        "engine's copy of it, pulling where there is none), its first turn as the first "
+        "engine's copy of it, pulling where there is none; move-tier, to the other engine, "
+        "which reads the history from the shared tier), its first turn as the first "
         "entry and so on, cycling, whatever the costs say"))
+    shared_tier: bool = field(default=False, metadata=cli(
+        "turnkv mode: the engines share a tier below their caches (the launcher's file tier): "
+        "the planner may move a session to another engine, which reads its history from "
+        "that tier, rather than have its turn wait behind the home's"))
     pair_pool: bool = field(default=False, metadata=cli(
         "turnkv mode: the pair as one pool: each session lives on one engine of its pair, "
         "which serves its turns whole (no KV moves; the pair holds twice the histories, and a "
@@ -208,6 +213,8 @@ class RouterConfig:
             raise ValueError("--pair-pool is for turnkv mode")
         if self.fixed_pools and self.mode != "turnkv":
             raise ValueError("--fixed-pools is for turnkv mode")
+        if self.shared_tier and self.mode != "turnkv":
+            raise ValueError("--shared-tier is for turnkv mode")
         if not self.transfer_tokens_per_ms > 0:
             raise ValueError("transfer_tokens_per_ms must be positive")
         pins = self.pins()

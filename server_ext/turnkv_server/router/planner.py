@@ -14,7 +14,11 @@ neither engine is fixed as prefill or decode. Per turn the planner weighs:
 - `move`: the session's home changes to the other engine: where that engine holds a copy of
   the history, it serves the turn whole from its copy (nothing crosses the link); else the
   KV is pulled from the old home (which computes the delta and writes the whole prompt's KV),
-  or recomputed when the old home is down.
+  or recomputed when the old home is down. Where the engines share a tier below their caches
+  (`--shared-tier`: the launcher's file tier, which every engine of the cluster writes each
+  block it stores to), the other engine reads the history there instead and computes the
+  delta (`move-tier`): a move that costs a read, not a recompute, so that a turn whose home
+  is busy goes to the idle engine rather than wait behind the home's turns.
 
 Where the prompt's length is known, each placement is weighed by its cost (`router.weighing`).
 
@@ -22,12 +26,16 @@ Memory is a constraint too: a placement that would have an engine take more KV t
 room for (`EngineLoad.room_tokens`: its cache less what the sessions' leases hold there, as the
 router counts them, `Holdings`) is not taken, for it would end other sessions' leases and cost
 them their histories: a split needs room on the helper for what it computes, a move room on
-the new home for the whole history. Under pressure the turn so stays whole on its home, as on an
-aggregated engine. And a session moves only to an engine with fewer requests in flight than
-its home, and home to fewer sessions.
+the new home for the whole history. Under pressure the turn so stays whole on its home, as on
+an aggregated engine. And a session moves only to an engine with fewer requests in flight than
+its home, and (pulling its history) home to fewer sessions. Where the engines share a tier, a
+placement needs only room in the other engine's cache beside its requests: the leases it would
+end there are in the shared tier too, and their sessions would read them back, not compute
+them; under pressure a turn whose home is busy then moves to the idle engine.
 
 After a turn whose prompt the router read, the history is pushed to the other engine
-(`push_back`) wherever it has room for the copy and neither engine is under memory pressure:
+(`push_back`) wherever it has room for the copy, neither engine is under memory pressure and
+they share no tier (which would serve the other engine the history when it needs it):
 with a copy on both engines a later turn can run on whichever waits less, a split computing
 only the delta or a move to the copy, where without one the other engine would compute the
 whole history. An idle home's turn is not tokenized and pushes nothing: copies are made once a
@@ -59,14 +67,10 @@ then the prior (`Priors`).
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
-Where = Literal["whole", "split", "move"]
-# The placements the planner weighs: a move either pulls the history over the link
-# ("move") or goes to the copy a push back left on the other engine ("move-copy").
-Choice = Literal["whole", "split", "move", "move-copy"]
-CHOICES: tuple[Choice, ...] = ("whole", "split", "move", "move-copy")
+from turnkv_server.router.decisions import Choice, Decision, Priors, TurnFacts, Where
+
 # Turns after a split during which the session still counts as one that splits.
 SPLIT_MEMORY_TURNS = 3
 # Of an engine's cache, the share leases may hold before it counts as full: the rest is
@@ -89,6 +93,10 @@ class EngineLoad:
     homed: int | None = None
     # Of its requests in flight, those whose answer has not begun: prompts it computes.
     prefilling: int = 0
+    # Tokens of KV its cache holds in all (None: not known), and those its requests in flight
+    # hold, as the router counts them (`InFlightKv`).
+    capacity_tokens: int | None = None
+    kv_in_flight: int = 0
 
     def less_busy_than(self, other: EngineLoad) -> bool:
         """Fewer prompts to compute (what a turn there waits behind), else as many and fewer
@@ -102,6 +110,17 @@ class EngineLoad:
 
     def fits(self, tokens: int) -> bool:
         return self.room_tokens is None or tokens <= self.room_tokens
+
+    def waits_for_room(self, tokens: int) -> bool:
+        """Whether a request of `tokens` tokens of KV would wait for its requests in flight
+        to end: its cache cannot hold them all at once."""
+        return (self.capacity_tokens is not None
+                and self.kv_in_flight + tokens > self.capacity_tokens)
+
+    def fits_cache(self, tokens: int) -> bool:
+        """Whether `tokens` of KV fit in its cache, ending whatever leases they must (their
+        sessions' KV is in a tier both engines read)."""
+        return self.capacity_tokens is None or tokens <= self.capacity_tokens
 
 
 class Holdings:
@@ -141,53 +160,45 @@ class Holdings:
         return max(0, int(capacity_tokens * LEASE_SHARE) - self.held(engine))
 
 
-@dataclass
-class SessionPlace:
-    """What the planner keeps of a session between its turns."""
-
-    # The engine other than the home holding a copy of the history, and how many of its
-    # leading tokens (a copy of an older history is still its prefix, edits aside).
-    copy_on: str | None = None
-    copy_tokens: int = 0
-    history_len: int = 0  # prompt and output tokens of the last turn
-    # Whether `Session.tokens` is that history (a turn served untokenized leaves it older).
-    tokens_current: bool = False
-    turns_since_split: int | None = None
-    expected_output: float = 0.0
+# Turns counted in flight at most (`InFlightKv`): a backstop for turns that never end.
+MAX_TURNS_IN_FLIGHT = 10_000
 
 
-@dataclass(frozen=True)
-class TurnFacts:
-    """What the planner knows of the turn and its session."""
+class InFlightKv:
+    """The KV each engine's turns in flight hold, as the router counts them (a turn's prompt
+    and expected output on the engine that decodes it): what a turn placed there waits behind
+    when the cache cannot hold it beside them (`EngineLoad.waits_for_room`).
 
-    # The prompt's length (None: not tokenized; the planner asked for none, `needs_prompt`).
-    prompt_tokens: int | None = None
-    # Leading tokens of the prompt held by the home and by the helper.
-    home_holds: int = 0
-    helper_holds: int = 0
-    block_size: int | None = None
-    expected_output: int = 0  # tokens the turn is expected to decode
-    turns_since_split: int | None = None  # None: the session never split
-    # The session's history after its last turn, tokens (0: none known); what a move holds
-    # where the prompt is not tokenized.
-    history_tokens: int = 0
-    # A push back is possible: the turn's history will be known, and it is not the last.
-    can_push_back: bool = False
+    A turn is counted from its plan to its end; a turn whose end is never told (an attempt
+    replanned after a failure) is forgotten when its engine has nothing in flight, and the
+    table is bounded."""
 
+    def __init__(self, max_turns: int = MAX_TURNS_IN_FLIGHT) -> None:
+        self._turns: dict[Hashable, tuple[str, int]] = {}
+        self._by_engine: dict[str, int] = {}
+        self._max_turns = max_turns
 
-@dataclass(frozen=True)
-class Decision:
-    """What the planner decided for one turn, and why."""
+    def begin(self, turn: Hashable, engine: str, tokens: int) -> None:
+        self.end(turn)
+        while len(self._turns) >= self._max_turns:
+            self.end(next(iter(self._turns)))
+        self._turns[turn] = (engine, tokens)
+        self._by_engine[engine] = self._by_engine.get(engine, 0) + tokens
 
-    where: Where
-    home: str  # the engine that decodes the turn and holds the session after it
-    prefill: str  # the engine that computes the prompt
-    push_back: bool = False
-    pull: bool = False  # a move that pulls the history from the old home
-    pinned: bool = False
-    why: str = ""
-    estimates: dict[str, float] = field(default_factory=dict)
+    def end(self, turn: Hashable) -> None:
+        found = self._turns.pop(turn, None)
+        if found is not None:
+            engine, tokens = found
+            self._by_engine[engine] -= tokens
 
+    def idle(self, engine: str) -> None:
+        """`engine` has no request in flight: none of its turns holds KV there any more."""
+        if self._by_engine.get(engine):
+            for turn in [t for t, (e, _) in self._turns.items() if e == engine]:
+                self.end(turn)
+
+    def tokens(self, engine: str) -> int:
+        return self._by_engine.get(engine, 0)
 
 
 def tokens_to_compute(prompt_len: int, held: int, block: int | None) -> int:
@@ -260,8 +271,10 @@ class Planner:
         cost another session its history): with a copy there, a later turn can run on
         whichever engine waits less (a split computing only its delta, or a move to the
         copy), where without one the other engine would compute the whole history. A move
-        that pulled leaves its copy on the old home."""
-        if pulled or not facts.can_push_back or home.pressure or other.pressure:
+        that pulled leaves its copy on the old home. Where the engines share a tier, the other
+        engine reads the history there when it needs it: no copy takes its cache meanwhile."""
+        if (pulled or not facts.can_push_back or facts.shared_tier or home.pressure
+                or other.pressure):
             return False
         receiver = home if where == "move" else other  # the engine left without it
         copy = tokens_to_compute(facts.prompt_tokens or facts.history_tokens,
@@ -286,26 +299,6 @@ FIRST_CONTEXT_BUCKET = 256
 MAX_CONTEXT_BUCKET = 1 << 20
 # Prompts computing fewer tokens than this teach no cost per token (a step's fixed cost).
 MIN_PREFILL_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class Priors:
-    """The costs assumed before an engine has measured anything (cold start).
-
-    The planner compares placements of one turn over the same engines, so what decides on a
-    cold start is the ratio of the token counts and of the requests each placement would stall,
-    which the prior's scale does not change; its scale matters only against the fixed costs of
-    a split (its overhead and transfer). Both engines start equal, and a few turns replace the
-    prior with what they measured. The values are those of a mid-sized model on one GPU: a
-    prefill of a few thousand tokens per second with other sessions decoding beside it, a
-    decode step of tens of ms, KV moving at tens of tokens per ms over the engines' link."""
-
-    prefill_ms_per_token: float = 0.2
-    decode_step_ms: float = 30.0
-    transfer_tokens_per_ms: float = 50.0
-    # A split's fixed cost: a second request, the receiver's registration and the first
-    # layer's write before the home can step.
-    split_overhead_ms: float = 5.0
 
 
 def context_bucket(tokens: int) -> int:
@@ -392,6 +385,9 @@ class CostModel:
 
     def transfer_ms(self, tokens: int) -> float:
         return tokens / self.priors.transfer_tokens_per_ms
+
+    def tier_read_ms(self, tokens: int) -> float:
+        return tokens / self.priors.tier_read_tokens_per_ms
 
     def measured(self, engine: str) -> bool:
         """Whether `engine` has measured a prefill yet."""

@@ -5,7 +5,10 @@ idle home's, served whole) is decided by `Planner.decide` alone (`router.planner
 
 A placement's cost is its own time to the first token, plus the time it stalls each other
 request decoding on the engine that computes, plus the turn's decode at that engine's batch:
-the waiting it adds across all requests. The cheapest goes, with the ITL target as a
+the waiting it adds across all requests; and where an engine's cache cannot hold the turn beside
+the turns in flight there (as the router counts their KV), the turn first waits for them, about
+a turn's decode each. A split, which holds the prompt's KV on both engines at once, is taken only
+where both have that room. The cheapest goes, with the ITL target as a
 constraint: a placement that would stall others longer than the target is refused while one
 within it is possible. A `move` must beat staying by a margin, so that sessions do not bounce.
 """
@@ -14,26 +17,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnkv_server.router.decisions import Choice, Decision, SessionPlace, TurnFacts, Where
 from turnkv_server.router.engines import Engine
-from turnkv_server.router.planner import (
-    Choice,
-    Decision,
-    EngineLoad,
-    Planner,
-    SessionPlace,
-    TurnFacts,
-    Where,
-    tokens_to_compute,
-)
+from turnkv_server.router.planner import EngineLoad, Planner, tokens_to_compute
 from turnkv_server.router.sessions import Session
 from turnkv_server.router.token_history import common_prefix_len
 
 
 def read_facts(prompt_ids: list[int], session: Session | None, place: SessionPlace | None,
-               home: Engine, other: Engine | None, can_push_back: bool) -> TurnFacts:
+               home: Engine, other: Engine | None, can_push_back: bool,
+               shared_tier: bool = False) -> TurnFacts:
     """What each engine holds of a prompt the router read: the history's prefix the prompt
     keeps, on the home where it served the last turn, on the other engine as far as its copy
-    goes."""
+    goes, and in the tier both read (`shared_tier`), which every engine writes what it
+    computes to."""
     prompt = len(prompt_ids)
     shared = 0
     if session is not None and place is not None:
@@ -47,7 +44,8 @@ def read_facts(prompt_ids: list[int], session: Session | None, place: SessionPla
         block_size=home.block_size,
         expected_output=round(place.expected_output) if place else 0,
         turns_since_split=place.turns_since_split if place else None,
-        history_tokens=place.history_len if place else 0, can_push_back=can_push_back)
+        history_tokens=place.history_len if place else 0, can_push_back=can_push_back,
+        shared_tier=shared_tier, tier_holds=shared if shared_tier else 0)
 
 
 # A move must cost this fraction less than the best placement on the home: its benefit is
@@ -77,7 +75,8 @@ class WeighingPlanner(Planner):
             # No copy to move to: the move pulls the history instead.
             pinned = options.get(pin) or options["move"]
             return self._decision(pinned, options, home, other, facts, "pinned", pinned=True)
-        moves = [o for o in (options["move"], options.get("move-copy")) if o and o.fits]
+        moves = [o for o in (options["move"], options.get("move-copy"),
+                             options.get("move-tier")) if o and o.fits]
         if home.overloaded and not other.overloaded and moves:
             return self._decision(min(moves, key=lambda o: o.cost_ms), options, home, other,
                                   facts, f"{home.name} is overloaded")
@@ -91,20 +90,33 @@ class WeighingPlanner(Planner):
         prompt = facts.prompt_tokens or 0
         block, out = facts.block_size, facts.expected_output
         costs = self.costs
+        # Room on the other engine: beside its leases, or where the engines share a tier
+        # (whose copy of the leases' KV their sessions would read back), beside its requests.
+        room = other.fits_cache if facts.shared_tier else other.fits
         # Whole: the home computes what it lacks, stalling its other requests meanwhile.
         whole_n = tokens_to_compute(prompt, facts.home_holds, block)
         whole_ms = costs.prefill_ms(home.name, prompt, whole_n)
         home_decode = out * costs.decode_step_ms(home.name, home.in_flight + 1)
-        whole = _Option("whole", home, home, whole_ms, _stall(whole_ms, home),
-                        whole_ms * (1 + home.in_flight) + home_decode)
+        # A turn waits for room where a cache cannot hold it beside the turns in flight there.
+        home_wait = self._room_wait(home, prompt + out, out)
+        other_wait = self._room_wait(other, prompt + out, out)
+        whole = _Option("whole", home, home, home_wait + whole_ms, _stall(whole_ms, home),
+                        home_wait + whole_ms * (1 + home.in_flight) + home_decode)
+        # What the other engine lacks: beyond its copy, or what it reads of the shared tier.
         # Split: the helper computes what it lacks and writes what the home lacks.
-        split_n = tokens_to_compute(prompt, facts.helper_holds, block)
-        split_compute = costs.prefill_ms(other.name, prompt, split_n)
+        split_n, read_n = self._other_lacks(facts)
+        split_compute = (costs.prefill_ms(other.name, prompt, split_n)
+                         + costs.tier_read_ms(read_n))
         split_ms = (split_compute + costs.transfer_ms(whole_n)
                     + costs.priors.split_overhead_ms)
+        # Both engines hold the prompt's KV at once (the helper as it computes, the home as it
+        # receives): under pressure that takes twice the room of any other placement, and a
+        # write into a home that has none waits there holding the helper's blocks. Only where
+        # both have room beside their turns in flight.
+        both_room = not (home.waits_for_room(prompt + out) or other.waits_for_room(prompt))
         split = _Option("split", other, home, split_ms, _stall(split_compute, other),
                         split_ms + split_compute * other.in_flight + home_decode,
-                        fits=other.fits(split_n))
+                        fits=room(split_n + read_n) and both_room)
         # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
         # the other engine, which decodes there from now on, at its own batch.
         move_ms = whole_ms + costs.transfer_ms(prompt) + costs.priors.split_overhead_ms
@@ -114,11 +126,12 @@ class WeighingPlanner(Planner):
             # Move, to the copy: the other engine holds the history (a push back left it
             # there), so it serves the turn whole, computing what its copy lacks, and
             # nothing crosses the link at the turn. A whole turn of the other engine's.
-            copy_ms = costs.prefill_ms(other.name, prompt, split_n)
+            copy_n = tokens_to_compute(prompt, facts.helper_holds, block)
+            copy_ms = costs.prefill_ms(other.name, prompt, copy_n)
             options["move-copy"] = _Option(
-                "move", other, other, copy_ms, _stall(copy_ms, other),
-                copy_ms * (1 + other.in_flight) + moved_decode,
-                fits=other.fits(split_n + out) and other.less_busy_than(home))
+                "move", other, other, other_wait + copy_ms, _stall(copy_ms, other),
+                other_wait + copy_ms * (1 + other.in_flight) + moved_decode,
+                fits=room(copy_n + out) and other.less_busy_than(home))
         # Only to a less busy engine: a decode step measured at a small batch includes the
         # steps that prefills held, so by its costs alone an engine measured while it started
         # its first prompts reads slower than a crowded one, and sessions would drain to it.
@@ -128,14 +141,45 @@ class WeighingPlanner(Planner):
         options["move"] = _Option(
             "move", home, other, move_ms, _stall(whole_ms, home),
             move_ms + whole_ms * home.in_flight + moved_decode,
-            fits=(other.fits(prompt + out) and other.less_busy_than(home)
+            fits=(room(prompt + out) and both_room and other.less_busy_than(home)
                   and other.homes_fewer_than(home)))
+        if facts.tier_holds:
+            # Move, over the shared tier: the other engine reads the history from the tier
+            # both engines write to (what its own cache lacks of it) and computes the rest, as
+            # a whole turn of its own. Only to a less busy engine; not held back by the homes'
+            # counts, as a pull is: the next turn can go back the same way, for a read.
+            tier_ms = split_compute
+            options["move-tier"] = _Option(
+                "move", other, other, other_wait + tier_ms, _stall(tier_ms, other),
+                other_wait + tier_ms * (1 + other.in_flight) + moved_decode,
+                fits=room(prompt + out) and other.less_busy_than(home))
         return options
+
+    def _room_wait(self, engine: EngineLoad, tokens: int, out: int) -> float:
+        """How long a turn of `tokens` tokens of KV waits on `engine` for room: where its
+        cache cannot hold them beside its turns in flight, which then run about one at a
+        time, a turn's decode (as long as this session's own take) for each of them."""
+        if not engine.waits_for_room(tokens):
+            return 0.0
+        step = self.costs.decode_step_ms(engine.name, engine.in_flight)
+        return max(1, engine.in_flight) * max(1, out) * step
+
+    @staticmethod
+    def _other_lacks(facts: TurnFacts) -> tuple[int, int]:
+        """Of the prompt, the tokens the other engine computes (what neither its copy of the
+        history nor the shared tier holds) and those it reads from the shared tier."""
+        prompt, block = facts.prompt_tokens or 0, facts.block_size
+        own = tokens_to_compute(prompt, facts.helper_holds, block)
+        if facts.tier_holds <= facts.helper_holds:
+            return own, 0
+        lacks = tokens_to_compute(prompt, facts.tier_holds, block)
+        return lacks, own - lacks
 
     def _choose(self, options: dict[Choice, _Option]) -> tuple[_Option, str]:
         stay = [o for o in (options["whole"], options["split"]) if o.fits]
         best = min(stay, key=lambda o: o.cost_ms)
-        moves = [o for o in (options.get("move-copy"), options["move"]) if o and o.fits]
+        moves = [o for o in (options.get("move-copy"), options["move"],
+                             options.get("move-tier")) if o and o.fits]
         move = min(moves, key=lambda o: o.cost_ms) if moves else None
         if move is not None and move.cost_ms < best.cost_ms * (1 - MOVE_MARGIN):
             best = move

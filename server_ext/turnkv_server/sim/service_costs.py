@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from turnkv_server.bench.estimate import sum_keys
-from turnkv_server.router.planner import Priors
+from turnkv_server.router.decisions import Priors
 
 # The context at which `planner_priors` quotes a cost per token: a mid-length prompt.
 _PRIOR_CONTEXT = 2048

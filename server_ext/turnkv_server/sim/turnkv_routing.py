@@ -19,14 +19,8 @@ from dataclasses import dataclass, replace
 
 import simpy
 
-from turnkv_server.router.planner import (
-    CostModel,
-    Decision,
-    EngineLoad,
-    Holdings,
-    Planner,
-    TurnFacts,
-)
+from turnkv_server.router.decisions import Decision, TurnFacts
+from turnkv_server.router.planner import CostModel, EngineLoad, Holdings, Planner
 from turnkv_server.router.weighing import WeighingPlanner
 from turnkv_server.sim.baseline_routing import RoundRobin, TurnProcess
 from turnkv_server.sim.engine import SimEngine

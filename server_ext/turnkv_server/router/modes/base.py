@@ -38,8 +38,8 @@ from typing import Any, Literal, Protocol
 from turnkv.protocol import CacheHints, FallbackReason, PrefetchOutcome, RouterTurnStats, TurnTag
 from turnkv_server.engine.requests import tokenize_request
 from turnkv_server.router.config import RouterConfig
+from turnkv_server.router.decisions import Choice, Decision
 from turnkv_server.router.engines import Engine, EnginePool, Placement, Upstream
-from turnkv_server.router.planner import Choice, Decision
 from turnkv_server.router.sessions import LeasePolicy, Session
 
 
@@ -222,6 +222,8 @@ class ModeContext:
     fixed_pools: bool = False
     transfer_tokens_per_ms: float = 50.0
     pins: tuple[Choice, ...] = ()
+    # turnkv: the engines share a tier below their caches (`--shared-tier`).
+    shared_tier: bool = False
     # The router's session TTLs (turnkv passes the engines the TTL a session's hints give it).
     session_policy: LeasePolicy = field(default_factory=LeasePolicy)
     # Counts each renew-only request sent for a hint between turns, by outcome ("sent",
@@ -245,6 +247,7 @@ class ModeContext:
                    itl_target_ms=config.itl_target_ms, engine_leases=config.engine_leases,
                    pair_pool=config.pair_pool, fixed_pools=config.fixed_pools,
                    transfer_tokens_per_ms=config.transfer_tokens_per_ms, pins=config.pins(),
+                   shared_tier=config.shared_tier,
                    session_policy=LeasePolicy(config.default_ttl, config.max_ttl),
                    count_renewal=count_renewal)
 

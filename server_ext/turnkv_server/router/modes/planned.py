@@ -26,6 +26,7 @@ from typing import Any
 
 from turnkv.protocol import CacheHints
 from turnkv_server.engine.protocol import KEY, Receive, Send, TurnParams
+from turnkv_server.router.decisions import Choice, Decision, Priors, SessionPlace, TurnFacts
 from turnkv_server.router.engines import Engine, Placement
 from turnkv_server.router.modes import prefetch
 from turnkv_server.router.modes.base import (
@@ -38,16 +39,7 @@ from turnkv_server.router.modes.base import (
     tokenize,
 )
 from turnkv_server.router.modes.engine_orders import EngineOrders
-from turnkv_server.router.planner import (
-    Choice,
-    CostModel,
-    Decision,
-    EngineLoad,
-    Holdings,
-    Priors,
-    SessionPlace,
-    TurnFacts,
-)
+from turnkv_server.router.planner import CostModel, EngineLoad, Holdings, InFlightKv
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey
 from turnkv_server.router.weighing import WeighingPlanner, read_facts
 
@@ -208,6 +200,7 @@ class Turnkv(Mode):
         self._homes = PairPool()
         self._places: OrderedDict[SessionKey, SessionPlace] = OrderedDict()
         self._holdings = Holdings()
+        self._kv_in_flight = InFlightKv()
         # Push backs, releases, give-ups, renewals and prefetches run on after their turn.
         self._orders = orders
         self._prefetches = prefetch.Prefetches(ctx.upstream, orders)
@@ -246,8 +239,12 @@ class Turnkv(Mode):
             prompt_ids = await tokenize(self.ctx.upstream, other or home, turn)
         if prompt_ids is not None:
             facts = read_facts(prompt_ids, session, place, home, other,
-                               can_push_back=self._can_push_back(turn))
+                               can_push_back=self._can_push_back(turn),
+                               shared_tier=self.ctx.shared_tier)
         decision = self.planner.decide(home_load, other_load, facts, pin)
+        self._kv_in_flight.begin(id(turn), decision.home, (
+            facts.prompt_tokens or facts.history_tokens)
+            + round(place.expected_output if place else 0))
         if session is not None:
             decided = self._engine(decision.home)
             self._homes.home(session, Placement(decided, decided, "affinity"))
@@ -280,12 +277,16 @@ class Turnkv(Mode):
         return engine
 
     def _load(self, engine: Engine) -> EngineLoad:
+        if not engine.in_flight:
+            self._kv_in_flight.idle(engine.name)
         overloaded = self.ctx.pool is not None and engine.in_flight >= self.ctx.pool.max_in_flight
         pressure = (self._pressure.active(engine.name)
                     or self._no_push_back.active(engine.name))
         return EngineLoad(engine.name, engine.healthy, engine.in_flight, overloaded, pressure,
                           self._holdings.room(engine.name, engine.kv_tokens),
-                          homed=self._homes.homed(engine.name), prefilling=engine.prefilling)
+                          homed=self._homes.homed(engine.name), prefilling=engine.prefilling,
+                          capacity_tokens=engine.kv_tokens,
+                          kv_in_flight=self._kv_in_flight.tokens(engine.name))
 
     def _pin(self, session: Session | None) -> Choice | None:
         pins = self.ctx.pins
@@ -317,6 +318,7 @@ class Turnkv(Mode):
     # -- after it ----------------------------------------------------------------------------
 
     def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
+        self._kv_in_flight.end(id(turn))
         decision = plan.decision
         if decision is not None and end.how == "complete" and end.stats is not None:
             self._observe(turn, plan, decision, end)

@@ -39,6 +39,7 @@ from turnkv_server.engine.protocol import (
     parse_reply,
 )
 from turnkv_server.engine.requests import one_token_request
+from turnkv_server.router.decisions import Decision, TurnFacts
 from turnkv_server.router.engines import Engine, EngineConnectionError, Placement, Reply
 from turnkv_server.router.modes.base import (
     DecodeAlone,
@@ -59,7 +60,6 @@ from turnkv_server.router.modes.planned import (
     prefetch_lease,
     turn_hints,
 )
-from turnkv_server.router.planner import Decision, TurnFacts
 from turnkv_server.router.sessions import Session
 from turnkv_server.router.token_history import common_prefix_len
 
