@@ -155,8 +155,13 @@ def test_a_turnkv_clusters_engines_share_a_file_tier_below_their_host_tiers(
         assert below[1] == shared_tier(str(run / "tier-shared"))
     assert "--shared-tier" in cluster.router_command()
     (run / "tier-shared").mkdir()
+    # The host tier's region that vLLM leaves in /dev/shm when an engine is stopped goes too.
+    engine_id = specs[0].kv_transfer_config["engine_id"]
+    region = Path(f"/dev/shm/vllm_offload_{engine_id}.mmap")
+    region.write_bytes(b"")
+    cluster.engines = [EngineProcess(spec, run) for spec in specs]
     cluster.stop()
-    assert not (run / "tier-shared").exists()
+    assert not (run / "tier-shared").exists() and not region.exists()
     assert ClusterConfig(mode="turnkv", tier_host_blocks=64).shares_tier()
     assert not ClusterConfig(mode="turnkv").shares_tier()
     assert not ClusterConfig(mode="turnkv", tier_host_blocks=64, tier_shared=False).shares_tier()

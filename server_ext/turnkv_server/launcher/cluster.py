@@ -308,6 +308,7 @@ class Cluster:
         for engine in self.engines:
             engine.stop()
             engine.release_ports()
+            remove_offload_region(engine.spec.kv_transfer_config)
         shutil.rmtree(shared_tier_dir(self.run_dir), ignore_errors=True)
         if self.config.register_as_current:
             clear_current(self.run_dir)
@@ -328,6 +329,15 @@ def stop_cluster(state: ClusterState) -> None:
         stop_group(ProcessRef(pid=server.pid, create_time=server.create_time))
     shutil.rmtree(shared_tier_dir(Path(state.run_dir)), ignore_errors=True)
     clear_current(Path(state.run_dir))
+
+
+def remove_offload_region(kv_transfer_config: dict[str, Any] | None) -> None:
+    """An engine's host tier under vLLM's tiering lives in a file in /dev/shm named by its
+    engine ID (upstream `cpu/shared_offload_region.py`), which vLLM removes only when the
+    engine closes it: a stopped engine leaves it behind, as big as its tier."""
+    engine_id = (kv_transfer_config or {}).get("engine_id")
+    if engine_id:
+        Path(f"/dev/shm/vllm_offload_{engine_id}.mmap").unlink(missing_ok=True)
 
 
 def shared_tier_dir(run_dir: Path) -> Path:
