@@ -88,20 +88,22 @@ def test_a_gpu_profile_holds_the_published_shape() -> None:
     assert costs.decode_fixed_ms == pytest.approx(65.6e9 / (4.8e12 * 0.7) * 1000)
 
 
-@pytest.mark.parametrize(("text", "routing", "order", "tier", "prefill"), [
-    ("affinity", "affinity", "lru", 0, 1),
-    ("turnkv", "turnkv", "lease", 0, 1),
-    ("turnkv:lru+tier", "turnkv", "lru", 500, 1),
-    ("standard", "standard", "lru", 0, 4),
-    ("standard@1:3", "standard", "lru", 0, 2),
-    ("standard@3:1", "standard", "lru", 0, 6),
+@pytest.mark.parametrize(("text", "routing", "order", "tier", "shared", "prefill"), [
+    ("affinity", "affinity", "lru", 0, False, 1),
+    ("turnkv", "turnkv", "lease", 0, False, 1),
+    ("turnkv:lru+tier", "turnkv", "lru", 500, False, 1),
+    ("turnkv+tier+shared", "turnkv", "lease", 500, True, 1),
+    ("turnkv+shared", "turnkv", "lease", 0, True, 1),
+    ("standard", "standard", "lru", 0, False, 4),
+    ("standard@1:3", "standard", "lru", 0, False, 2),
+    ("standard@3:1", "standard", "lru", 0, False, 6),
 ])
 def test_policies_are_read_as_the_command_line_names_them(
-        text: str, routing: str, order: str, tier: int, prefill: int) -> None:
+        text: str, routing: str, order: str, tier: int, shared: bool, prefill: int) -> None:
     base = FleetSpec("affinity", 8, ServiceCosts("c", 1, 1, 0, 1, 1, 1, 1, 1000, 16, 1))
     spec = parse_policy(text, base, 500)
-    assert (spec.routing, spec.order, spec.tier_tokens, spec.prefill_engines) == (
-        routing, order, tier, prefill)
+    assert (spec.routing, spec.order, spec.tier_tokens, spec.shared_tier,
+            spec.prefill_engines) == (routing, order, tier, shared, prefill)
 
 
 def test_a_policy_the_simulator_cannot_run_is_refused() -> None:
@@ -110,6 +112,10 @@ def test_a_policy_the_simulator_cannot_run_is_refused() -> None:
         parse_policy("turnkv@1:3", base, 0)
     with pytest.raises(ValueError, match="--tier-tokens"):
         parse_policy("affinity+tier", base, 0)
+    with pytest.raises(ValueError, match="once each"):
+        parse_policy("turnkv+tier+tier", base, 500)
+    with pytest.raises(ValueError, match="only"):
+        parse_policy("turnkv+disk", base, 500)
 
 
 def test_turnkv_sim_writes_results_a_table_and_plots(tmp_path: Path) -> None:

@@ -227,3 +227,31 @@ def test_a_tiers_stores_lengthen_the_steps_that_copy_them_a_block_a_step() -> No
     assert second.waited_ms == pytest.approx(0)
     assert second.decode_ms == pytest.approx(10 * (21 + 5))
     assert run.engines[0].stores_waiting == pytest.approx(32 + 12 + 1 - 10)
+
+
+def test_a_pairs_shared_tier_serves_a_lost_engines_history_to_the_other() -> None:
+    """With a shared tier nothing is pushed back: the other engine's cache holds nothing of
+    a after its first turn, but the tier both engines write holds its 1,011 tokens (1,008 in
+    whole blocks) and outlives engine-0. The second turn, on engine-1, reads those 1,008 at
+    100 tokens a ms and computes 1,211 - 1,008 = 203."""
+    spec = FleetSpec("turnkv", 2, costs(), shared_tier=True, lose=((0, 5.0),))
+    fleet = Fleet(spec)
+    run = fleet.run([session("a", (1000, 11, 0.0), (200, 11, 10.0))])
+    first, second = run.outcomes
+    engine_0, engine_1 = fleet.engines
+    assert engine_0.shared is engine_1.shared is not None
+    assert first.home == "engine-0"
+    assert second.home == "engine-1"
+    assert (second.cached, second.from_tier, second.computed) == (0, 1008, 203)
+    assert second.ttft_ms == pytest.approx(10 + 203 + 1008 / 100)
+
+
+def test_a_shared_tier_stands_in_for_the_push_back() -> None:
+    fleet = Fleet(FleetSpec("turnkv", 2, costs(), shared_tier=True))
+    run = fleet.run([session("a", (1000, 11, 0.0), (200, 11, 5.0))])
+    assert [o.where for o in run.outcomes] == ["whole", "whole"]
+    home = fleet.engines[0] if run.outcomes[0].home == "engine-0" else fleet.engines[1]
+    other = fleet.engines[1] if home is fleet.engines[0] else fleet.engines[0]
+    assert "a" not in other.cache  # no copy made: the tier holds the history
+    # The second turn's 1,211 + 11 tokens, in whole blocks.
+    assert home.shared is not None and home.shared.held("a") == 1216

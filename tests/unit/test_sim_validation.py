@@ -38,6 +38,7 @@ def _run(mode: str) -> dict[str, Any]:
     ("standard", "standard", "lru", 0),
     ("affinity-offload", "affinity", "lru", 6144),
     ("turnkv", "turnkv", "lease", 6144),
+    ("turnkv-own-tier", "turnkv", "lease", 6144),
 ])
 def test_a_bench_mode_is_simulated_with_what_it_ran(mode: str, routing: str, eviction: str,
                                                      tier: int) -> None:
@@ -77,6 +78,15 @@ def test_a_runs_recorded_host_tier_decides_its_replays_tier(
     if host_tier != "absent":
         run["config"]["host_tier_blocks"] = host_tier
     assert simulate_run(run, _COSTS, None, created=created)["tier_tokens"] == tier
+
+
+@pytest.mark.parametrize(("recorded", "shared"), [(True, True), (False, False), ("absent", False)])
+def test_a_runs_engines_share_a_tier_in_its_replay_where_they_did(
+        recorded: bool | str, shared: bool) -> None:
+    run = _run("turnkv")
+    if recorded != "absent":
+        run["config"]["shared_tier"] = recorded
+    assert simulate_run(run, _COSTS, None)["shared_tier"] is shared
 
 
 def test_the_table_sets_the_bench_runs_range_beside_their_median() -> None:

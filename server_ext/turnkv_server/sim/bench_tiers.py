@@ -1,5 +1,6 @@
-"""The host tier a `turnkv bench` run had below each engine's cache, read from its results:
-what the simulator replays it with, and what the cost fit groups its turns by."""
+"""The host tier a `turnkv bench` run had below each engine's cache, and whether its engines
+shared a tier below those, read from its results: what the simulator replays it with, and what
+the cost fit groups its turns by."""
 
 from __future__ import annotations
 
@@ -33,3 +34,9 @@ def tier_tokens(run: Mapping[str, Any], created: str = "~") -> int:
     per_token = (config.get("kv_cache_bytes") or 0) / max(1, run.get("kv_cache_tokens") or 1)
     size = config.get("bound_kv_cache_bytes")
     return int(size / per_token) if size and per_token else 0
+
+
+def shares_tier(run: Mapping[str, Any]) -> bool:
+    """Whether the run's engines shared a tier below their host tiers (the launcher's file
+    tier): its `config` says so since that tier came; runs from before had none."""
+    return bool(run.get("config", {}).get("shared_tier"))

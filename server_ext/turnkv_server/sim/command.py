@@ -34,8 +34,8 @@ def sim(
     context: Annotated[int, typer.Option(help="blog: the last turn's prompt tokens")] = 24_000,
     engines: Annotated[int, typer.Option(help="engines in the fleet", min=1)] = 2,
     policy: Annotated[list[str] | None, typer.Option(
-        help="ROUTING[:EVICTION][+tier][@P:D], repeatable (default: affinity, standard, "
-             "turnkv); e.g. turnkv+tier, affinity:lease, standard@1:3")] = None,
+        help="ROUTING[:EVICTION][+tier][+shared][@P:D], repeatable (default: affinity, "
+             "standard, turnkv); e.g. turnkv+tier+shared, affinity:lease, standard@1:3")] = None,
     tier_tokens: Annotated[int, typer.Option(
         help="host tier per engine, in tokens, for +tier policies", min=0)] = 0,
     profile: Annotated[str, typer.Option(help=PROFILE_HELP)] = "h200-qwen3-32b",

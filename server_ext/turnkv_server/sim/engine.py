@@ -17,6 +17,12 @@ chunks too; an engine with nothing to run keeps stepping until its stores are do
 a finished request's blocks until they are stored), a block per `tier_store_ms_per_block`.
 The worker copies a thirty-second of a backlog of more than 32 blocks a step: the same time
 in all, over fewer steps than here.
+
+Below the host tier an engine may read and write a tier it shares with the other engine of its
+pair (`shared`: the launcher's file tier under `--shared-tier`, one folder for a machine's
+engines): what either engine stored, the other reads back at the tier's rate instead of
+computing it. Its writes run on the tier's own threads, not in the engine's steps (the bench
+measured no cost of them), and it outlives the engine: a lost engine's histories stay there.
 """
 
 from __future__ import annotations
@@ -35,12 +41,14 @@ from turnkv_server.sim.service_costs import ServiceCosts
 
 class SimEngine:
     def __init__(self, env: simpy.Environment, name: str, costs: ServiceCosts,
-                 cache: SessionKvCache, tier: SessionKvCache | None = None) -> None:
+                 cache: SessionKvCache, tier: SessionKvCache | None = None,
+                 shared: SessionKvCache | None = None) -> None:
         self.env = env
         self.name = name
         self.costs = costs
         self.cache = cache
         self.tier = tier
+        self.shared = shared  # the tier it shares with its pair's other engine
         self.healthy = True
         self.in_flight = 0  # turns placed here and not ended (prefill or decode)
         self.homed = 0  # sessions whose home this is
@@ -217,7 +225,7 @@ class SimEngine:
         return self._room
 
     def lose(self) -> None:
-        """The engine is gone: its cache and tier with it."""
+        """The engine is gone: its cache and host tier with it (not the shared tier)."""
         self.healthy = False
         self._stores = 0.0
         self.cache.clear()

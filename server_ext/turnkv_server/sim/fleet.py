@@ -21,19 +21,24 @@ from turnkv_server.sim.turnkv_routing import TurnkvRouting
 
 RoutingName = Literal["affinity", "standard", "turnkv"]
 ROUTINGS: tuple[RoutingName, ...] = ("affinity", "standard", "turnkv")
+# A shared tier's size: files on a disk, of no bound the simulation meets.
+SHARED_TIER_TOKENS = 1 << 50
 
 
 @dataclass(frozen=True)
 class FleetSpec:
     """What runs: `engines` engines (for `standard`, `prefill_engines` of them prefill), each
     with the costs' KV cache, a host tier of `tier_tokens` (0: none), idle histories evicted in
-    `eviction` order (default: `lease` under turnkv, `lru` otherwise)."""
+    `eviction` order (default: `lease` under turnkv, `lru` otherwise); with `shared_tier`, a
+    tier below those that each pair of engines (0 and 1, 2 and 3, ...) shares, of no bound
+    (the launcher's file tier: a folder on the pair's machine, where nothing is evicted)."""
 
     routing: RoutingName
     engines: int
     costs: ServiceCosts
     eviction: EvictionOrder | None = None
     tier_tokens: int = 0
+    shared_tier: bool = False
     prefill_engines: int = 1
     itl_target_ms: float | None = None
     admission_tokens: int | None = None  # the router's `--admission-tokens`
@@ -49,6 +54,8 @@ class FleetSpec:
         parts: list[str] = [self.routing, self.order]
         if self.tier_tokens:
             parts.append("tier")
+        if self.shared_tier:
+            parts.append("shared")
         if self.routing == "standard":
             parts.append(f"{self.prefill_engines}P:{self.engines - self.prefill_engines}D")
         return "/".join(parts)
@@ -81,6 +88,10 @@ class Fleet:
                                      lambda: env.now, spec.lease_limits)
                       if spec.tier_tokens else None)
             for i in range(spec.engines)]
+        if spec.shared_tier:
+            for first, second in zip(self.engines[::2], self.engines[1::2], strict=False):
+                first.shared = second.shared = SessionKvCache(
+                    SHARED_TIER_TOKENS, costs.block_size, "lru", lambda: env.now)
         self.routing: AffinityRouting | StandardRouting | TurnkvRouting
         if spec.routing == "affinity":
             self.routing = AffinityRouting(env, self.engines, self.traffic)

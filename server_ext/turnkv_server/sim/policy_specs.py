@@ -1,11 +1,15 @@
-"""Policies to compare, as the command line names them: `ROUTING[:EVICTION][+tier][@P:D]`.
+"""Policies to compare, as the command line names them:
+`ROUTING[:EVICTION][+tier][+shared][@P:D]`.
 
 - ROUTING: affinity (pooled engines), standard (P/D) or turnkv (pairs, the planner);
 - EVICTION: lru or lease (default: lease under turnkv, lru otherwise);
 - `+tier`: a host tier below each engine's cache (`--tier-tokens`);
+- `+shared`: a tier each pair of engines shares below those, of no bound (the launcher's file
+  tier);
 - `@P:D`: standard's prefill:decode ratio (default 1:1), the fleet's engines split so.
 
-`affinity`, `standard@1:3`, `turnkv+tier`, `affinity:lease+tier`, `turnkv:lru`.
+`affinity`, `standard@1:3`, `turnkv+tier`, `turnkv+tier+shared`, `affinity:lease+tier`,
+`turnkv:lru`.
 """
 
 from __future__ import annotations
@@ -19,16 +23,17 @@ from turnkv_server.sim.kv_cache import EVICTION_ORDERS, EvictionOrder
 
 def parse_policy(text: str, base: FleetSpec, tier_tokens: int) -> FleetSpec:
     rest, _, ratio = text.partition("@")
-    rest, plus, tier = rest.partition("+")
+    rest, *extras = rest.split("+")
     routing, _, eviction = rest.partition(":")
     if routing not in ROUTINGS:
         raise ValueError(f"policy {text!r}: routing must be one of {', '.join(ROUTINGS)}")
     if eviction and eviction not in EVICTION_ORDERS:
         raise ValueError(f"policy {text!r}: eviction must be one of "
                          f"{', '.join(EVICTION_ORDERS)}")
-    if plus and tier != "tier":
-        raise ValueError(f"policy {text!r}: only +tier may follow")
-    if plus and tier_tokens <= 0:
+    if set(extras) - {"tier", "shared"} or len(set(extras)) < len(extras):
+        raise ValueError(f"policy {text!r}: only +tier and +shared may follow, once each")
+    tier = "tier" in extras
+    if tier and tier_tokens <= 0:
         raise ValueError(f"policy {text!r} needs --tier-tokens")
     prefill = base.prefill_engines
     if ratio:
@@ -43,7 +48,8 @@ def parse_policy(text: str, base: FleetSpec, tier_tokens: int) -> FleetSpec:
         prefill = max(1, base.engines // 2)
     return replace(base, routing=cast(RoutingName, routing),
                    eviction=cast(EvictionOrder, eviction) if eviction else None,
-                   tier_tokens=tier_tokens if plus else 0, prefill_engines=prefill)
+                   tier_tokens=tier_tokens if tier else 0, shared_tier="shared" in extras,
+                   prefill_engines=prefill)
 
 
 DEFAULT_POLICIES = ("affinity", "standard", "turnkv")

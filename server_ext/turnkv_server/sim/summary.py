@@ -34,6 +34,7 @@ def summarize(run: FleetRun) -> dict[str, Any]:
         "routing": run.spec.routing,
         "eviction": run.spec.order,
         "tier_tokens": run.spec.tier_tokens,
+        "shared_tier": run.spec.shared_tier,
         "engines": run.spec.engines,
         "turns": len(outcomes),
         "sessions": len({o.session for o in outcomes}),

@@ -33,8 +33,8 @@ def routing_work(engine: SimEngine, routing: str) -> Generator[simpy.Event, Any,
 
 
 def held_prefix(engine: SimEngine, session: SimSession) -> int:
-    """Leading tokens of the session's prompts the engine holds (cache, tier or shared
-    prefix), without starting anything."""
+    """Leading tokens of the session's prompts the engine holds (cache, host tier or shared
+    prefix; not what it could read of a tier it shares), without starting anything."""
     held = engine.cache.held(session.session_id)
     if engine.tier is not None:
         held = max(held, engine.tier.held(session.session_id))
@@ -86,7 +86,7 @@ def compute_prompt(engine: SimEngine, session: SimSession, turn: int, keep_token
         cached = engine.cache.begin(sid)
         if not reuse:
             cached = 0
-        tier = engine.tier.held(sid) if engine.tier is not None and reuse else 0
+        tier = tier_held(engine, sid) if reuse else 0
         if reuse and session.prefix is not None and session.prefix in engine.prefixes:
             cached = max(cached, session.prefix_tokens)
         computed = tokens_to_compute(prompt, max(cached, tier), engine.costs.block_size)
@@ -110,13 +110,23 @@ def compute_prompt(engine: SimEngine, session: SimSession, turn: int, keep_token
                        ms + compute_ms, stored)
 
 
+def tier_held(engine: SimEngine, session: str) -> int:
+    """Leading tokens of the session's history the engine can read back from its tiers: its
+    host tier's and the one it shares with its pair's other engine."""
+    held = engine.tier.held(session) if engine.tier is not None else 0
+    if engine.shared is not None:
+        held = max(held, engine.shared.held(session))
+    return held
+
+
 def keep_history(engine: SimEngine, session: SimSession, turn: int, tokens: int,
                  traffic: FleetTraffic, lease: bool = True, stored: int = 0) -> None:
     """The turn on `engine` ended: the session's first `tokens` stay in its cache (under a
     lease unless `lease` is False: see `SessionKvCache.end`), and go to its tier (written as
     the turn's blocks complete, as vLLM's offloading does); the blocks written beyond the
     `stored` its prompt's prefill queued there (`PrefillDone.stored_blocks`) are copied on
-    the engine's steps (`SimEngine.store`)."""
+    the engine's steps (`SimEngine.store`); and to the tier it shares with its pair's other
+    engine, on that tier's own threads."""
     sid, hint = session.session_id, session.next_gap(turn)
     final = hint is None
     engine.cache.end(sid, tokens, hint, final, lease)
@@ -124,3 +134,5 @@ def keep_history(engine: SimEngine, session: SimSession, turn: int, tokens: int,
         written = engine.tier.put(sid, tokens, hint, final)
         traffic.tier_written_tokens += written
         engine.store(written // engine.costs.block_size - stored)
+    if engine.shared is not None:
+        traffic.tier_written_tokens += engine.shared.put(sid, tokens, hint, final)

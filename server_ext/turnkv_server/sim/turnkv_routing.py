@@ -7,9 +7,13 @@ The planner's decisions are carried out as the `turnkv` mode carries them out
 (`router/modes/planned.py`): `whole` on the home; `split` computes on the other engine, which
 writes the KV the home lacks into it; `move` makes the other engine the home, pulling the
 history from the old one (which computes the delta) or recomputing it where the old one is
-lost; `push_back` copies the history to the other engine after the turn. The planner sees
-each engine's room as the router shows it (`Holdings`: what the sessions' histories and their
-copies hold there, counted from the placements, as `planned.py` counts them).
+lost; `push_back` copies the history to the other engine after the turn. Where the pair
+shares a tier (`FleetSpec.shared_tier`) the planner is told so, and that the tier holds the
+session's history, as the router tells it; a move to the other engine then reads the history
+there (`move-tier`). The planner sees each engine's room as the router shows it (`Holdings`:
+what the sessions' histories and their copies hold there, counted from the placements, as
+`planned.py` counts them; `InFlightKv`: what the turns in flight hold, counted from plan to
+end).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass, replace
 import simpy
 
 from turnkv_server.router.decisions import Decision, TurnFacts
-from turnkv_server.router.planner import CostModel, EngineLoad, Holdings, Planner
+from turnkv_server.router.planner import CostModel, EngineLoad, Holdings, InFlightKv, Planner
 from turnkv_server.router.weighing import WeighingPlanner
 from turnkv_server.sim.baseline_routing import RoundRobin, TurnProcess
 from turnkv_server.sim.engine import SimEngine
@@ -67,6 +71,7 @@ class TurnkvRouting:
         self.places: dict[str, _SessionPlace] = {}
         self.decisions: dict[str, int] = {}
         self.holdings = Holdings()
+        self.kv_in_flight = InFlightKv()
         self._pressure: dict[str, tuple[int, float]] = {}
 
     # -- where --------------------------------------------------------------------------------
@@ -87,10 +92,14 @@ class TurnkvRouting:
 
     def load(self, engine: SimEngine) -> EngineLoad:
         """The engine as the router shows it to the planner."""
+        if not engine.in_flight:
+            self.kv_in_flight.idle(engine.name)
         return EngineLoad(engine.name, engine.healthy, engine.in_flight,
                           pressure=self._under_pressure(engine),
                           room_tokens=self.holdings.room(engine.name, engine.cache.capacity),
-                          homed=engine.homed, prefilling=engine.prompts)
+                          homed=engine.homed, prefilling=engine.prompts,
+                          capacity_tokens=engine.cache.capacity,
+                          kv_in_flight=self.kv_in_flight.tokens(engine.name))
 
     def _under_pressure(self, engine: SimEngine) -> bool:
         cache = engine.cache
@@ -104,6 +113,8 @@ class TurnkvRouting:
     def _decide(self, session: SimSession, turn: int, place: _SessionPlace) -> Decision:
         home, helper = place.home, self.partner[place.home.name]
         home_load, helper_load = self.load(home), self.load(helper)
+        # The router counts the shared tier as holding all of the history the prompt keeps.
+        shared_tier = home.shared is not None
         facts = TurnFacts(
             prompt_tokens=session.prompts[turn],
             home_holds=held_prefix(home, session) if home.healthy else 0,
@@ -111,7 +122,8 @@ class TurnkvRouting:
             block_size=home.costs.block_size,
             expected_output=session.turns[turn].tokens_out,
             turns_since_split=None if place.last_split is None else turn - place.last_split,
-            can_push_back=session.next_gap(turn) is not None)
+            can_push_back=session.next_gap(turn) is not None, shared_tier=shared_tier,
+            tier_holds=min(session.prompts[turn], place.history) if shared_tier else 0)
         if not Planner.needs_prompt(home_load, helper_load, facts):
             facts = replace(facts, prompt_tokens=None)
         return self.planner.decide(home_load, helper_load, facts)
@@ -123,6 +135,8 @@ class TurnkvRouting:
         place = self._place(sid)
         decision = self._decide(session, turn, place)
         self.decisions[decision.where] = self.decisions.get(decision.where, 0) + 1
+        self.kv_in_flight.begin((sid, turn), decision.home,
+                                session.prompts[turn] + session.turns[turn].tokens_out)
         old = place.home
         home = self._engine(old, decision.home)
         prefill = self._engine(old, decision.prefill)
@@ -158,6 +172,7 @@ class TurnkvRouting:
         keep_history(home, session, turn, keep, self.traffic,
                      stored=done.stored_blocks if prefill is home else 0)
         home.turn_ended()
+        self.kv_in_flight.end((sid, turn))
         self._observe(prefill, home, prompt, done, batch, ttft_ms, decode_ms, out)
         if decision.where == "split":
             place.last_split = turn

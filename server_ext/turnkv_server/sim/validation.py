@@ -11,7 +11,7 @@ from statistics import median
 from typing import Any
 
 from turnkv_server.sim.bench_modes import BENCH_ROUTINGS
-from turnkv_server.sim.bench_tiers import tier_tokens
+from turnkv_server.sim.bench_tiers import shares_tier, tier_tokens
 from turnkv_server.sim.bench_workloads import bench_homes, preset_prefix, replay_records
 from turnkv_server.sim.calibration import calibrate
 from turnkv_server.sim.fleet import Fleet, FleetSpec
@@ -19,7 +19,7 @@ from turnkv_server.sim.service_costs import ServiceCosts
 from turnkv_server.sim.summary import summarize
 
 # The bench's modes as simulated routings (`bench_modes`), on two engines; the host tier below
-# each engine's cache the run's (`bench_tiers`).
+# each engine's cache, and the tier they shared, the run's (`bench_tiers`).
 ROUTINGS = BENCH_ROUTINGS
 ENGINES = 2
 
@@ -41,12 +41,12 @@ def simulate_run(run: Mapping[str, Any], costs: ServiceCosts, concurrency: int |
                  prefix: tuple[str | None, int] = (None, 0), created: str = "~"
                  ) -> dict[str, Any]:
     """One bench run replayed turn for turn on its mode's layout: its cache size, its host
-    tier where the mode has one, and (pooled engines) each session on the engine the bench
-    served it on."""
+    tier where the mode has one, the tier its engines shared where they did, and (pooled
+    engines) each session on the engine the bench served it on."""
     if run.get("kv_cache_tokens"):
         costs = replace(costs, kv_capacity_tokens=int(run["kv_cache_tokens"]))
     spec = FleetSpec(ROUTINGS[run["mode"]], ENGINES, costs, tier_tokens=tier_tokens(run, created),
-                     concurrency=concurrency,
+                     shared_tier=shares_tier(run), concurrency=concurrency,
                      itl_target_ms=run.get("config", {}).get("itl_target_ms"))
     homes = bench_homes(run) if spec.routing == "affinity" else {}
     return summarize(Fleet(spec).run(replay_records(run["records"], *prefix, homes)))
