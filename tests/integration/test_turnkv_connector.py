@@ -342,6 +342,8 @@ def test_down_stops_exactly_the_cluster(launcher: tuple[Cluster, ClusterState]) 
     the pool records there an engine a test restarted) and nothing else. The pool starts the
     pair again for whichever test needs it next."""
     _, state = launcher
+    # Each engine's connector ID, which names the host tier's region down removes.
+    assert all(engine.engine_id for engine in state.engines)
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                  start_new_session=True)
     try:

@@ -183,7 +183,8 @@ def _server(engine: EngineProcess) -> ServerState:
     assert ref is not None
     return ServerState(name=spec.name, role=spec.role, url=spec.url, pid=ref.pid,
                        create_time=ref.create_time, cores=list(spec.cores),
-                       nixl_port=spec.nixl_port, log=str(engine.log_path))
+                       nixl_port=spec.nixl_port, log=str(engine.log_path),
+                       engine_id=(spec.kv_transfer_config or {}).get("engine_id"))
 
 
 def _refresh(state: ClusterState, launched: Cluster, save: bool = False) -> None:

@@ -20,7 +20,7 @@ from turnkv_server.launcher import (
     EngineSpec,
     EngineStartError,
 )
-from turnkv_server.launcher.cluster import _core_sets
+from turnkv_server.launcher.cluster import _core_sets, stop_cluster
 from turnkv_server.launcher.engine import SECRET_ENV, EngineProcess, first_error, resolve_dtype
 from turnkv_server.launcher.kv_transfer import (
     disk_tier,
@@ -313,6 +313,33 @@ def test_state_round_trip(tmp_path: Path) -> None:
     assert loaded == state
     assert loaded.endpoints()["decode"] == ["http://127.0.0.1:2"]
     assert loaded.endpoints()["router"] == "http://127.0.0.1:3"
+
+
+def test_down_stops_the_recorded_engines_and_removes_their_host_tier_regions(
+        tmp_path: Path) -> None:
+    """`turnkv down` reads the cluster from its state file: the engine's process stops, and
+    the /dev/shm region vLLM leaves behind for its host tier (named by the engine ID the state
+    file records) and the shared tier's folder go with it."""
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              start_new_session=True)
+    engine_id = f"test-down-{os.getpid()}-{time.monotonic_ns()}"
+    region = Path(f"/dev/shm/vllm_offload_{engine_id}.mmap")
+    try:
+        region.write_bytes(b"")
+        (tmp_path / "tier-shared").mkdir()
+        ref = ProcessRef.of(engine.pid)
+        server = ServerState(name="engine-0", role="engine", url="http://127.0.0.1:2",
+                             pid=ref.pid, create_time=ref.create_time, log="l",
+                             engine_id=engine_id)
+        stop_cluster(ClusterState(mode="turnkv", model="/m", served_model_name="m",
+                                  run_dir=str(tmp_path), router="http://127.0.0.1:3",
+                                  engines=[server]))
+        assert engine.wait(timeout=10) is not None
+        assert not region.exists() and not (tmp_path / "tier-shared").exists()
+    finally:
+        engine.kill()
+        engine.wait()
+        region.unlink(missing_ok=True)
 
 
 def test_prompt_token_sources_parse_and_subtract() -> None:

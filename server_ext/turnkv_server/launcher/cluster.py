@@ -271,16 +271,18 @@ class Cluster:
 
     def _record(self, served_name: str, model_path: Path, router_url: str) -> ClusterState:
         def server(name: str, role: str, url: str, ref: ProcessRef, cores: list[int],
-                   nixl_port: int | None, log: Path) -> ServerState:
+                   nixl_port: int | None, log: Path, engine_id: str | None = None
+                   ) -> ServerState:
             return ServerState(name=name, role=role, url=url, pid=ref.pid,
                                create_time=ref.create_time, cores=cores,
-                               nixl_port=nixl_port, log=str(log))
+                               nixl_port=nixl_port, log=str(log), engine_id=engine_id)
 
         engines = []
         for e in self.engines:
             assert e.ref is not None
             engines.append(server(e.spec.name, e.spec.role, e.spec.url, e.ref,
-                                  list(e.spec.cores), e.spec.nixl_port, e.log_path))
+                                  list(e.spec.cores), e.spec.nixl_port, e.log_path,
+                                  (e.spec.kv_transfer_config or {}).get("engine_id")))
         router = None
         if self.router_ref is not None:
             router = server("router", "router", router_url, self.router_ref, [], None,
@@ -327,6 +329,8 @@ def stop_cluster(state: ClusterState) -> None:
     servers = ([state.router_process] if state.router_process else []) + state.engines
     for server in servers:
         stop_group(ProcessRef(pid=server.pid, create_time=server.create_time))
+    for engine in state.engines:
+        remove_offload_region({"engine_id": engine.engine_id})
     shutil.rmtree(shared_tier_dir(Path(state.run_dir)), ignore_errors=True)
     clear_current(Path(state.run_dir))
 

@@ -22,6 +22,8 @@ class ServerState(BaseModel):
     cores: list[int] = []
     nixl_port: int | None = None
     log: str
+    # Its KV connector's engine ID (None: it loads none): what names its host tier's region.
+    engine_id: str | None = None
 
 
 class ClusterState(BaseModel):
