@@ -13,7 +13,7 @@ from turnkv_server.router.planner import (
     CostModel,
     EngineLoad,
     Ewma,
-    InFlightKv,
+    TurnsInFlight,
     batch_bucket,
     context_bucket,
     tokens_to_compute,
@@ -481,22 +481,68 @@ def test_a_turn_the_home_has_no_room_for_beside_its_turns_waits_for_one() -> Non
     assert without == pytest.approx(with_room + 30 * 40.0, rel=0.01)
 
 
-def test_in_flight_kv_counts_each_turn_until_it_ends_or_its_engine_idles() -> None:
-    kv = InFlightKv(max_turns=3)
+def test_turns_in_flight_count_each_turns_kv_until_it_ends_or_its_engine_idles() -> None:
+    kv = TurnsInFlight(max_turns=3)
     kv.begin("a", HOME, 1000)
     kv.begin("b", HOME, 500)
     kv.begin("c", HELPER, 200)
-    assert (kv.tokens(HOME), kv.tokens(HELPER)) == (1500, 200)
+    assert (kv.kv_tokens(HOME), kv.kv_tokens(HELPER)) == (1500, 200)
     kv.begin("a", HELPER, 100)  # replanned: counted once, where it went last
-    assert (kv.tokens(HOME), kv.tokens(HELPER)) == (500, 300)
+    assert (kv.kv_tokens(HOME), kv.kv_tokens(HELPER)) == (500, 300)
     kv.end("b")
     kv.end("b")
-    assert kv.tokens(HOME) == 0
+    assert kv.kv_tokens(HOME) == 0
     kv.begin("d", HOME, 50)  # bounded: the oldest turn goes
     kv.begin("e", HOME, 50)
-    assert kv.tokens(HELPER) == 100
+    assert kv.kv_tokens(HELPER) == 100
     kv.idle(HOME)
-    assert kv.tokens(HOME) == 0 and kv.tokens(HELPER) == 100
+    assert kv.kv_tokens(HOME) == 0 and kv.kv_tokens(HELPER) == 100
+
+
+def test_turns_in_flight_count_the_prompts_ahead_where_they_are_computed() -> None:
+    turns = TurnsInFlight()
+    # a splits: decoded on the home, its prompt computed on the helper; b is the helper's own.
+    turns.begin("a", HOME, 1000, HELPER, prefill_ms=4000.0, at_s=10.0)
+    turns.begin("b", HELPER, 500, HELPER, prefill_ms=1000.0, at_s=11.0)
+    # Both pending at 12 s: 5 s of estimates, of which the 2 s since a was placed are done.
+    assert turns.prefill_wait_ms(HELPER, pending=2, now_s=12.0) == pytest.approx(3000)
+    # a's answer began (first come, first served): b alone is ahead, placed 0.5 s ago.
+    assert turns.prefill_wait_ms(HELPER, pending=1, now_s=11.5) == pytest.approx(500)
+    assert turns.prefill_wait_ms(HELPER, pending=0, now_s=12.0) == 0
+    assert turns.prefill_wait_ms(HOME, pending=1, now_s=12.0) == 0  # a's KV only, no compute
+    assert turns.kv_tokens(HOME) == 1000
+    turns.end("b")
+    assert turns.prefill_wait_ms(HELPER, pending=1, now_s=12.0) == pytest.approx(2000)
+    assert turns.prefill_wait_ms(HELPER, pending=1, now_s=20.0) == 0
+
+
+def test_a_split_to_a_helper_with_a_long_prompt_ahead_stays_whole() -> None:
+    """The helper computes a long prompt of another session's (its estimate, counted by
+    `TurnsInFlight`): a split there would wait for it, so the busy home computes the delta."""
+    planner = Planner(measured())
+    facts = history_turn(delta=2000)
+    home = EngineLoad(HOME, in_flight=3)
+    free = planner.decide(home, EngineLoad(HELPER, in_flight=1), facts)
+    assert free.where == "split"
+    queued = planner.decide(home, EngineLoad(HELPER, in_flight=1, prefilling=1,
+                                             prefill_wait_ms=10_000.0), facts)
+    assert queued.where == "whole"
+    # The wait counts where the home has prompts ahead too: whole's time to the first token.
+    behind = planner.decide(dataclasses.replace(home, prefill_wait_ms=600.0),
+                            EngineLoad(HELPER, in_flight=1, prefill_wait_ms=10_000.0), facts)
+    assert behind.estimates["ttft_ms"] == pytest.approx(
+        queued.estimates["ttft_ms"] + 600.0)
+    assert behind.estimates["compute_ms"] == pytest.approx(2000, rel=0.05)
+    assert "~600 ms of prompts ahead" in behind.why
+
+
+def test_a_prompt_not_read_is_counted_at_what_the_engines_prompts_measured() -> None:
+    costs = CostModel()
+    assert costs.prompt_ms(HOME) == 0.0
+    costs.observe_prefill(HOME, 1000, computed=3, engine_ms=30.0)  # teaches no cost per token
+    costs.observe_prefill(HOME, 1000, computed=None, engine_ms=80.0)
+    assert costs.prompt_ms(HOME) == pytest.approx(30.0 + 0.2 * 50.0)
+    assert not costs.measured(HOME) and costs.prompt_ms(HELPER) == 0.0
 
 
 def test_no_split_or_pull_where_either_engine_lacks_room_beside_its_turns() -> None:

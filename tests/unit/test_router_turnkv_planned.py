@@ -280,6 +280,36 @@ def test_push_back_only_where_the_planner_decided_it() -> None:
     asyncio.run(main())
 
 
+def test_a_planned_prompt_is_counted_ahead_on_its_engine_until_its_turn_ends() -> None:
+    """The split's prompt, estimated when planned, is what the next prompt placed on the
+    helper queues behind while the helper has not answered it (the mode's clock stands
+    still: none of it is done yet)."""
+    async def main() -> None:
+        history, delta = [1] * 3000, [2] * 3000
+        mode = planned(Tokenizer(history + delta))
+        mode.ctx.clock = lambda: 100.0
+        t = turn()
+        assert t.session is not None
+        t.session.prefill = t.session.decode = "decode-0"
+        t.session.tokens = history
+        mode._places[t.session.key] = SessionPlace(history_len=len(history),
+                                                   tokens_current=True)
+        engine(mode, "decode-0").in_flight = 3
+        plan = await mode.plan(t, place(mode, t))
+        assert plan.decision is not None and plan.decision.where == "split"
+        compute = plan.decision.estimates["compute_ms"]
+        helper = engine(mode, "prefill-0")
+        helper.in_flight = helper.prefilling = 1  # the split's prefill request, unanswered
+        assert compute > 0 and mode._load(helper).prefill_wait_ms == pytest.approx(compute)
+        assert mode._load(engine(mode, "decode-0")).prefill_wait_ms == 0
+        served(mode, t, plan, total=6000, computed=3000)
+        assert mode._load(helper).prefill_wait_ms == 0
+        # The copy it sent meanwhile (nobody listens: it fails).
+        await asyncio.gather(*mode._orders._background, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 def test_what_a_turn_measured_feeds_the_cost_model() -> None:
     mode = planned()
     t = turn()

@@ -12,56 +12,37 @@ neither engine is fixed as prefill or decode. Per turn the planner weighs:
   (the delta) into it, layer by layer, while the home goes on decoding its other sessions. The
   helper computes what its own cache lacks: only the delta where it holds a copy of the history.
 - `move`: the session's home changes to the other engine: where that engine holds a copy of
-  the history, it serves the turn whole from its copy (nothing crosses the link); else the
-  KV is pulled from the old home (which computes the delta and writes the whole prompt's KV),
-  or recomputed when the old home is down. Where the engines share a tier below their caches
-  (`--shared-tier`: the launcher's file tier, which every engine of the cluster writes each
-  block it stores to), the other engine reads the history there instead and computes the
-  delta (`move-tier`): a move that costs a read, not a recompute, so that a turn whose home
-  is busy goes to the idle engine rather than wait behind the home's turns.
+  the history, it serves the turn whole from its copy; else the KV is pulled from the old
+  home (which computes the delta and writes the whole prompt's KV), or recomputed when the old
+  home is down. Where the engines share a tier below their caches (`--shared-tier`: a file
+  tier every engine writes each block it stores to), the other engine reads the history there
+  and computes the delta (`move-tier`): a busy home's turn goes to the idle engine for a read.
 
 Where the prompt's length is known, each placement is weighed by its cost (`router.weighing`).
 
 Memory is a constraint too: a placement that would have an engine take more KV than it has
 room for (`EngineLoad.room_tokens`: its cache less what the sessions' leases hold there, as the
-router counts them, `Holdings`) is not taken, for it would end other sessions' leases and cost
-them their histories: a split needs room on the helper for what it computes, a move room on
-the new home for the whole history. Under pressure the turn so stays whole on its home, as on
-an aggregated engine. And a session moves only to an engine with fewer requests in flight than
-its home, and (pulling its history) home to fewer sessions. Where the engines share a tier, a
-placement needs only room in the other engine's cache beside its requests: the leases it would
-end there are in the shared tier too, and their sessions would read them back, not compute
-them; under pressure a turn whose home is busy then moves to the idle engine.
+router counts them, `Holdings`; or, where the engines share a tier that holds those leases' KV,
+its cache less its turns in flight, `TurnsInFlight`) is not taken. A session moves only to an
+engine less busy than its home (and, pulling its history, home to fewer sessions). A copy of
+the history is pushed to the other engine after a turn where it has room and there is no
+pressure and no shared tier (`Planner._push_back`).
 
-After a turn whose prompt the router read, the history is pushed to the other engine
-(`push_back`) wherever it has room for the copy, neither engine is under memory pressure and
-they share no tier (which would serve the other engine the history when it needs it):
-with a copy on both engines a later turn can run on whichever waits less, a split computing
-only the delta or a move to the copy, where without one the other engine would compute the
-whole history. An idle home's turn is not tokenized and pushes nothing: copies are made once a
-session's engine has had others in flight. Under pressure no copy is made (a copy on both
-engines halves the sessions the pair holds).
+The cost model (`CostModel`): what serving costs on each engine, as the turns measure it, fed
+once per served turn and read once per planned turn, in memory. Each figure is an exponentially
+weighted mean per engine and bucket: online, bounded and following the load as it changes.
 
-The cost model (`CostModel`): what serving costs on each engine, as the turns measure it.
-Fed once per served turn (`observe_*`), read once per planned turn; pure and in memory, so that
-the router's own cost per turn stays within its budget. Each figure is an exponentially weighted
-mean per engine and per bucket (context length for prefill, batch for decode): online, bounded
-(a handful of buckets per engine) and following the load as it changes.
+- prefill: the engine's own timing of the request that computed a prompt (vLLM's per-request
+  `engine_prefill_ms`) over the tokens it computed, by the prompt's length (attention makes a
+  long context's token dearer); it includes the decode steps its steps carried;
+- decode: the turn's time after its first token per token, by the engine's batch as the turn
+  ends (streamed turns only, which time their first token);
+- a prompt: the engine's timing of a prompt, whatever its length (`prompt_ms`): what a turn
+  whose prompt the router did not read is counted to hold up the prompts behind it;
+- transfer: tokens of KV per ms between engines, a setting (`--transfer-tokens-per-ms`): the
+  engines report what moved, not how long it took.
 
-- prefill: the engine's own timing of the request that computed a prompt
-  (`times.engine_prefill_ms`, vLLM's per-request metrics) over the tokens it computed, by the
-  prompt's length, since attention makes a token of a long context dearer. It includes the
-  other requests' decode steps sharing those steps, so it is what their tokens waited too;
-- decode: the turn's time after its first token over its tokens after the first, by the
-  engine's requests in flight as the turn ends (its batch; streamed turns only, which time
-  their first token);
-- transfer: tokens of KV per ms between engines. No turn's stats time a transfer (the engines
-  report what moved, not how long it took), so this is a setting (`--transfer-tokens-per-ms`),
-  not a measurement.
-
-Until a bucket has a measurement, the nearest measured bucket of the same engine answers (a
-cost per token varies by a small factor across context lengths, by orders across hardware),
-then the prior (`Priors`).
+A bucket not measured yet takes the nearest measured one of the engine's, then the prior.
 """
 
 from __future__ import annotations
@@ -93,10 +74,11 @@ class EngineLoad:
     homed: int | None = None
     # Of its requests in flight, those whose answer has not begun: prompts it computes.
     prefilling: int = 0
-    # Tokens of KV its cache holds in all (None: not known), and those its requests in flight
-    # hold, as the router counts them (`InFlightKv`).
+    # Tokens of KV its cache holds (None: not known); as the router counts its turns in
+    # flight (`TurnsInFlight`), the KV they hold and the ms of prompts ahead of a new one.
     capacity_tokens: int | None = None
     kv_in_flight: int = 0
+    prefill_wait_ms: float = 0.0
 
     def less_busy_than(self, other: EngineLoad) -> bool:
         """Fewer prompts to compute (what a turn there waits behind), else as many and fewer
@@ -124,14 +106,10 @@ class EngineLoad:
 
 
 class Holdings:
-    """What the sessions' leases hold on each engine, as the router counts it: the planner's
-    view of memory pressure (`EngineLoad.room_tokens`).
-
-    The router knows each session's history and where copies of it live (it placed every
-    turn), so it can tell, without asking the engines, how much of each cache the leases hold
-    and how much room is left before a new prompt would end one. The count errs high: a lease
-    the engine ended under pressure, or that expired, still counts until its session ends or
-    is forgotten, which makes the planner keep turns whole a little sooner than it must."""
+    """What the sessions' leases hold on each engine, counted from the placements (the router
+    placed every turn, so it need not ask the engines): the planner's view of memory pressure
+    (`EngineLoad.room_tokens`). It errs high: a lease an engine ended still counts until its
+    session ends or is forgotten, so turns stay whole a little sooner than they must."""
 
     def __init__(self) -> None:
         self._by_session: dict[Hashable, dict[str, int]] = {}
@@ -160,45 +138,72 @@ class Holdings:
         return max(0, int(capacity_tokens * LEASE_SHARE) - self.held(engine))
 
 
-# Turns counted in flight at most (`InFlightKv`): a backstop for turns that never end.
-MAX_TURNS_IN_FLIGHT = 10_000
+MAX_TURNS_IN_FLIGHT = 10_000  # counted at most: a backstop for turns that never end
 
 
-class InFlightKv:
-    """The KV each engine's turns in flight hold, as the router counts them (a turn's prompt
-    and expected output on the engine that decodes it): what a turn placed there waits behind
-    when the cache cannot hold it beside them (`EngineLoad.waits_for_room`).
+@dataclass(frozen=True)
+class _TurnInFlight:
+    home: str
+    kv_tokens: int
+    prefill: str
+    prefill_ms: float
+    at_s: float
 
-    A turn is counted from its plan to its end; a turn whose end is never told (an attempt
-    replanned after a failure) is forgotten when its engine has nothing in flight, and the
-    table is bounded."""
+
+class TurnsInFlight:
+    """What each engine's turns in flight hold and owe, as the router counts them: a turn's
+    KV (prompt and expected output) on the engine that decodes it, from plan to end
+    (`EngineLoad.waits_for_room`), and its prompt's compute as the planner estimated it, on
+    the engine that computes it (`EngineLoad.prefill_wait_ms`). A turn whose end is never
+    told (an attempt replanned) is forgotten when its engine is idle; the table is bounded."""
 
     def __init__(self, max_turns: int = MAX_TURNS_IN_FLIGHT) -> None:
-        self._turns: dict[Hashable, tuple[str, int]] = {}
-        self._by_engine: dict[str, int] = {}
+        self._turns: dict[Hashable, _TurnInFlight] = {}
+        self._kv: dict[str, int] = {}
+        # By engine, the turns it decodes, and those whose prompts it computes: oldest first.
+        self._homed: dict[str, dict[Hashable, None]] = {}
+        self._computing: dict[str, dict[Hashable, None]] = {}
         self._max_turns = max_turns
 
-    def begin(self, turn: Hashable, engine: str, tokens: int) -> None:
+    def begin(self, turn: Hashable, home: str, kv_tokens: int, prefill: str | None = None,
+              prefill_ms: float = 0.0, at_s: float = 0.0) -> None:
         self.end(turn)
         while len(self._turns) >= self._max_turns:
             self.end(next(iter(self._turns)))
-        self._turns[turn] = (engine, tokens)
-        self._by_engine[engine] = self._by_engine.get(engine, 0) + tokens
+        record = _TurnInFlight(home, kv_tokens, prefill or home, prefill_ms, at_s)
+        self._turns[turn] = record
+        self._kv[home] = self._kv.get(home, 0) + kv_tokens
+        self._homed.setdefault(home, {})[turn] = None
+        self._computing.setdefault(record.prefill, {})[turn] = None
 
     def end(self, turn: Hashable) -> None:
-        found = self._turns.pop(turn, None)
-        if found is not None:
-            engine, tokens = found
-            self._by_engine[engine] -= tokens
+        record = self._turns.pop(turn, None)
+        if record is not None:
+            self._kv[record.home] -= record.kv_tokens
+            self._homed[record.home].pop(turn, None)
+            self._computing[record.prefill].pop(turn, None)
 
     def idle(self, engine: str) -> None:
-        """`engine` has no request in flight: none of its turns holds KV there any more."""
-        if self._by_engine.get(engine):
-            for turn in [t for t, (e, _) in self._turns.items() if e == engine]:
-                self.end(turn)
+        """`engine` has no request in flight: none of its turns holds KV or computes there."""
+        for turn in [*self._homed.get(engine, ()), *self._computing.get(engine, ())]:
+            self.end(turn)
 
-    def tokens(self, engine: str) -> int:
-        return self._by_engine.get(engine, 0)
+    def kv_tokens(self, engine: str) -> int:
+        return self._kv.get(engine, 0)
+
+    def prefill_wait_ms(self, engine: str, pending: int, now_s: float) -> float:
+        """The compute ahead of a prompt placed on `engine` now: the estimates of its
+        `pending` newest prompts (its requests whose answer has not begun: the engine
+        computes prompts first come first served, so they are the newest), less the time
+        since the oldest of them was placed."""
+        ahead: list[_TurnInFlight] = []
+        for turn in reversed(self._computing.get(engine, {})):
+            if len(ahead) >= pending:
+                break
+            ahead.append(self._turns[turn])
+        if not ahead:
+            return 0.0
+        return max(0.0, sum(t.prefill_ms for t in ahead) - (now_s - ahead[-1].at_s) * 1000)
 
 
 def tokens_to_compute(prompt_len: int, held: int, block: int | None) -> int:
@@ -219,12 +224,10 @@ class Planner:
     @staticmethod
     def needs_prompt(home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
                      pin: Choice | None = None) -> bool:
-        """Whether the decision needs the prompt's length (a /tokenize round trip): only where
-        a split could pay (the home has other requests to stall, and a helper that has fewer),
-        a push back may follow (the session splits), or a placement is pinned. An idle home
-        serves the turn whole: nobody waits while it computes. Nor does a split pay on a
-        helper as busy as the home without a copy of the history: it would stall as many
-        requests for longer, computing the whole prompt where the home computes its delta."""
+        """Whether the decision needs the prompt's length (a /tokenize round trip): where a
+        split could pay (a helper less busy than the home), a push back may follow (the
+        session splits), or a placement is pinned. An idle home serves the turn whole, and a
+        helper as busy as the home would stall as many requests for longer."""
         if helper is None or not helper.healthy or not home.healthy:
             return False
         return (pin is not None or home.overloaded or _splits_expected(facts)
@@ -266,13 +269,10 @@ class Planner:
     @staticmethod
     def _push_back(where: Where, pulled: bool, home: EngineLoad, other: EngineLoad,
                    facts: TurnFacts) -> bool:
-        """Keep a copy of the history on the pair's other engine after the turn, wherever it
-        has room for it and neither engine is under memory pressure (there the copy would
-        cost another session its history): with a copy there, a later turn can run on
-        whichever engine waits less (a split computing only its delta, or a move to the
-        copy), where without one the other engine would compute the whole history. A move
-        that pulled leaves its copy on the old home. Where the engines share a tier, the other
-        engine reads the history there when it needs it: no copy takes its cache meanwhile."""
+        """Keep a copy of the history on the other engine after the turn, where it has room
+        and neither engine is under pressure (the copy would cost another session its
+        history), so that a later turn can split computing only its delta, or move to the copy.
+        A pull leaves its copy on the old home; a shared tier serves the history instead."""
         if (pulled or not facts.can_push_back or facts.shared_tier or home.pressure
                 or other.pressure):
             return False
@@ -284,9 +284,7 @@ class Planner:
 
 
 def _splits_expected(facts: TurnFacts) -> bool:
-    return facts.turns_since_split is not None and \
-        facts.turns_since_split < SPLIT_MEMORY_TURNS
-
+    return facts.turns_since_split is not None and facts.turns_since_split < SPLIT_MEMORY_TURNS
 
 
 # -- the cost model -------------------------------------------------------------------------
@@ -347,14 +345,17 @@ class CostModel:
         self.priors = priors or Priors()
         self._prefill: dict[str, Ewma] = {}
         self._decode: dict[str, Ewma] = {}
+        self._prompt: dict[str, Ewma] = {}  # ms per prompt, one bucket
 
     def observe_prefill(self, engine: str, prompt_tokens: int, computed: int | None,
                         engine_ms: float | None) -> None:
         """`engine` computed `computed` tokens of a `prompt_tokens`-token prompt in
         `engine_ms` (None: not reported). A prompt of a few tokens is mostly a step's fixed
-        cost, not a cost per token: it is not counted."""
-        if computed is None or engine_ms is None or computed < MIN_PREFILL_TOKENS \
-                or engine_ms < 0:
+        cost, not a cost per token: it counts for `prompt_ms` only."""
+        if engine_ms is None or engine_ms < 0:
+            return
+        self._prompt.setdefault(engine, Ewma()).add(0, engine_ms)
+        if computed is None or computed < MIN_PREFILL_TOKENS:
             return
         self._prefill.setdefault(engine, Ewma()).add(context_bucket(prompt_tokens),
                                                      engine_ms / computed)
@@ -377,6 +378,11 @@ class CostModel:
 
     def prefill_ms(self, engine: str, context_tokens: int, computed: int) -> float:
         return computed * self.prefill_ms_per_token(engine, context_tokens)[0]
+
+    def prompt_ms(self, engine: str) -> float:
+        """A prompt's compute on `engine`, as its prompts measured it (0 before any)."""
+        found = self._prompt.get(engine)
+        return (found.nearest(0) or 0.0) if found else 0.0
 
     def decode_step_ms(self, engine: str, batch: int) -> float:
         found = self._decode.get(engine)

@@ -5,7 +5,9 @@ idle home's, served whole) is decided by `Planner.decide` alone (`router.planner
 
 A placement's cost is its own time to the first token, plus the time it stalls each other
 request decoding on the engine that computes, plus the turn's decode at that engine's batch:
-the waiting it adds across all requests; and where an engine's cache cannot hold the turn beside
+the waiting it adds across all requests. Its time to the first token begins with the prompts
+the computing engine has ahead of it (`EngineLoad.prefill_wait_ms`: their estimates, as the
+router counts its turns in flight); and where an engine's cache cannot hold the turn beside
 the turns in flight there (as the router counts their KV), the turn first waits for them, about
 a turn's decode each. A split, which holds the prompt's KV on both engines at once, is taken only
 where both have that room. The cheapest goes, with the ITL target as a
@@ -62,6 +64,7 @@ class _Option:
     stall_ms: float  # of each other request decoding on `prefill`
     cost_ms: float  # waiting added across all requests
     fits: bool = True  # the engines have room for the KV it adds (see the module's text)
+    compute_ms: float = 0.0  # of its prompt, on `prefill`: what later prompts there wait for
 
 
 
@@ -98,16 +101,18 @@ class WeighingPlanner(Planner):
         whole_ms = costs.prefill_ms(home.name, prompt, whole_n)
         home_decode = out * costs.decode_step_ms(home.name, home.in_flight + 1)
         # A turn waits for room where a cache cannot hold it beside the turns in flight there.
-        home_wait = self._room_wait(home, prompt + out, out)
-        other_wait = self._room_wait(other, prompt + out, out)
+        # And behind the prompts each engine has ahead of it.
+        home_wait = self._room_wait(home, prompt + out, out) + home.prefill_wait_ms
+        other_wait = self._room_wait(other, prompt + out, out) + other.prefill_wait_ms
         whole = _Option("whole", home, home, home_wait + whole_ms, _stall(whole_ms, home),
-                        home_wait + whole_ms * (1 + home.in_flight) + home_decode)
+                        home_wait + whole_ms * (1 + home.in_flight) + home_decode,
+                        compute_ms=whole_ms)
         # What the other engine lacks: beyond its copy, or what it reads of the shared tier.
         # Split: the helper computes what it lacks and writes what the home lacks.
         split_n, read_n = self._other_lacks(facts)
         split_compute = (costs.prefill_ms(other.name, prompt, split_n)
                          + costs.tier_read_ms(read_n))
-        split_ms = (split_compute + costs.transfer_ms(whole_n)
+        split_ms = (other.prefill_wait_ms + split_compute + costs.transfer_ms(whole_n)
                     + costs.priors.split_overhead_ms)
         # Both engines hold the prompt's KV at once (the helper as it computes, the home as it
         # receives): under pressure that takes twice the room of any other placement, and a
@@ -116,10 +121,11 @@ class WeighingPlanner(Planner):
         both_room = not (home.waits_for_room(prompt + out) or other.waits_for_room(prompt))
         split = _Option("split", other, home, split_ms, _stall(split_compute, other),
                         split_ms + split_compute * other.in_flight + home_decode,
-                        fits=room(split_n + read_n) and both_room)
+                        fits=room(split_n + read_n) and both_room, compute_ms=split_compute)
         # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
         # the other engine, which decodes there from now on, at its own batch.
-        move_ms = whole_ms + costs.transfer_ms(prompt) + costs.priors.split_overhead_ms
+        move_ms = (home.prefill_wait_ms + whole_ms + costs.transfer_ms(prompt)
+                   + costs.priors.split_overhead_ms)
         moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
         options: dict[Choice, _Option] = {"whole": whole, "split": split}
         if facts.helper_holds:
@@ -131,7 +137,7 @@ class WeighingPlanner(Planner):
             options["move-copy"] = _Option(
                 "move", other, other, other_wait + copy_ms, _stall(copy_ms, other),
                 other_wait + copy_ms * (1 + other.in_flight) + moved_decode,
-                fits=room(copy_n + out) and other.less_busy_than(home))
+                fits=room(copy_n + out) and other.less_busy_than(home), compute_ms=copy_ms)
         # Only to a less busy engine: a decode step measured at a small batch includes the
         # steps that prefills held, so by its costs alone an engine measured while it started
         # its first prompts reads slower than a crowded one, and sessions would drain to it.
@@ -142,7 +148,7 @@ class WeighingPlanner(Planner):
             "move", home, other, move_ms, _stall(whole_ms, home),
             move_ms + whole_ms * home.in_flight + moved_decode,
             fits=(room(prompt + out) and both_room and other.less_busy_than(home)
-                  and other.homes_fewer_than(home)))
+                  and other.homes_fewer_than(home)), compute_ms=whole_ms)
         if facts.tier_holds:
             # Move, over the shared tier: the other engine reads the history from the tier
             # both engines write to (what its own cache lacks of it) and computes the rest, as
@@ -152,7 +158,7 @@ class WeighingPlanner(Planner):
             options["move-tier"] = _Option(
                 "move", other, other, other_wait + tier_ms, _stall(tier_ms, other),
                 other_wait + tier_ms * (1 + other.in_flight) + moved_decode,
-                fits=room(prompt + out) and other.less_busy_than(home))
+                fits=room(prompt + out) and other.less_busy_than(home), compute_ms=tier_ms)
         return options
 
     def _room_wait(self, engine: EngineLoad, tokens: int, out: int) -> float:
@@ -216,7 +222,8 @@ class WeighingPlanner(Planner):
                 + ", ".join(f"{name} ~{o.cost_ms:.0f} ms" for name, o in options.items()),
             estimates={"ttft_ms": round(option.ttft_ms, 2),
                        "stall_ms": round(option.stall_ms, 2),
-                       "cost_ms": round(option.cost_ms, 2)})
+                       "cost_ms": round(option.cost_ms, 2),
+                       "compute_ms": round(option.compute_ms, 2)})
 
 
 def _stall(compute_ms: float, engine: EngineLoad) -> float:
@@ -229,5 +236,8 @@ def _estimates_text(option: _Option, facts: TurnFacts) -> str:
     stall = (f", stalls {option.prefill.in_flight} other request"
              f"{'s' if option.prefill.in_flight != 1 else ''} ~{option.stall_ms:.0f} ms"
              if option.stall_ms else "")
+    ahead = option.prefill.prefill_wait_ms
+    queue = f" (~{ahead:.0f} ms of prompts ahead)" if ahead >= 1 else ""
     return (f"{facts.prompt_tokens} prompt tokens ({held}); prefill on {option.prefill.name}, "
-            f"decode on {option.home.name}; ~{option.ttft_ms:.0f} ms to first token{stall}")
+            f"decode on {option.home.name}; ~{option.ttft_ms:.0f} ms to first token{queue}"
+            f"{stall}")

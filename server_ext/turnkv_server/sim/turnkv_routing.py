@@ -12,8 +12,9 @@ shares a tier (`FleetSpec.shared_tier`) the planner is told so, and that the tie
 session's history, as the router tells it; a move to the other engine then reads the history
 there (`move-tier`). The planner sees each engine's room as the router shows it (`Holdings`:
 what the sessions' histories and their copies hold there, counted from the placements, as
-`planned.py` counts them; `InFlightKv`: what the turns in flight hold, counted from plan to
-end).
+`planned.py` counts them; `TurnsInFlight`: what the turns in flight hold, and the compute of
+the prompts each engine has ahead, counted from the planner's estimates as the router counts
+them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, replace
 import simpy
 
 from turnkv_server.router.decisions import Decision, TurnFacts
-from turnkv_server.router.planner import CostModel, EngineLoad, Holdings, InFlightKv, Planner
+from turnkv_server.router.planner import CostModel, EngineLoad, Holdings, Planner, TurnsInFlight
 from turnkv_server.router.weighing import WeighingPlanner
 from turnkv_server.sim.baseline_routing import RoundRobin, TurnProcess
 from turnkv_server.sim.engine import SimEngine
@@ -71,7 +72,7 @@ class TurnkvRouting:
         self.places: dict[str, _SessionPlace] = {}
         self.decisions: dict[str, int] = {}
         self.holdings = Holdings()
-        self.kv_in_flight = InFlightKv()
+        self.in_flight = TurnsInFlight()
         self._pressure: dict[str, tuple[int, float]] = {}
 
     # -- where --------------------------------------------------------------------------------
@@ -93,13 +94,15 @@ class TurnkvRouting:
     def load(self, engine: SimEngine) -> EngineLoad:
         """The engine as the router shows it to the planner."""
         if not engine.in_flight:
-            self.kv_in_flight.idle(engine.name)
+            self.in_flight.idle(engine.name)
         return EngineLoad(engine.name, engine.healthy, engine.in_flight,
                           pressure=self._under_pressure(engine),
                           room_tokens=self.holdings.room(engine.name, engine.cache.capacity),
                           homed=engine.homed, prefilling=engine.prompts,
                           capacity_tokens=engine.cache.capacity,
-                          kv_in_flight=self.kv_in_flight.tokens(engine.name))
+                          kv_in_flight=self.in_flight.kv_tokens(engine.name),
+                          prefill_wait_ms=self.in_flight.prefill_wait_ms(
+                              engine.name, engine.prompts, self.env.now))
 
     def _under_pressure(self, engine: SimEngine) -> bool:
         cache = engine.cache
@@ -135,8 +138,10 @@ class TurnkvRouting:
         place = self._place(sid)
         decision = self._decide(session, turn, place)
         self.decisions[decision.where] = self.decisions.get(decision.where, 0) + 1
-        self.kv_in_flight.begin((sid, turn), decision.home,
-                                session.prompts[turn] + session.turns[turn].tokens_out)
+        self.in_flight.begin(
+            (sid, turn), decision.home, session.prompts[turn] + session.turns[turn].tokens_out,
+            decision.prefill, decision.estimates.get("compute_ms")
+            or self.planner.costs.prompt_ms(decision.prefill), env.now)
         old = place.home
         home = self._engine(old, decision.home)
         prefill = self._engine(old, decision.prefill)
@@ -172,7 +177,7 @@ class TurnkvRouting:
         keep_history(home, session, turn, keep, self.traffic,
                      stored=done.stored_blocks if prefill is home else 0)
         home.turn_ended()
-        self.kv_in_flight.end((sid, turn))
+        self.in_flight.end((sid, turn))
         self._observe(prefill, home, prompt, done, batch, ttft_ms, decode_ms, out)
         if decision.where == "split":
             place.last_split = turn

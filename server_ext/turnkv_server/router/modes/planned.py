@@ -39,7 +39,7 @@ from turnkv_server.router.modes.base import (
     tokenize,
 )
 from turnkv_server.router.modes.engine_orders import EngineOrders
-from turnkv_server.router.planner import CostModel, EngineLoad, Holdings, InFlightKv
+from turnkv_server.router.planner import CostModel, EngineLoad, Holdings, TurnsInFlight
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey
 from turnkv_server.router.weighing import WeighingPlanner, read_facts
 
@@ -113,8 +113,7 @@ class Backoff:
         self.first_s = first_s
         self.max_s = max_s
         self._clock = clock
-        # Engine name -> (until when it is avoided, the current backoff).
-        self._until: dict[str, tuple[float, float]] = {}
+        self._until: dict[str, tuple[float, float]] = {}  # engine: (avoided until, backoff)
 
     def active(self, engine: str) -> bool:
         until, _ = self._until.get(engine, (0.0, 0.0))
@@ -134,9 +133,8 @@ class Backoff:
 
 # -- the homes, and the mode ---------------------------------------------------------------
 
-# The homes remembered, at most: a backstop (the router's table tells the mode of every session
-# that leaves it, `Mode.forget_session`; a turn replayed after its session ended is placed once
-# more).
+# The homes remembered, at most: a backstop (a session that leaves the router's table is
+# forgotten, `Mode.forget_session`; a turn replayed after its session ended is placed anew).
 MAX_HOMES = 100_000
 
 
@@ -146,12 +144,10 @@ class PairPool:
 
     def __init__(self, max_homes: int = MAX_HOMES) -> None:
         self._homes: OrderedDict[SessionKey, str] = OrderedDict()
-        # Engine name -> sessions home there, kept with `_homes`: placing a session is O(1).
-        self._homed: Counter[str] = Counter()
+        self._homed: Counter[str] = Counter()  # sessions per engine, kept with `_homes`
         self._max_homes = max_homes
 
     def homed(self, engine: str) -> int:
-        """How many sessions `engine` is home to."""
         return self._homed[engine]
 
     def home(self, session: Session, placement: Placement, others: Sequence[Engine] = ()
@@ -200,7 +196,7 @@ class Turnkv(Mode):
         self._homes = PairPool()
         self._places: OrderedDict[SessionKey, SessionPlace] = OrderedDict()
         self._holdings = Holdings()
-        self._kv_in_flight = InFlightKv()
+        self._in_flight = TurnsInFlight()
         # Push backs, releases, give-ups, renewals and prefetches run on after their turn.
         self._orders = orders
         self._prefetches = prefetch.Prefetches(ctx.upstream, orders)
@@ -242,9 +238,12 @@ class Turnkv(Mode):
                                can_push_back=self._can_push_back(turn),
                                shared_tier=self.ctx.shared_tier)
         decision = self.planner.decide(home_load, other_load, facts, pin)
-        self._kv_in_flight.begin(id(turn), decision.home, (
-            facts.prompt_tokens or facts.history_tokens)
-            + round(place.expected_output if place else 0))
+        kv = (facts.prompt_tokens or facts.history_tokens) + round(
+            place.expected_output if place else 0)
+        compute = decision.estimates.get("compute_ms") or self.planner.costs.prompt_ms(
+            decision.prefill)  # a prompt not read: as the engine's prompts measure
+        self._in_flight.begin(id(turn), decision.home, kv, decision.prefill, compute,
+                              self.ctx.clock())
         if session is not None:
             decided = self._engine(decision.home)
             self._homes.home(session, Placement(decided, decided, "affinity"))
@@ -278,7 +277,7 @@ class Turnkv(Mode):
 
     def _load(self, engine: Engine) -> EngineLoad:
         if not engine.in_flight:
-            self._kv_in_flight.idle(engine.name)
+            self._in_flight.idle(engine.name)
         overloaded = self.ctx.pool is not None and engine.in_flight >= self.ctx.pool.max_in_flight
         pressure = (self._pressure.active(engine.name)
                     or self._no_push_back.active(engine.name))
@@ -286,7 +285,9 @@ class Turnkv(Mode):
                           self._holdings.room(engine.name, engine.kv_tokens),
                           homed=self._homes.homed(engine.name), prefilling=engine.prefilling,
                           capacity_tokens=engine.kv_tokens,
-                          kv_in_flight=self._kv_in_flight.tokens(engine.name))
+                          kv_in_flight=self._in_flight.kv_tokens(engine.name),
+                          prefill_wait_ms=self._in_flight.prefill_wait_ms(
+                              engine.name, engine.prefilling, self.ctx.clock()))
 
     def _pin(self, session: Session | None) -> Choice | None:
         pins = self.ctx.pins
@@ -318,7 +319,7 @@ class Turnkv(Mode):
     # -- after it ----------------------------------------------------------------------------
 
     def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
-        self._kv_in_flight.end(id(turn))
+        self._in_flight.end(id(turn))
         decision = plan.decision
         if decision is not None and end.how == "complete" and end.stats is not None:
             self._observe(turn, plan, decision, end)
