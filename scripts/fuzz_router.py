@@ -363,6 +363,5 @@ def main(argv: list[str] | None = None) -> int:
     return fuzz(args, Console(stderr=True))
 
 
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -238,6 +238,5 @@ def main(argv: list[str] | None = None) -> int:
     return soak(plan, Path(args.out), Path(args.plot), Console(stderr=True))
 
 
-
 if __name__ == "__main__":
     sys.exit(main())

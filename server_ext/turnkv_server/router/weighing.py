@@ -67,7 +67,6 @@ class _Option:
     compute_ms: float = 0.0  # of its prompt, on `prefill`: what later prompts there wait for
 
 
-
 class WeighingPlanner(Planner):
     """The planner, with its weighing of placements by their costs."""
 
