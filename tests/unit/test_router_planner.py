@@ -543,6 +543,9 @@ def test_a_prompt_not_read_is_counted_at_what_the_engines_prompts_measured() -> 
     costs.observe_prefill(HOME, 1000, computed=None, engine_ms=80.0)
     assert costs.prompt_ms(HOME) == pytest.approx(30.0 + 0.2 * 50.0)
     assert not costs.measured(HOME) and costs.prompt_ms(HELPER) == 0.0
+    # An idle home's turn, its prompt not read, is counted at that measure.
+    unread = Planner(costs).decide(EngineLoad(HOME), EngineLoad(HELPER), TurnFacts())
+    assert unread.where == "whole" and unread.estimates["compute_ms"] == costs.prompt_ms(HOME)
 
 
 def test_no_split_or_pull_where_either_engine_lacks_room_beside_its_turns() -> None:

@@ -310,7 +310,7 @@ class Cluster:
         for engine in self.engines:
             engine.stop()
             engine.release_ports()
-            remove_offload_region(engine.spec.kv_transfer_config)
+            remove_offload_region((engine.spec.kv_transfer_config or {}).get("engine_id"))
         shutil.rmtree(shared_tier_dir(self.run_dir), ignore_errors=True)
         if self.config.register_as_current:
             clear_current(self.run_dir)
@@ -330,16 +330,16 @@ def stop_cluster(state: ClusterState) -> None:
     for server in servers:
         stop_group(ProcessRef(pid=server.pid, create_time=server.create_time))
     for engine in state.engines:
-        remove_offload_region({"engine_id": engine.engine_id})
+        remove_offload_region(engine.engine_id)
     shutil.rmtree(shared_tier_dir(Path(state.run_dir)), ignore_errors=True)
     clear_current(Path(state.run_dir))
 
 
-def remove_offload_region(kv_transfer_config: dict[str, Any] | None) -> None:
+def remove_offload_region(engine_id: str | None) -> None:
     """An engine's host tier under vLLM's tiering lives in a file in /dev/shm named by its
     engine ID (upstream `cpu/shared_offload_region.py`), which vLLM removes only when the
-    engine closes it: a stopped engine leaves it behind, as big as its tier."""
-    engine_id = (kv_transfer_config or {}).get("engine_id")
+    engine closes it: a stopped engine leaves it behind, as big as its tier. None: the
+    engine loads no connector, and has no region."""
     if engine_id:
         Path(f"/dev/shm/vllm_offload_{engine_id}.mmap").unlink(missing_ok=True)
 

@@ -81,27 +81,23 @@ class EngineLoad:
     prefill_wait_ms: float = 0.0
 
     def less_busy_than(self, other: EngineLoad) -> bool:
-        """Fewer prompts to compute (what a turn there waits behind), else as many and fewer
-        requests in flight."""
+        """Fewer prompts to compute, else as many and fewer requests in flight."""
         return (self.prefilling, self.in_flight) < (other.prefilling, other.in_flight)
 
     def homes_fewer_than(self, other: EngineLoad) -> bool:
-        """Whether a session moving here from `other` leaves the two no further apart in
-        sessions than they were (unknown counts do not stand in the way)."""
+        """Whether a session moving here leaves the two no further apart in sessions."""
         return self.homed is None or other.homed is None or self.homed < other.homed
 
     def fits(self, tokens: int) -> bool:
         return self.room_tokens is None or tokens <= self.room_tokens
 
     def waits_for_room(self, tokens: int) -> bool:
-        """Whether a request of `tokens` tokens of KV would wait for its requests in flight
-        to end: its cache cannot hold them all at once."""
+        """Whether `tokens` of KV would wait for its requests in flight to end."""
         return (self.capacity_tokens is not None
                 and self.kv_in_flight + tokens > self.capacity_tokens)
 
     def fits_cache(self, tokens: int) -> bool:
-        """Whether `tokens` of KV fit in its cache, ending whatever leases they must (their
-        sessions' KV is in a tier both engines read)."""
+        """Whether `tokens` fit in its cache, ending leases (their KV is in a shared tier)."""
         return self.capacity_tokens is None or tokens <= self.capacity_tokens
 
 
@@ -235,8 +231,15 @@ class Planner:
 
     def decide(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
                pin: Choice | None = None) -> Decision:
-        """The turn's placement (`home`: the session's home, or a new session's; `helper`:
-        the pair's other engine, None where there is none)."""
+        """The turn's placement (`home`: the session's home, or a new session's; `helper`: the
+        pair's other engine, None where there is none), with its prompt's estimated compute
+        (`estimates["compute_ms"]`; a prompt not read: what the engine's prompts measured)."""
+        decision = self._decide(home, helper, facts, pin)
+        decision.estimates.setdefault("compute_ms", self.costs.prompt_ms(decision.prefill))
+        return decision
+
+    def _decide(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
+                pin: Choice | None) -> Decision:
         other = helper if helper is not None and helper.healthy else None
         if not home.healthy:
             if other is None:
@@ -257,8 +260,7 @@ class Planner:
 
     def _weigh(self, home: EngineLoad, other: EngineLoad, facts: TurnFacts,
                pin: Choice | None) -> Decision:
-        """A turn whose prompt's length is known: each placement weighed by its cost
-        (`weighing.WeighingPlanner`, the planner the modes run)."""
+        """A read prompt's placements weighed by cost (`weighing.WeighingPlanner`)."""
         raise NotImplementedError
 
     def _pull(self, home: EngineLoad, other: EngineLoad, reason: str) -> Decision:
@@ -338,8 +340,7 @@ class Ewma:
 
 
 class CostModel:
-    """Per engine: prefill ms per computed token by context length, decode ms per step by
-    batch; and the transfer rate between engines."""
+    """Per engine: prefill ms per token by context, ms per prompt, decode ms per step by batch."""
 
     def __init__(self, priors: Priors | None = None) -> None:
         self.priors = priors or Priors()
@@ -363,8 +364,7 @@ class CostModel:
     def observe_decode(self, engine: str, batch: int, first_token_ms: float | None,
                        total_ms: float, completion_tokens: int) -> None:
         """A turn decoded `completion_tokens` tokens on `engine` among `batch` requests in
-        flight, its first at `first_token_ms`, its last at `total_ms` (both from the turn's
-        start)."""
+        flight, its first at `first_token_ms`, its last at `total_ms` (from the turn's start)."""
         if first_token_ms is None or completion_tokens < 2 or total_ms < first_token_ms:
             return
         step = (total_ms - first_token_ms) / (completion_tokens - 1)

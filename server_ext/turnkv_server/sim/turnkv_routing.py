@@ -140,8 +140,7 @@ class TurnkvRouting:
         self.decisions[decision.where] = self.decisions.get(decision.where, 0) + 1
         self.in_flight.begin(
             (sid, turn), decision.home, session.prompts[turn] + session.turns[turn].tokens_out,
-            decision.prefill, decision.estimates.get("compute_ms")
-            or self.planner.costs.prompt_ms(decision.prefill), env.now)
+            decision.prefill, decision.estimates["compute_ms"], env.now)
         old = place.home
         home = self._engine(old, decision.home)
         prefill = self._engine(old, decision.prefill)

@@ -240,10 +240,8 @@ class Turnkv(Mode):
         decision = self.planner.decide(home_load, other_load, facts, pin)
         kv = (facts.prompt_tokens or facts.history_tokens) + round(
             place.expected_output if place else 0)
-        compute = decision.estimates.get("compute_ms") or self.planner.costs.prompt_ms(
-            decision.prefill)  # a prompt not read: as the engine's prompts measure
-        self._in_flight.begin(id(turn), decision.home, kv, decision.prefill, compute,
-                              self.ctx.clock())
+        self._in_flight.begin(id(turn), decision.home, kv, decision.prefill,
+                              decision.estimates["compute_ms"], self.ctx.clock())
         if session is not None:
             decided = self._engine(decision.home)
             self._homes.home(session, Placement(decided, decided, "affinity"))
