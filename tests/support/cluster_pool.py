@@ -159,7 +159,7 @@ class ClusterPool:
             state = ClusterState(
                 mode=config.mode, model=running.state.model,
                 served_model_name=running.state.served_model_name, run_dir=str(run_dir),
-                router=router.url, engines=[_server(e) for e in launched.engines],
+                router=router.url, engines=[e.server_state() for e in launched.engines],
                 router_process=ServerState(
                     name="router", role="router", url=router.url, pid=router.process.pid,
                     create_time=ProcessRef.of(router.process.pid).create_time,
@@ -177,20 +177,10 @@ class ClusterPool:
             view.stack.close()
 
 
-def _server(engine: EngineProcess) -> ServerState:
-    """An engine's entry in a state, as the launcher records it (its current process)."""
-    spec, ref = engine.spec, engine.ref
-    assert ref is not None
-    return ServerState(name=spec.name, role=spec.role, url=spec.url, pid=ref.pid,
-                       create_time=ref.create_time, cores=list(spec.cores),
-                       nixl_port=spec.nixl_port, log=str(engine.log_path),
-                       engine_id=(spec.kv_transfer_config or {}).get("engine_id"))
-
-
 def _refresh(state: ClusterState, launched: Cluster, save: bool = False) -> None:
     """Name each engine's current process in `state` (a test restarted one in place), and in
     the launcher's state file (`turnkv status`, `turnkv down`) if `save`."""
-    current = [_server(e) for e in launched.engines]
+    current = [e.server_state() for e in launched.engines]
     if current != state.engines:
         state.engines = current
         if save:

@@ -33,6 +33,7 @@ from turnkv_server.launcher.processes import (
     group_members,
     pin_group,
     raise_on_sigterm,
+    shared_memory_of,
     stop_group,
     unpinned_threads,
 )
@@ -340,6 +341,43 @@ def test_down_stops_the_recorded_engines_and_removes_their_host_tier_regions(
         engine.kill()
         engine.wait()
         region.unlink(missing_ok=True)
+
+
+SEGMENT_HOLDER = """
+import sys, time
+from multiprocessing import shared_memory
+segment = shared_memory.SharedMemory(create=True, size=4096)
+print(segment.name, flush=True)
+time.sleep(60)
+"""
+
+
+def test_down_removes_the_shared_memory_a_killed_engine_left(tmp_path: Path) -> None:
+    """vLLM's processes keep their message queues in multiprocessing's /dev/shm segments,
+    which a process group killed with SIGKILL cannot unlink: the ones read while it ran (the
+    state file's `shared_memory`) go when the cluster is stopped."""
+    holder = subprocess.Popen([sys.executable, "-c", SEGMENT_HOLDER], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    assert holder.stdout is not None
+    segment = Path("/dev/shm") / holder.stdout.readline().strip()
+    try:
+        ref = ProcessRef.of(holder.pid)
+        found = shared_memory_of(ref.pid)
+        assert str(segment) in found
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=10)
+        assert segment.exists()  # what the launcher has to clean up
+        server = ServerState(name="engine-0", role="engine", url="http://127.0.0.1:2",
+                             pid=ref.pid, create_time=ref.create_time, log="l",
+                             shared_memory=sorted(found))
+        stop_cluster(ClusterState(mode="turnkv", model="/m", served_model_name="m",
+                                  run_dir=str(tmp_path), router="http://127.0.0.1:3",
+                                  engines=[server]))
+        assert not segment.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        segment.unlink(missing_ok=True)
 
 
 def test_prompt_token_sources_parse_and_subtract() -> None:

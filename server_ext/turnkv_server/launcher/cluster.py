@@ -270,23 +270,13 @@ class Cluster:
         return placement.wrap(host, cmd)
 
     def _record(self, served_name: str, model_path: Path, router_url: str) -> ClusterState:
-        def server(name: str, role: str, url: str, ref: ProcessRef, cores: list[int],
-                   nixl_port: int | None, log: Path, engine_id: str | None = None
-                   ) -> ServerState:
-            return ServerState(name=name, role=role, url=url, pid=ref.pid,
-                               create_time=ref.create_time, cores=cores,
-                               nixl_port=nixl_port, log=str(log), engine_id=engine_id)
-
-        engines = []
-        for e in self.engines:
-            assert e.ref is not None
-            engines.append(server(e.spec.name, e.spec.role, e.spec.url, e.ref,
-                                  list(e.spec.cores), e.spec.nixl_port, e.log_path,
-                                  (e.spec.kv_transfer_config or {}).get("engine_id")))
         router = None
         if self.router_ref is not None:
-            router = server("router", "router", router_url, self.router_ref, [], None,
-                            self.run_dir / "logs" / "router.log")
+            router = ServerState(name="router", role="router", url=router_url,
+                                 pid=self.router_ref.pid,
+                                 create_time=self.router_ref.create_time,
+                                 log=str(self.run_dir / "logs" / "router.log"))
+        engines = [e.server_state() for e in self.engines]
         state = ClusterState(
             mode=self.config.mode,
             model=str(model_path),
@@ -328,7 +318,8 @@ def stop_cluster(state: ClusterState) -> None:
     """Stop the processes recorded in a state file (the `turnkv down` path)."""
     servers = ([state.router_process] if state.router_process else []) + state.engines
     for server in servers:
-        stop_group(ProcessRef(pid=server.pid, create_time=server.create_time))
+        stop_group(ProcessRef(pid=server.pid, create_time=server.create_time),
+                   shared_memory=server.shared_memory)
     for engine in state.engines:
         remove_offload_region(engine.engine_id)
     shutil.rmtree(shared_tier_dir(Path(state.run_dir)), ignore_errors=True)

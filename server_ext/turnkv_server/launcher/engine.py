@@ -30,7 +30,14 @@ import httpx
 
 from turnkv_server.launcher import placement
 from turnkv_server.launcher.host_plan import Host
-from turnkv_server.launcher.processes import ProcessRef, pin_group, stop_group, unpinned_threads
+from turnkv_server.launcher.processes import (
+    ProcessRef,
+    pin_group,
+    shared_memory_of,
+    stop_group,
+    unpinned_threads,
+)
+from turnkv_server.launcher.state import ServerState
 from turnkv_server.launcher.tool_calling import engine_arguments
 from turnkv_server.ports import SIDE_CHANNEL_REPORT_ENV, PortHold, read_report
 
@@ -200,6 +207,7 @@ class EngineProcess:
         self.side_channel_report = self.workdir / SIDE_CHANNEL_REPORT
         self._hold: PortHold | None = None
         self._reported = False
+        self.shared_memory: set[str] = set()  # multiprocessing's files it maps in /dev/shm
         # Where this start's lines begin in the log (a restart appends), and when it began:
         # what the start-up display reads and counts from.
         self.log_offset = 0
@@ -256,6 +264,8 @@ class EngineProcess:
             self._reported = True
             self.release_ports()
             self.pin()
+            assert self.ref is not None
+            self.shared_memory |= shared_memory_of(self.ref.pid)
         return healthy
 
     def _read_http_report(self) -> bool:
@@ -301,12 +311,23 @@ class EngineProcess:
         (the router and its peers know them) until `release_ports()`."""
         self.release_ports()
         if self.ref is not None:
-            stop_group(self.ref)
+            stop_group(self.ref, shared_memory=self.shared_memory)
+            self.shared_memory.clear()
         if self._popen is not None:
             self._popen.wait(timeout=5)
         if self._own_short_tmp:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self._hold = self._hold_ports()
+
+    def server_state(self) -> ServerState:
+        """Its entry in the cluster's state file (`turnkv status`, `turnkv down`)."""
+        spec, ref = self.spec, self.ref
+        assert ref is not None
+        return ServerState(name=spec.name, role=spec.role, url=spec.url, pid=ref.pid,
+                           create_time=ref.create_time, cores=list(spec.cores),
+                           nixl_port=spec.nixl_port, log=str(self.log_path),
+                           engine_id=(spec.kv_transfer_config or {}).get("engine_id"),
+                           shared_memory=sorted(self.shared_memory))
 
     def release_ports(self) -> None:
         if self._hold is not None:

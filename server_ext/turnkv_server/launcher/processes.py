@@ -14,8 +14,14 @@ import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
+
+SHARED_MEMORY = Path("/dev/shm")
+# The names Python's multiprocessing gives its shared-memory segments and named semaphores,
+# which vLLM's engine and worker processes create (its message queues, their locks).
+MULTIPROCESSING_NAMES = ("psm_", "sem.mp-")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,35 @@ def group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
+def shared_memory_of(pgid: int) -> set[str]:
+    """The files in /dev/shm that Python's multiprocessing created and the group's processes
+    map. A process that exits cleanly unlinks its own; a group killed with SIGKILL (a crash,
+    the OOM killer, a test's fault, `stop_group` after its timeout) leaves them there, each as
+    big as the queue it held, so whoever stops a group must remove them."""
+    found = set()
+    for proc in group_members(pgid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and _is_multiprocessing_file(fields[5]):
+                    found.add(fields[5])
+    return found
+
+
+def remove_shared_memory(paths: Iterable[str]) -> None:
+    """Unlink what `shared_memory_of` found, once its processes are gone."""
+    for path in paths:
+        if _is_multiprocessing_file(path):
+            Path(path).unlink(missing_ok=True)
+
+
+def _is_multiprocessing_file(path: str) -> bool:
+    # A mapped file already unlinked reads as "<path> (deleted)": nothing left to remove.
+    file = Path(path)
+    return (file.parent == SHARED_MEMORY and file.name.startswith(MULTIPROCESSING_NAMES)
+            and not path.endswith(" (deleted)"))
+
+
 def raise_on_sigterm() -> None:
     """Make SIGTERM (a CI runner, `kill`) a `KeyboardInterrupt` in the main thread, so that a
     script's `with Cluster(...)` blocks still stop what they started."""
@@ -61,11 +96,20 @@ def raise_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, terminate)
 
 
-def stop_group(ref: ProcessRef, timeout: float = 15.0) -> None:
-    """SIGTERM the group that ``ref`` leads, then SIGKILL whatever is left after ``timeout``."""
+def stop_group(ref: ProcessRef, timeout: float = 15.0, shared_memory: Iterable[str] = ()
+               ) -> None:
+    """SIGTERM the group that ``ref`` leads, then SIGKILL whatever is left after ``timeout``;
+    then remove the multiprocessing files in /dev/shm its processes mapped (`shared_memory_of`,
+    read now and, as `shared_memory`, earlier: the group may have been killed since)."""
     pgid = ref.pid
-    if not ref.is_alive() and not group_members(pgid):
-        return
+    files = set(shared_memory)
+    if ref.is_alive() or group_members(pgid):
+        files |= shared_memory_of(pgid)
+        _terminate(pgid, timeout)
+    remove_shared_memory(files)
+
+
+def _terminate(pgid: int, timeout: float) -> None:
     _signal_group(pgid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

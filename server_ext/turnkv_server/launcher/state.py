@@ -24,6 +24,8 @@ class ServerState(BaseModel):
     log: str
     # Its KV connector's engine ID (None: it loads none): what names its host tier's region.
     engine_id: str | None = None
+    # Its processes' multiprocessing files in /dev/shm, which a killed engine leaves behind.
+    shared_memory: list[str] = []
 
 
 class ClusterState(BaseModel):
