@@ -50,6 +50,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from turnkv_server import local_http
 from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterConfig
 from turnkv_server.launcher.hosts import HostSet
@@ -82,11 +83,8 @@ def start_router(launched: Cluster, short_delta: int, log: Path) -> tuple[subpro
         bound = read_report(port_file)
         if bound is not None:
             url = f"http://{bound[0]}:{bound[1]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return process, url
-            except httpx.HTTPError:
-                pass
+            if local_http.answers_health(url):
+                return process, url
         time.sleep(0.2)
     process.terminate()
     raise RuntimeError(f"the second router did not come up; see {log}")

@@ -35,6 +35,7 @@ from tests.support.clusters import FIXED_POOLS, TINY_ENGINES, ClusterSpec, Route
 from tests.support.oracle import Completion, compare, routed_chat
 from tests.support.reference import SHORT_SCRIPT, References
 from tests.support.waiting import wait_for as wait_for_condition
+from turnkv_server import local_http
 from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterState
 from turnkv_server.launcher.processes import group_members
@@ -297,7 +298,7 @@ def test_an_engine_whose_core_died(
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and 503 not in seen:
         try:
-            seen.add(httpx.get(f"{decode.spec.url}/health", timeout=5).status_code)
+            seen.add(local_http.get(f"{decode.spec.url}/health", timeout=5).status_code)
         except httpx.HTTPError as exc:
             seen.add(type(exc).__name__)
         time.sleep(0.1)
@@ -332,7 +333,7 @@ def test_a_history_at_the_models_max_length_is_not_pushed_back(
     turn's blocks to send them, is told to give the send up."""
     launched, state = clean_cluster
     prefill, decode = engine(launched, "prefill"), engine(launched, "decode")
-    max_len = int(httpx.get(f"{decode.spec.url}/v1/models").json()["data"][0]["max_model_len"])
+    max_len = int(local_http.get(f"{decode.spec.url}/v1/models").json()["data"][0]["max_model_len"])
     before = fetch_connector_counters(decode.spec.url)
     usage_before = [fetch_connector_counters(e.spec.url)["kv_cache_usage"]
                     for e in (prefill, decode)]

@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from tests.support.clusters import ClusterSpec, EngineSet, RouterProcess, RouterView
+from turnkv_server import local_http
 from turnkv_server.engine.metrics import fetch_connector_counters
 from turnkv_server.launcher import Cluster, ClusterState, ProcessRef
 from turnkv_server.launcher.engine import EngineProcess
@@ -189,7 +190,7 @@ def _refresh(state: ClusterState, launched: Cluster, save: bool = False) -> None
 
 def _answers(url: str, headers: dict[str, str] | None = None) -> httpx.Response | None:
     try:
-        return httpx.get(url, headers=headers, timeout=HEALTH_TIMEOUT_S)
+        return local_http.get(url, headers=headers, timeout=HEALTH_TIMEOUT_S)
     except httpx.HTTPError:
         return None
 
@@ -242,7 +243,7 @@ def _reset(engine: EngineProcess) -> bool:
     first), retried while blocks are still in use; False if they stay in use RESET_WAIT_S."""
     deadline = time.monotonic() + RESET_WAIT_S
     while True:
-        reply = httpx.post(f"{engine.spec.url}/reset_prefix_cache", timeout=30)
+        reply = local_http.post(f"{engine.spec.url}/reset_prefix_cache", timeout=30)
         assert reply.status_code != 404, (
             "the engines serve no /reset_prefix_cache: tests/conftest.py starts them with "
             "VLLM_SERVER_DEV_MODE=1")
@@ -258,7 +259,7 @@ def _tick(engine: EngineProcess, served_model_name: str) -> None:
     """One token of one request without a session: vLLM publishes its gauges (the cache's
     usage, the connector's leases) after a step, and the reset runs none. Then wait until they
     show the engine empty."""
-    reply = httpx.post(f"{engine.spec.url}/v1/completions", timeout=120, json={
+    reply = local_http.post(f"{engine.spec.url}/v1/completions", timeout=120, json={
         "model": served_model_name, "prompt": [0], "max_tokens": 1, "temperature": 0})
     reply.raise_for_status()
     deadline = time.monotonic() + RESET_WAIT_S

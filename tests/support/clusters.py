@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from tests.support.redis_server import redis_server
+from turnkv_server import local_http
 from turnkv_server.launcher import Cluster, ClusterConfig
 from turnkv_server.mode_names import ClusterMode
 from turnkv_server.models import build_tiny, resolve_model
@@ -62,11 +61,8 @@ class RouterProcess:
             bound = read_report(port_file)
             if bound is not None:
                 self.url = f"http://{bound[0]}:{bound[1]}"
-            try:
-                if bound and httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if bound and local_http.answers_health(self.url):
+                return
             assert self.process.poll() is None, f"router exited; see {log}"
             assert time.monotonic() < deadline, f"router not healthy; see {log}"
             time.sleep(0.2)

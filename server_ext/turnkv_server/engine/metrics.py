@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-import httpx
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from turnkv_server import local_http
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CONNECTOR_PREFIX = "turnkv:"
@@ -137,7 +138,7 @@ def _int_label(labels: Mapping[str, str], name: str) -> int | None:
 
 def fetch(engine_url: str, timeout: float = 5.0) -> str:
     """An engine's `/metrics` text; raises `httpx.HTTPError` if it does not answer with it."""
-    response = httpx.get(f"{engine_url}/metrics", timeout=timeout)
+    response = local_http.get(f"{engine_url}/metrics", timeout=timeout)
     response.raise_for_status()
     return response.text
 

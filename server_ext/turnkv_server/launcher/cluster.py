@@ -25,10 +25,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.markup import escape
 
+from turnkv_server import local_http
 from turnkv_server.launcher import placement
 from turnkv_server.launcher.config import VLLM_CACHE_ENV, ClusterConfig
 from turnkv_server.launcher.engine import (
@@ -230,11 +230,8 @@ class Cluster:
                 bound = read_report(self.router_port_file)
                 if bound is not None:
                     url = f"http://{bound[0]}:{bound[1]}"
-            try:
-                if url is not None and httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
+            if url is not None and local_http.answers_health(url):
+                return url
             if time.monotonic() > deadline:
                 raise ClusterStartError(f"router not healthy after 30 s; see {log_path}")
             time.sleep(0.2)

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
-
+from turnkv_server import local_http
 from turnkv_server.launcher import placement
 from turnkv_server.launcher.host_plan import Host
 from turnkv_server.launcher.processes import (
@@ -255,10 +254,7 @@ class EngineProcess:
             raise self._failure(f"process exited with code {self._popen.returncode}")
         if not self._read_http_report():
             return False
-        try:
-            healthy = httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        healthy = local_http.answers_health(self.spec.url)
         if healthy and not self._reported:
             self._read_side_channel_report()
             self._reported = True
