@@ -101,8 +101,10 @@ def test_a_receiver_that_gives_up_on_a_silent_sender_quarantines_its_blocks(
 
 
 def test_failed_is_sent_only_after_the_layer_writes_settle(
-        pair: Pair) -> None:
-    sender, receiver, address = pair
+        patient_pair: Pair) -> None:
+    # A receiver that waits long for its KV: `pair`'s gives up after 1 s, as long as this
+    # test watches it stay open, and once did inside that second.
+    sender, receiver, address = patient_pair
     gate = GatedStates(sender.agent.writer.nixl)
     sender.agent.writer.nixl = gate
     sender.agent.expect("t1", PROMPT)
