@@ -29,6 +29,7 @@ from tests.unit.transfer_pair import (
     untouched,
     unused_address,
     wait_until,
+    writing,
 )
 from turnkv_server.connector import outgoing, receiving
 from turnkv_server.connector import side_channel as sc
@@ -111,6 +112,7 @@ def test_failed_is_sent_only_after_the_layer_writes_settle(
     receiver.receive("rx", "t1", address, [6, 2], first_block=0)
     wait_until(registered(sender, "t1"))
     sender.agent.write_layer("t1", 0, [(0, 3), (1, 4)])
+    wait_until(writing(sender, "t1"))
     # The request is aborted while its first layer is still being written.
     sender.agent.refuse("t1")
     assert holds_for(lambda: "rx" not in receiver.collect().finished_recving, 1.0)
@@ -129,6 +131,7 @@ def test_a_cancel_while_writes_are_in_flight_is_settled_after_them(
     receiver.receive("rx", "t1", address, [6, 2], first_block=0)
     wait_until(registered(sender, "t1"))
     sender.agent.write_layer("t1", 0, [(0, 3), (1, 4)])
+    wait_until(writing(sender, "t1"))
     # The receiving request is aborted: it ends at once, its blocks quarantined.
     receiver.agent.cancel_receive("t1")
     wait_until(receiver.received("rx"))
@@ -227,6 +230,7 @@ def test_a_write_that_failed_keeps_a_cancelled_receives_blocks_held(
     receiver.receive("rx", "t1", address, [6, 2], first_block=0, timeout_s=30.0)
     wait_until(registered(sender, "t1"))
     sender.agent.write_layer("t1", 0, [(0, 3), (1, 4)])
+    wait_until(writing(sender, "t1"))
     receiver.agent.cancel_receive("t1")
     wait_until(receiver.received("rx"))
     assert receiver.results.quarantined == {"rx"}

@@ -132,6 +132,16 @@ def registered(engine: Engine, transfer_id: str) -> Callable[[], bool]:
     return check
 
 
+def writing(engine: Engine, transfer_id: str) -> Callable[[], bool]:
+    """Whether the sender has a write of `transfer_id` in flight: a test about what happens to
+    an in-flight write waits for it, since what it does next (a cancel from the receiver) may
+    reach the sender's thread before the write command does."""
+    def check() -> bool:
+        out = engine.agent.sending.transfers.get(transfer_id)
+        return out is not None and bool(out.writes)
+    return check
+
+
 def untouched(engine: Engine, but: tuple[int, ...] = ()) -> bool:
     rest = [b for b in range(BLOCKS) if b not in but]
     return bool((engine.buffer[:, rest] == -1.0).all())
