@@ -125,6 +125,9 @@ class TurnTimes(BaseModel):
     """
 
     queue_ms: float = 0.0
+    # How long the router planned the attempt that served the turn: reading its prompt
+    # (`/tokenize`) and asking the engines' loads where the mode does; in `first_token_ms`.
+    plan_ms: float = 0.0
     engine_queue_ms: float | None = None
     prefill_ms: float = 0.0
     # From the engine scheduling the request to its first token: the prompt's computation

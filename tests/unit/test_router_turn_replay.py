@@ -117,3 +117,27 @@ def test_turnkv_takes_the_prefetch_outcome_once_per_turn_not_per_attempt() -> No
         assert not mode._prefetches.pending  # type: ignore[attr-defined]
 
     asyncio.run(main())
+
+
+def test_a_turns_stats_say_how_long_its_serving_attempt_was_planned() -> None:
+    """`times.plan_ms` is the planning of the attempt that served the turn (a replay's, not
+    the failed attempt's and the replay's together), and it is part of the first token."""
+
+    async def main() -> None:
+        engines = [StandIn(), StandIn()]
+        async with affinity_router(engines) as (router, url), \
+                httpx.AsyncClient(timeout=30) as client:
+            plan = router.mode.plan
+
+            async def slow_plan(turn: Turn, placement: Placement) -> TurnPlan:
+                await asyncio.sleep(0.2)
+                return await plan(turn, placement)
+
+            router.mode.plan = slow_plan  # type: ignore[method-assign]
+            reply = await client.post(f"{url}/v1/chat/completions", json=chat("s"))
+            assert reply.status_code == 200, reply.text
+            times = reply.json()["turnkv"]["times"]
+            assert 200 <= times["plan_ms"] < 2000, times
+            assert times["total_ms"] >= times["plan_ms"], times
+
+    asyncio.run(main())

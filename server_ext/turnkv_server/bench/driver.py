@@ -106,6 +106,8 @@ def record_turn(mode: str, session_id: str, index: int, stats: turnkv.TurnStats 
         ttft_ms=ttft, itl_ms=gaps_ms(chunk_times), e2e_ms=e2e,
         prefill_phase_ms=stats.times.prefill_ms if stats.served_by_turnkv else None,
         router_ttft_ms=stats.times.first_token_ms if stats.served_by_turnkv else None,
+        plan_ms=stats.times.plan_ms if stats.served_by_turnkv else None,
+        engine_prefill_ms=stats.times.engine_prefill_ms,
         fallback=stats.fallback, prefix_break_at=stats.prefix_break_at,
         placement=stats.placement.where if stats.placement is not None else None,
         placement_why=stats.placement.why if stats.placement is not None else None,

@@ -42,6 +42,12 @@ class TurnRecord(BaseModel):
         "prefill request (P/D modes; None without a router).")
     router_ttft_ms: float | None = Field(
         default=None, description="At the router: from accepting the turn to the first token.")
+    plan_ms: float | None = Field(
+        default=None, description="At the router: how long it planned the turn (reading the "
+        "prompt, asking the engines' loads); part of `router_ttft_ms`.")
+    engine_prefill_ms: float | None = Field(
+        default=None, description="The engine's own timing of the request that computed the "
+        "prompt, from scheduling it to its first token (engines with per-request metrics).")
     itl_ms: list[float] = Field(default_factory=list, description="Gaps between output chunks.")
     e2e_ms: float | None = None
     fallback: str | None = None

@@ -96,7 +96,7 @@ def begin(turn: Turn, plan: TurnPlan, prefill: PrefillResult | None, mode: str,
         times=p.TurnTimes(prefill_ms=prefill.elapsed_ms if prefill is not None else 0.0,
                           engine_prefill_ms=prefill.engine_ms if prefill is not None else None,
                           restore_ms=_restore_ms(prefill),
-                          queue_ms=turn.queued_ms,
+                          queue_ms=turn.queued_ms, plan_ms=round(turn.planned_ms, 3),
                           engine_queue_ms=prefill.engine_queue_ms if prefill is not None
                           else None),
         prefix_break_at=break_at,

@@ -147,11 +147,13 @@ class Turns:
 
     async def _attempt(self, turn: Turn, placement: Placement, fallback: p.FallbackReason | None,
                        detail: str | None) -> Response | Relayed:
+        started = time.perf_counter()
         try:
             plan = await self.mode.plan(turn, placement)
         except EngineConnectionError as exc:
             # Planning may ask an engine first (/tokenize, /metrics).
             raise EngineUnavailable(exc.engine, str(exc)) from exc
+        turn.planned_ms = (time.perf_counter() - started) * 1000.0
         if plan.alone is not None:
             turn.prompt_token_ids = plan.alone.prompt_token_ids
             turn_stats = stats.begin(turn, plan, None, self.mode_name, fallback, detail)

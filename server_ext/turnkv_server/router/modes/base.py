@@ -67,6 +67,7 @@ class Turn:
     prefetch: PrefetchOutcome | None = None
     # How long it waited for admission, in ms (`admission.Admission`).
     queued_ms: float = 0.0
+    planned_ms: float = 0.0  # the planning of the attempt that serves it
     # Which key named its session (`router.app.read_keys`), or "inferred".
     session_source: str | None = None
     # An inferred session's turn as `InferredSessions` knows it (`Inference.ticket`).
