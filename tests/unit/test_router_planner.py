@@ -108,6 +108,46 @@ def test_cost_model_ignores_what_teaches_nothing() -> None:
     assert costs.decode_step_ms(HOME, 1) == costs.priors.decode_step_ms
 
 
+def test_cost_model_counts_a_tier_read_apart_from_the_computation() -> None:
+    """An engine's timing of a prompt it partly read from its tier is the computation's (at the
+    cost per token its other prompts measured) and the read's: the rest, per token read."""
+    costs = CostModel(Priors(tier_read_tokens_per_ms=40.0))
+    assert costs.tier_read_ms(HOME, 400) == 10.0  # the prior
+    # Before the engine measured its computing, a read's share is not known: nothing learned.
+    costs.observe_prefill(HOME, 4096, computed=200, engine_ms=500.0, restored=2000)
+    assert not costs.measured(HOME) and costs.tier_read_ms(HOME, 400) == 10.0
+    costs.observe_prefill(HOME, 4096, computed=1000, engine_ms=500.0)  # 0.5 ms a token
+    costs.observe_prefill(HOME, 4096, computed=200, engine_ms=500.0, restored=2000)
+    # 100 ms of computing, 400 ms of reading 2,000 tokens; the cost per token is untouched.
+    assert costs.tier_read_ms(HOME, 1000) == pytest.approx(200.0)
+    assert costs.prefill_ms_per_token(HOME, 4096) == (0.5, True)
+    assert costs.tier_read_ms(HELPER, 400) == 10.0
+
+
+def test_cost_model_learns_a_splits_tail_beyond_the_transfer() -> None:
+    costs = CostModel(Priors(transfer_tokens_per_ms=50.0, split_overhead_ms=5.0))
+    costs.observe_split_tail(HOME, tail_ms=90.0, received=500)  # 10 ms of it the transfer
+    assert costs.split_overhead_ms(HOME) == 80.0
+    assert costs.split_overhead_ms(HELPER) == 5.0
+    costs.observe_split_tail(HOME, tail_ms=-1.0, received=0)  # not measured
+    assert costs.split_overhead_ms(HOME) == 80.0
+
+
+def test_a_tier_read_measured_slow_keeps_a_turn_whole() -> None:
+    """A busy home, an idle helper that would read the history from the shared tier: at the
+    prior's read rate the split pays; once reads measured five times slower, it does not."""
+    home, helper = EngineLoad(HOME, in_flight=2), EngineLoad(HELPER)
+    facts = TurnFacts(prompt_tokens=4096, home_holds=3896, helper_holds=0, block_size=16,
+                      expected_output=100, shared_tier=True, tier_holds=3896)
+    costs = measured()
+    assert Planner(costs).decide(home, helper, facts).where == "split"
+    for _ in range(20):
+        costs.observe_prefill(HELPER, 4096, computed=200, engine_ms=200.0 + 0.2 * 3888,
+                              restored=3888)
+    decision = Planner(costs).decide(home, helper, facts)
+    assert decision.where == "whole", decision.why
+
+
 def test_tokens_to_compute_counts_whole_blocks_and_the_last_token() -> None:
     assert tokens_to_compute(100, held=100, block=16) == 4  # 96 held in whole blocks
     assert tokens_to_compute(100, held=0, block=16) == 100

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from turnkv.protocol import CacheHints, PromptTokens, RouterTurnStats, TurnTimes
+from turnkv.protocol import CacheHints, KvMoved, PromptTokens, RouterTurnStats, TurnTimes
 from turnkv.stats import TurnStats as SdkTurnStats
 from turnkv_server.engine.protocol import parse
 from turnkv_server.router import stats
@@ -318,6 +318,33 @@ def test_what_a_turn_measured_feeds_the_cost_model() -> None:
     assert not mode.planner.costs.measured(home)
     served(mode, t, plan, total=1000, computed=1000, engine_ms=500.0)
     assert mode.planner.costs.prefill_ms_per_token(home, 1000) == (0.5, True)
+
+
+def test_a_splits_stats_teach_the_helpers_tier_read_and_the_homes_tail() -> None:
+    """The helper computed 200 tokens and read 2,000 from its tier in 500 ms: at the 0.5 ms a
+    token its prompts measured, 400 ms of reading. The home's first token came 100 ms after
+    the helper answered (the turn's first 405 ms less its 5 ms of planning and 300 ms of
+    prefill request), 500 tokens of KV written into it."""
+    async def main() -> None:
+        mode = planned(Tokenizer([5] * 2200), pins=("split",))
+        t = turn()
+        plan = await mode.plan(t, place(mode, t))
+        assert plan.decision is not None and plan.decision.where == "split"
+        helper, home = plan.placement.prefill.name, plan.placement.decode.name
+        costs = mode.planner.costs
+        costs.observe_prefill(helper, 2200, computed=1000, engine_ms=500.0)
+        mode.finish(t, plan, TurnEnd("complete", stats=RouterTurnStats(
+            mode="turnkv", completion_tokens=10, kv=KvMoved(to_decode_tokens=500),
+            prompt_tokens=PromptTokens(total=2200, prefill_computed=200,
+                                       prefill_restored=2000),
+            times=TurnTimes(engine_prefill_ms=500.0, plan_ms=5.0, prefill_ms=300.0,
+                            first_token_ms=405.0, total_ms=600.0))))
+        assert costs.tier_read_ms(helper, 1000) == pytest.approx(200.0)
+        assert costs.prefill_ms_per_token(helper, 2200) == (0.5, True)
+        assert costs.split_overhead_ms(home) == pytest.approx(100.0 - costs.transfer_ms(500))
+        await asyncio.gather(*mode._orders._background, return_exceptions=True)
+
+    asyncio.run(main())
 
 
 def test_a_home_that_lost_the_history_is_under_pressure_and_gets_no_copy() -> None:

@@ -9,6 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+# Where a turn runs, and what moves:
+# - "whole": the home computes what it lacks of the prompt and decodes, as an aggregated engine
+#   would. Nothing moves; but the home's other requests get no token while it computes. (A home
+#   that lost the history to memory pressure restores what its tier holds and computes the
+#   rest: still "whole".)
+# - "split": the other engine (the helper) computes the prompt and writes the KV the home lacks
+#   (the delta) into it, layer by layer, while the home goes on decoding its other sessions.
+#   The helper computes what its own cache lacks: only the delta where it holds a copy.
+# - "move": the session's home changes to the other engine: where that engine holds a copy of
+#   the history, it serves the turn whole from its copy; else the KV is pulled from the old
+#   home (which computes the delta and writes the whole prompt's KV), or recomputed when the
+#   old home is down. Where the engines share a tier below their caches (`--shared-tier`: a
+#   file tier every engine writes each block it stores to), the other engine reads the history
+#   there and computes the delta: a busy home's turn goes to the idle engine for a read.
 Where = Literal["whole", "split", "move"]
 # The placements the planner weighs: a move either pulls the history over the link
 # ("move"), goes to the copy a push back left on the other engine ("move-copy"), or has the
@@ -84,10 +98,9 @@ class Priors:
     prefill_ms_per_token: float = 0.2
     decode_step_ms: float = 30.0
     transfer_tokens_per_ms: float = 50.0
-    # Tokens of KV per ms an engine reads from the shared tier (a file per chunk, then a copy
-    # into its cache): assumed, not measured (the engines report what a load moved, not how
-    # long it took); small beside the prefill it saves either way.
+    # Tokens of KV per ms an engine reads from its tier (for the shared tier, a file per
+    # chunk, then a copy into its cache), until its prompts measure it.
     tier_read_tokens_per_ms: float = 40.0
-    # A split's fixed cost: a second request, the receiver's registration and the first
-    # layer's write before the home can step.
+    # A split's fixed cost, until one measures it: a second request, the receiver's
+    # registration, the first layer's write and the home's next step.
     split_overhead_ms: float = 5.0

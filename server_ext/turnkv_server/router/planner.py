@@ -2,31 +2,12 @@
 (the cost model, `CostModel`, below).
 
 Each session has a home, the engine of its pair that holds its history and decodes its turns;
-neither engine is fixed as prefill or decode. Per turn the planner weighs:
+neither engine is fixed as prefill or decode. Per turn the planner places it whole on the home,
+split (the other engine computes, the home decodes) or moved (`decisions.Where`, which says
+what each moves).
 
-- `whole`: the home computes what it lacks of the prompt and decodes, as an aggregated engine
-  would. Nothing moves; but the home's other requests get no token while it computes. (A home
-  that lost the history to memory pressure restores what its tier holds and computes the rest:
-  still `whole`.)
-- `split`: the other engine (the helper) computes the prompt and writes the KV the home lacks
-  (the delta) into it, layer by layer, while the home goes on decoding its other sessions. The
-  helper computes what its own cache lacks: only the delta where it holds a copy of the history.
-- `move`: the session's home changes to the other engine: where that engine holds a copy of
-  the history, it serves the turn whole from its copy; else the KV is pulled from the old
-  home (which computes the delta and writes the whole prompt's KV), or recomputed when the old
-  home is down. Where the engines share a tier below their caches (`--shared-tier`: a file
-  tier every engine writes each block it stores to), the other engine reads the history there
-  and computes the delta (`move-tier`): a busy home's turn goes to the idle engine for a read.
-
-Where the prompt's length is known, each placement is weighed by its cost (`router.weighing`).
-
-Memory is a constraint too: a placement that would have an engine take more KV than it has
-room for (`EngineLoad.room_tokens`: its cache less what the sessions' leases hold there, as the
-router counts them, `Holdings`; or, where the engines share a tier that holds those leases' KV,
-its cache less its turns in flight, `TurnsInFlight`) is not taken. A session moves only to an
-engine less busy than its home (and, pulling its history, home to fewer sessions). A copy of
-the history is pushed to the other engine after a turn where it has room and there is no
-pressure and no shared tier (`Planner._push_back`).
+Where the prompt's length is known, each placement is weighed by its cost, under the engines'
+room for its KV (`router.weighing`).
 
 The cost model (`CostModel`): what serving costs on each engine, as the turns measure it, fed
 once per served turn and read once per planned turn, in memory. Each figure is an exponentially
@@ -39,6 +20,10 @@ weighted mean per engine and bucket: online, bounded and following the load as i
   ends (streamed turns only, which time their first token);
 - a prompt: the engine's timing of a prompt, whatever its length (`prompt_ms`): what a turn
   whose prompt the router did not read is counted to hold up the prompts behind it;
+- a tier read: where part of a prompt came from the engine's tier, the engine's timing less
+  what computing the rest costs there, per token read;
+- a split's tail: from the helper's answer to the home's first token, less the transfer: the
+  home taking the KV in and its next step;
 - transfer: tokens of KV per ms between engines, a setting (`--transfer-tokens-per-ms`): the
   engines report what moved, not how long it took.
 
@@ -251,7 +236,9 @@ class Planner:
             return Decision("whole", home.name, home.name, why="no other engine is up")
         if facts.prompt_tokens is None:
             if home.overloaded and not other.overloaded and other.fits(facts.history_tokens):
-                return self._pull(home, other, f"{home.name} is overloaded")
+                return Decision("move", other.name, home.name, pull=True, why=(
+                    f"move ({home.name} is overloaded): {home.name} computes the delta and "
+                    f"writes the history to {other.name}"))
             why = (f"{home.name} has nothing in flight to stall" if not home.in_flight else
                    f"{other.name} is as busy as {home.name}: a split cannot pay")
             return Decision("whole", home.name, home.name, push_back=self._push_back(
@@ -260,13 +247,7 @@ class Planner:
 
     def _weigh(self, home: EngineLoad, other: EngineLoad, facts: TurnFacts,
                pin: Choice | None) -> Decision:
-        """A read prompt's placements weighed by cost (`weighing.WeighingPlanner`)."""
-        raise NotImplementedError
-
-    def _pull(self, home: EngineLoad, other: EngineLoad, reason: str) -> Decision:
-        return Decision("move", other.name, home.name, pull=True,
-                        why=f"move ({reason}): {home.name} computes the delta and writes the "
-                            f"history to {other.name}")
+        raise NotImplementedError  # a read prompt's placements by cost: `WeighingPlanner`
 
     @staticmethod
     def _push_back(where: Where, pulled: bool, home: EngineLoad, other: EngineLoad,
@@ -303,19 +284,13 @@ MIN_PREFILL_TOKENS = 16
 
 def context_bucket(tokens: int) -> int:
     """The bucket of a prompt of `tokens` tokens: the power of two at or above it."""
-    bucket = FIRST_CONTEXT_BUCKET
-    while bucket < tokens and bucket < MAX_CONTEXT_BUCKET:
-        bucket <<= 1
-    return bucket
+    return min(MAX_CONTEXT_BUCKET, max(FIRST_CONTEXT_BUCKET, 1 << max(0, tokens - 1).bit_length()))
 
 
 def batch_bucket(in_flight: int) -> int:
     """The bucket of a batch of `in_flight` requests: 1, 2, 4, 8, ... (a step's cost grows with
     the batch by far less than in proportion)."""
-    bucket = 1
-    while bucket < in_flight:
-        bucket <<= 1
-    return bucket
+    return 1 << max(0, in_flight - 1).bit_length()
 
 
 class Ewma:
@@ -340,26 +315,39 @@ class Ewma:
 
 
 class CostModel:
-    """Per engine: prefill ms per token by context, ms per prompt, decode ms per step by batch."""
+    """Per engine: prefill ms per token by context, ms per prompt, decode ms per step by batch,
+    tier read ms per token, a split's tail ms (one bucket each of the last three)."""
 
     def __init__(self, priors: Priors | None = None) -> None:
         self.priors = priors or Priors()
         self._prefill: dict[str, Ewma] = {}
         self._decode: dict[str, Ewma] = {}
-        self._prompt: dict[str, Ewma] = {}  # ms per prompt, one bucket
+        self._prompt: dict[str, Ewma] = {}
+        self._tier_read: dict[str, Ewma] = {}
+        self._split_tail: dict[str, Ewma] = {}
 
     def observe_prefill(self, engine: str, prompt_tokens: int, computed: int | None,
-                        engine_ms: float | None) -> None:
-        """`engine` computed `computed` tokens of a `prompt_tokens`-token prompt in
-        `engine_ms` (None: not reported). A prompt of a few tokens is mostly a step's fixed
-        cost, not a cost per token: it counts for `prompt_ms` only."""
+                        engine_ms: float | None, restored: int = 0) -> None:
+        """`engine` computed `computed` tokens of a `prompt_tokens`-token prompt, and read
+        `restored` from its tier, in `engine_ms` (None: not reported). A prompt of a few tokens
+        is mostly a step's fixed cost, not a cost per token: it counts for `prompt_ms` only.
+        What a read took is what computing the rest would not have, once the engine measured
+        its computing: a read's time is no computation's cost per token."""
         if engine_ms is None or engine_ms < 0:
             return
-        self._prompt.setdefault(engine, Ewma()).add(0, engine_ms)
-        if computed is None or computed < MIN_PREFILL_TOKENS:
-            return
-        self._prefill.setdefault(engine, Ewma()).add(context_bucket(prompt_tokens),
-                                                     engine_ms / computed)
+        _add(self._prompt, engine, 0, engine_ms)
+        if restored > 0:
+            if self.measured(engine):
+                compute_ms = self.prefill_ms(engine, prompt_tokens, computed or 0)
+                _add(self._tier_read, engine, 0, max(0.0, engine_ms - compute_ms) / restored)
+        elif computed is not None and computed >= MIN_PREFILL_TOKENS:
+            _add(self._prefill, engine, context_bucket(prompt_tokens), engine_ms / computed)
+
+    def observe_split_tail(self, home: str, tail_ms: float, received: int) -> None:
+        """A split's first token came `tail_ms` after its helper answered, `received` tokens
+        of KV written into `home`: the tail beyond the transfer is the split's fixed cost."""
+        if tail_ms >= 0:
+            _add(self._split_tail, home, 0, max(0.0, tail_ms - self.transfer_ms(received)))
 
     def observe_decode(self, engine: str, batch: int, first_token_ms: float | None,
                        total_ms: float, completion_tokens: int) -> None:
@@ -368,12 +356,11 @@ class CostModel:
         if first_token_ms is None or completion_tokens < 2 or total_ms < first_token_ms:
             return
         step = (total_ms - first_token_ms) / (completion_tokens - 1)
-        self._decode.setdefault(engine, Ewma()).add(batch_bucket(max(1, batch)), step)
+        _add(self._decode, engine, batch_bucket(max(1, batch)), step)
 
     def prefill_ms_per_token(self, engine: str, context_tokens: int) -> tuple[float, bool]:
         """(ms per computed token of a `context_tokens` prompt on `engine`, measured)."""
-        found = self._prefill.get(engine)
-        mean = found.nearest(context_bucket(context_tokens)) if found else None
+        mean = _mean(self._prefill, engine, context_bucket(context_tokens))
         return (self.priors.prefill_ms_per_token, False) if mean is None else (mean, True)
 
     def prefill_ms(self, engine: str, context_tokens: int, computed: int) -> float:
@@ -381,20 +368,33 @@ class CostModel:
 
     def prompt_ms(self, engine: str) -> float:
         """A prompt's compute on `engine`, as its prompts measured it (0 before any)."""
-        found = self._prompt.get(engine)
-        return (found.nearest(0) or 0.0) if found else 0.0
+        return _mean(self._prompt, engine, 0) or 0.0
 
     def decode_step_ms(self, engine: str, batch: int) -> float:
-        found = self._decode.get(engine)
-        mean = found.nearest(batch_bucket(max(1, batch))) if found else None
+        mean = _mean(self._decode, engine, batch_bucket(max(1, batch)))
         return self.priors.decode_step_ms if mean is None else mean
 
     def transfer_ms(self, tokens: int) -> float:
         return tokens / self.priors.transfer_tokens_per_ms
 
-    def tier_read_ms(self, tokens: int) -> float:
-        return tokens / self.priors.tier_read_tokens_per_ms
+    def tier_read_ms(self, engine: str, tokens: int) -> float:
+        mean = _mean(self._tier_read, engine, 0)
+        return tokens / self.priors.tier_read_tokens_per_ms if mean is None else tokens * mean
+
+    def split_overhead_ms(self, home: str) -> float:
+        """A split's fixed cost on `home`: its tail beyond the transfer, as measured."""
+        mean = _mean(self._split_tail, home, 0)
+        return self.priors.split_overhead_ms if mean is None else mean
 
     def measured(self, engine: str) -> bool:
         """Whether `engine` has measured a prefill yet."""
         return engine in self._prefill
+
+
+def _add(table: dict[str, Ewma], engine: str, bucket: int, value: float) -> None:
+    table.setdefault(engine, Ewma()).add(bucket, value)
+
+
+def _mean(table: dict[str, Ewma], engine: str, bucket: int) -> float | None:
+    found = table.get(engine)
+    return found.nearest(bucket) if found else None

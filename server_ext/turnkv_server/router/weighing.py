@@ -13,6 +13,14 @@ a turn's decode each. A split, which holds the prompt's KV on both engines at on
 where both have that room. The cheapest goes, with the ITL target as a
 constraint: a placement that would stall others longer than the target is refused while one
 within it is possible. A `move` must beat staying by a margin, so that sessions do not bounce.
+
+Memory is a constraint too: a placement that would have an engine take more KV than it has
+room for (`EngineLoad.room_tokens`: its cache less what the sessions' leases hold there, as the
+router counts them, `Holdings`; or, where the engines share a tier that holds those leases' KV,
+its cache less its turns in flight, `TurnsInFlight`) is not taken. A session moves only to an
+engine less busy than its home (and, pulling its history, home to fewer sessions). A copy of
+the history is pushed to the other engine after a turn where it has room and there is no
+pressure and no shared tier (`Planner._push_back`).
 """
 
 from __future__ import annotations
@@ -110,9 +118,9 @@ class WeighingPlanner(Planner):
         # Split: the helper computes what it lacks and writes what the home lacks.
         split_n, read_n = self._other_lacks(facts)
         split_compute = (costs.prefill_ms(other.name, prompt, split_n)
-                         + costs.tier_read_ms(read_n))
+                         + costs.tier_read_ms(other.name, read_n))
         split_ms = (other.prefill_wait_ms + split_compute + costs.transfer_ms(whole_n)
-                    + costs.priors.split_overhead_ms)
+                    + costs.split_overhead_ms(home.name))
         # Both engines hold the prompt's KV at once (the helper as it computes, the home as it
         # receives): under pressure that takes twice the room of any other placement, and a
         # write into a home that has none waits there holding the helper's blocks. Only where
@@ -124,7 +132,7 @@ class WeighingPlanner(Planner):
         # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
         # the other engine, which decodes there from now on, at its own batch.
         move_ms = (home.prefill_wait_ms + whole_ms + costs.transfer_ms(prompt)
-                   + costs.priors.split_overhead_ms)
+                   + costs.split_overhead_ms(other.name))
         moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
         options: dict[Choice, _Option] = {"whole": whole, "split": split}
         if facts.helper_holds:

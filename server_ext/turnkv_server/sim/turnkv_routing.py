@@ -151,7 +151,7 @@ class TurnkvRouting:
         prompt, out = session.prompts[turn], session.turns[turn].tokens_out
         keep = prompt + out
         start = env.now
-        received = 0
+        received, tail_ms = 0, None
         home.in_flight += 1
         yield from routing_work(home, self.name)
         if prefill is home:  # whole, or a move that recomputes
@@ -166,8 +166,8 @@ class TurnkvRouting:
             prefill.turn_ended()
             reserve(home, sid, keep, self.traffic)
             received = max(0, prompt - held)
-            yield env.timeout((home.costs.transfer_ms(received)
-                               + home.costs.split_overhead_ms) / 1000)
+            tail_ms = home.costs.transfer_ms(received) + home.costs.split_overhead_ms
+            yield env.timeout(tail_ms / 1000)
             self.traffic.kv_moved_tokens += received
         ttft_ms = (env.now - start) * 1000
         batch = home.batch + 1
@@ -178,6 +178,8 @@ class TurnkvRouting:
         home.turn_ended()
         self.in_flight.end((sid, turn))
         self._observe(prefill, home, prompt, done, batch, ttft_ms, decode_ms, out)
+        if tail_ms is not None:
+            self.planner.costs.observe_split_tail(home.name, tail_ms, received)
         if decision.where == "split":
             place.last_split = turn
         helper = self.partner[home.name]
@@ -216,8 +218,9 @@ class TurnkvRouting:
     def _observe(self, prefill: SimEngine, home: SimEngine, prompt: int, done: PrefillDone,
                  batch: int, ttft_ms: float, decode_ms: float, out: int) -> None:
         costs = self.planner.costs
-        costs.observe_prefill(prefill.name, prompt, done.computed, done.ms)
+        costs.observe_prefill(prefill.name, prompt, done.computed, done.ms, done.from_tier)
         costs.observe_decode(home.name, batch, ttft_ms, ttft_ms + decode_ms, out)
+
 
     def _forget(self, sid: str) -> None:
         place = self.places.pop(sid)

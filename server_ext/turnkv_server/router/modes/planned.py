@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from turnkv.protocol import CacheHints
+from turnkv.protocol import CacheHints, RouterTurnStats
 from turnkv_server.engine.protocol import KEY, Receive, Send, TurnParams
 from turnkv_server.router.decisions import Choice, Decision, Priors, SessionPlace, TurnFacts
 from turnkv_server.router.engines import Engine, Placement
@@ -45,9 +45,8 @@ from turnkv_server.router.weighing import WeighingPlanner, read_facts
 
 # Weight of a turn's output length in the session's expected output.
 OUTPUT_WEIGHT = 0.5
-# A held history leaves at most the tail of its last block to recompute (127 tokens with the
-# CPU backend's 128-token blocks, 15 on GPUs). An engine that computed more than this beyond
-# the delta had lost the session's KV: its leases are going to memory pressure.
+# A held history leaves at most its last block's tail to compute (under 128 tokens on CPUs):
+# an engine that computed more beyond the delta had lost the session's KV to memory pressure.
 HELD_TAIL_TOKENS = 256
 # After such a miss, or a push back whose receive failed, the engine is under pressure for this
 # long, doubling while misses go on (`Backoff`).
@@ -134,7 +133,7 @@ class Backoff:
 # -- the homes, and the mode ---------------------------------------------------------------
 
 # The homes remembered, at most: a backstop (a session that leaves the router's table is
-# forgotten, `Mode.forget_session`; a turn replayed after its session ended is placed anew).
+# forgotten; a turn replayed after its session ended is placed anew).
 MAX_HOMES = 100_000
 
 
@@ -183,8 +182,7 @@ class PairPool:
 
 
 class Turnkv(Mode):
-    """What every turn of the `turnkv` mode runs; what moves KV, `PdTurnkv` adds (the methods
-    declared at the end of this class)."""
+    """What every `turnkv` turn runs; `PdTurnkv` adds what moves KV (declared at the end)."""
 
     affinity = True
     serves_without_prefill = True
@@ -289,9 +287,7 @@ class Turnkv(Mode):
 
     def _pin(self, session: Session | None) -> Choice | None:
         pins = self.ctx.pins
-        if not pins:
-            return None
-        return pins[(session.turns if session is not None else 0) % len(pins)]
+        return pins[(session.turns if session is not None else 0) % len(pins)] if pins else None
 
     def _params(self, turn: Turn, send: Send | None = None,
                 receive: Receive | None = None) -> dict[str, Any]:
@@ -320,24 +316,30 @@ class Turnkv(Mode):
         self._in_flight.end(id(turn))
         decision = plan.decision
         if decision is not None and end.how == "complete" and end.stats is not None:
-            self._observe(turn, plan, decision, end)
+            self._observe(turn, plan, decision, end.stats)
         if plan.prefill_send or plan.decode_send or (plan.alone is not None and plan.alone.held):
             self._finish_pd(turn, plan, end)  # sends, a push back, a held delta judged
         elif end.how == "complete" and turn_hints(turn).next_turn_in is not None:
             self._schedule_prefetch(turn, plan)  # the home alone, a pause ahead
 
-    def _observe(self, turn: Turn, plan: TurnPlan, decision: Decision, end: TurnEnd) -> None:
-        stats = end.stats
-        assert stats is not None
+    def _observe(self, turn: Turn, plan: TurnPlan, decision: Decision,
+                 stats: RouterTurnStats) -> None:
         tokens, times = stats.prompt_tokens, stats.times
         decode = plan.placement.decode
         alone = plan.alone is not None
-        computed = tokens.decode_computed if alone else tokens.prefill_computed
-        computing = decode if alone else plan.placement.prefill
-        self.planner.costs.observe_prefill(computing.name, tokens.total, computed,
-                                           times.engine_prefill_ms)
-        self.planner.costs.observe_decode(decode.name, decode.in_flight, times.first_token_ms,
-                                          times.total_ms, stats.completion_tokens)
+        computed, restored, computing = ((tokens.decode_computed, tokens.decode_restored, decode)
+                                         if alone else (tokens.prefill_computed,
+                                                        tokens.prefill_restored,
+                                                        plan.placement.prefill))
+        costs = self.planner.costs
+        costs.observe_prefill(computing.name, tokens.total, computed, times.engine_prefill_ms,
+                              restored or 0)
+        costs.observe_decode(decode.name, decode.in_flight, times.first_token_ms,
+                             times.total_ms, stats.completion_tokens)
+        if computing is not decode and times.first_token_ms is not None:  # a split, a pull
+            costs.observe_split_tail(decode.name, times.first_token_ms - times.queue_ms
+                                     - times.plan_ms - times.prefill_ms,
+                                     stats.kv.to_decode_tokens or 0)
         session = turn.session
         if session is None:
             return
