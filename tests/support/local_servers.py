@@ -1,12 +1,15 @@
-"""The unit tests' servers on free ports of 127.0.0.1: an engine stand-in's aiohttp app, and
-the router's ASGI app under uvicorn, as deployed.
+"""The unit tests' servers on free ports of 127.0.0.1: an engine stand-in's aiohttp app, the
+router's ASGI app under uvicorn, as deployed, and a standard-library handler in a thread (for
+tests of synchronous clients).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import http.server
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -45,3 +48,19 @@ async def serving(app: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+@contextlib.contextmanager
+def serving_http(handler: type[http.server.BaseHTTPRequestHandler], port: int = 0
+                 ) -> Iterator[str]:
+    """`handler` served on 127.0.0.1 (`port`, else a free one) in a thread: its base URL.
+    Stopped, its socket closed, once the block ends."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

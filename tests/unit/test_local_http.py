@@ -3,11 +3,10 @@ server on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
+from tests.support.local_servers import serving_http
 from turnkv_server import local_http
 
 
@@ -24,18 +23,8 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@contextmanager
-def serving(status: int, port: int = 0) -> Iterator[str]:
-    handler = type("Handler", (_Health,), {"status": status})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+def serving(status: int, port: int = 0) -> contextlib.AbstractContextManager[str]:
+    return serving_http(type("Handler", (_Health,), {"status": status}), port)
 
 
 def test_health_is_a_200_and_nothing_else() -> None:

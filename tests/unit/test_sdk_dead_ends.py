@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import http.server
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +16,7 @@ import openai
 import pytest
 
 import turnkv
+from tests.support.local_servers import serving_http
 from turnkv.session_api import refusal
 from turnkv_server.router.errors import error_response
 
@@ -174,14 +174,8 @@ class RouterLike(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def router_like() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RouterLike)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving_http(RouterLike) as url:
+        yield f"{url}/v1"
 
 
 def test_hint_now_on_a_session_the_router_no_longer_holds(router_like: str) -> None:

@@ -73,7 +73,7 @@ def shared_memory_of(pgid: int) -> set[str]:
     return found
 
 
-def remove_shared_memory(paths: Iterable[str]) -> None:
+def _remove_shared_memory(paths: Iterable[str]) -> None:
     """Unlink what `shared_memory_of` found, once its processes are gone."""
     for path in paths:
         if _is_multiprocessing_file(path):
@@ -106,7 +106,7 @@ def stop_group(ref: ProcessRef, timeout: float = 15.0, shared_memory: Iterable[s
     if ref.is_alive() or group_members(pgid):
         files |= shared_memory_of(pgid)
         _terminate(pgid, timeout)
-    remove_shared_memory(files)
+    _remove_shared_memory(files)
 
 
 def _terminate(pgid: int, timeout: float) -> None:
