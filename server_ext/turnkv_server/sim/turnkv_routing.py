@@ -177,9 +177,8 @@ class TurnkvRouting:
                      stored=done.stored_blocks if prefill is home else 0)
         home.turn_ended()
         self.in_flight.end((sid, turn))
-        self._observe(prefill, home, prompt, done, batch, ttft_ms, decode_ms, out)
-        if tail_ms is not None:
-            self.planner.costs.observe_split_tail(home.name, tail_ms, received)
+        self._observe(prefill, home, prompt, done, batch, ttft_ms, decode_ms, out,
+                      None if tail_ms is None else (tail_ms, received))
         if decision.where == "split":
             place.last_split = turn
         helper = self.partner[home.name]
@@ -216,11 +215,16 @@ class TurnkvRouting:
         return home if name == home.name else self.partner[home.name]
 
     def _observe(self, prefill: SimEngine, home: SimEngine, prompt: int, done: PrefillDone,
-                 batch: int, ttft_ms: float, decode_ms: float, out: int) -> None:
+                 batch: int, ttft_ms: float, decode_ms: float, out: int,
+                 tail: tuple[float, int] | None) -> None:
+        """What the turn measured, fed to the planner's cost model as the router's `finish`
+        feeds it (`tail`: a split's or a pull's time after the helper's prefill, and the
+        tokens it wrote into the home)."""
         costs = self.planner.costs
         costs.observe_prefill(prefill.name, prompt, done.computed, done.ms, done.from_tier)
         costs.observe_decode(home.name, batch, ttft_ms, ttft_ms + decode_ms, out)
-
+        if tail is not None:
+            costs.observe_split_tail(home.name, *tail)
 
     def _forget(self, sid: str) -> None:
         place = self.places.pop(sid)
