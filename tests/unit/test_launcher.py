@@ -352,11 +352,25 @@ time.sleep(60)
 """
 
 
-def test_down_removes_the_shared_memory_a_killed_engine_left(tmp_path: Path) -> None:
-    """vLLM's processes keep their message queues in multiprocessing's /dev/shm segments,
-    which a process group killed with SIGKILL cannot unlink: the ones read while it ran (the
-    state file's `shared_memory`) go when the cluster is stopped."""
-    holder = subprocess.Popen([sys.executable, "-c", SEGMENT_HOLDER], stdout=subprocess.PIPE,
+# A named semaphore, as a spawned process's multiprocessing lock is (vLLM's queues' locks): the
+# process maps it under the temporary name glibc created it with, not its own.
+SEMAPHORE_HOLDER = """
+import multiprocessing, time
+lock = multiprocessing.get_context("spawn").Lock()
+print("sem." + lock._semlock.name.lstrip("/"), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("holder_code", [SEGMENT_HOLDER, SEMAPHORE_HOLDER],
+                         ids=["segment", "semaphore"])
+def test_down_removes_the_shared_memory_a_killed_engine_left(tmp_path: Path,
+                                                             holder_code: str) -> None:
+    """vLLM's processes keep their message queues in multiprocessing's /dev/shm segments, with
+    named semaphores for their locks, which a process group killed with SIGKILL cannot unlink:
+    the ones read while it ran (the state file's `shared_memory`) go when the cluster is
+    stopped."""
+    holder = subprocess.Popen([sys.executable, "-c", holder_code], stdout=subprocess.PIPE,
                               text=True, start_new_session=True)
     assert holder.stdout is not None
     segment = Path("/dev/shm") / holder.stdout.readline().strip()

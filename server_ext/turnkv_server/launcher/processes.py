@@ -63,13 +63,39 @@ def shared_memory_of(pgid: int) -> set[str]:
     map. A process that exits cleanly unlinks its own; a group killed with SIGKILL (a crash,
     the OOM killer, a test's fault, `stop_group` after its timeout) leaves them there, each as
     big as the queue it held, so whoever stops a group must remove them."""
-    found = set()
+    found, semaphores = set(), set()
     for proc in group_members(pgid):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines():
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and _is_multiprocessing_file(fields[5]):
+                if len(fields) < 6:
+                    continue
+                if _is_multiprocessing_file(fields[5]):
                     found.add(fields[5])
+                elif _is_semaphore_mapping(fields[5]):
+                    semaphores.add(int(fields[4]))
+    return found | _semaphores_by_inode(semaphores)
+
+
+def _is_semaphore_mapping(path: str) -> bool:
+    # glibc's sem_open creates a named semaphore under a temporary name, maps it, links it to
+    # its real name and unlinks the temporary one: a process maps "sem.XXXXXX (deleted)".
+    file = Path(path.removesuffix(" (deleted)"))
+    return (path.endswith(" (deleted)") and file.parent == SHARED_MEMORY
+            and file.name.startswith("sem."))
+
+
+def _semaphores_by_inode(inodes: set[int]) -> set[str]:
+    """The multiprocessing semaphores in /dev/shm whose files are these inodes (a semaphore
+    still mapped keeps its inode)."""
+    found: set[str] = set()
+    if not inodes:
+        return found
+    with contextlib.suppress(OSError), os.scandir(SHARED_MEMORY) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.name.startswith("sem.mp-") and entry.inode() in inodes:
+                    found.add(entry.path)
     return found
 
 
