@@ -21,7 +21,8 @@ import psutil
 SHARED_MEMORY = Path("/dev/shm")
 # The names Python's multiprocessing gives its shared-memory segments and named semaphores,
 # which vLLM's engine and worker processes create (its message queues, their locks).
-MULTIPROCESSING_NAMES = ("psm_", "sem.mp-")
+SEMAPHORE_PREFIX = "sem.mp-"
+MULTIPROCESSING_NAMES = ("psm_", SEMAPHORE_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,7 @@ def _is_semaphore_mapping(path: str) -> bool:
     # glibc's sem_open creates a named semaphore under a temporary name, maps it, links it to
     # its real name and unlinks the temporary one: a process maps "sem.XXXXXX (deleted)".
     file = Path(path.removesuffix(" (deleted)"))
-    return (path.endswith(" (deleted)") and file.parent == SHARED_MEMORY
-            and file.name.startswith("sem."))
+    return str(file) != path and file.parent == SHARED_MEMORY and file.name.startswith("sem.")
 
 
 def _semaphores_by_inode(inodes: set[int]) -> set[str]:
@@ -94,7 +94,7 @@ def _semaphores_by_inode(inodes: set[int]) -> set[str]:
     with contextlib.suppress(OSError), os.scandir(SHARED_MEMORY) as entries:
         for entry in entries:
             with contextlib.suppress(OSError):
-                if entry.name.startswith("sem.mp-") and entry.inode() in inodes:
+                if entry.name.startswith(SEMAPHORE_PREFIX) and entry.inode() in inodes:
                     found.add(entry.path)
     return found
 
