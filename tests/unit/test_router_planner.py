@@ -131,6 +131,9 @@ def test_cost_model_learns_a_splits_tail_beyond_the_transfer() -> None:
     assert costs.split_overhead_ms(HELPER) == 5.0
     costs.observe_split_tail(HOME, tail_ms=-1.0, received=0)  # not measured
     assert costs.split_overhead_ms(HOME) == 80.0
+    # A home that still computed 300 ms of prompts when the helper answered: not the split's.
+    costs.observe_split_tail(HOME, tail_ms=390.0, received=500, ahead_ms=300.0)
+    assert costs.split_overhead_ms(HOME) == 80.0
 
 
 def test_a_tier_read_measured_slow_keeps_a_turn_whole() -> None:
@@ -601,3 +604,35 @@ def test_no_split_or_pull_where_either_engine_lacks_room_beside_its_turns() -> N
     assert planner.decide(full_home, helper, facts).where != "split"
     full_helper = dataclasses.replace(helper, kv_in_flight=15_000)
     assert planner.decide(busy, full_helper, facts).where != "split"
+
+
+def test_a_split_waits_for_the_prompts_its_home_has_ahead() -> None:
+    """The home computes another session's long prompt: the split's first token is a step of
+    the home's, after that prompt, so a split does not get past it (its estimate says so).
+    The idle engine reading the history from the shared tier does."""
+    planner = Planner(measured())
+    facts = shared_turn(prompt=3500, delta=300)
+    helper = EngineLoad(HELPER, in_flight=1)
+    home = EngineLoad(HOME, in_flight=3, prefilling=1, prefill_wait_ms=1000.0)
+    # A helper holding a copy of the history computes the delta alone: ~300 ms.
+    copy = dataclasses.replace(facts, shared_tier=False, tier_holds=0, helper_holds=3200)
+    split = planner.decide(home, helper, copy, pin="split")
+    assert split.estimates["ttft_ms"] >= 1000.0
+    assert split.estimates["home_wait_ms"] == 1000.0
+    idle_home = dataclasses.replace(home, prefilling=0, prefill_wait_ms=0.0)
+    assert planner.decide(idle_home, helper, copy, pin="split").estimates["ttft_ms"] < 400.0
+    # Over the shared tier, the turn moves to the engine with nothing ahead.
+    decision = planner.decide(home, helper, facts)
+    assert decision.where == "move" and decision.prefill == HELPER
+    assert decision.estimates["ttft_ms"] < 1000.0
+
+
+def test_a_prompt_not_read_is_counted_at_its_estimated_delta_where_there_is_one() -> None:
+    costs = measured(home_ms=2.0)
+    facts = TurnFacts(history_tokens=3000, prompt_estimate=3500)
+    decision = Planner(costs).decide(EngineLoad(HOME), EngineLoad(HELPER), facts)
+    assert decision.where == "whole"
+    assert decision.estimates["compute_ms"] == pytest.approx(500 * 2.0)
+    without = Planner(costs).decide(EngineLoad(HOME), EngineLoad(HELPER),
+                                    dataclasses.replace(facts, prompt_estimate=None))
+    assert without.estimates["compute_ms"] == costs.prompt_ms(HOME)

@@ -310,6 +310,35 @@ def test_a_planned_prompt_is_counted_ahead_on_its_engine_until_its_turn_ends() -
     asyncio.run(main())
 
 
+def test_a_prompt_not_read_is_counted_ahead_at_its_estimated_delta() -> None:
+    """An idle home's turn is not tokenized; its prompt's length is estimated at the session's
+    last tokens per byte of request, and what it adds to the history is what a prompt placed
+    after it on that engine is counted to wait for (not a typical prompt's time)."""
+    async def main() -> None:
+        mode = planned()
+        mode.ctx.clock = lambda: 100.0
+        first = turn()
+        first.body["messages"] = [{"role": "user", "content": "x" * 4000}]
+        plan = await mode.plan(first, place(mode, first))
+        assert plan.decision is not None and plan.decision.where == "whole"
+        home = plan.placement.decode
+        served(mode, first, plan, total=1000, computed=1000, engine_ms=1000.0, completion=10)
+        later = turn()
+        later.session = first.session
+        later.body["messages"] = [{"role": "user", "content": "x" * 16_000}]
+        plan = await mode.plan(later, place(mode, later))
+        assert plan.decision is not None and plan.decision.where == "whole"
+        assert plan.placement.decode is home
+        # About four times the bytes: about 4,000 tokens, some 3,000 of them new; at the 1 ms
+        # a token the first measured (a typical prompt: 1,000 ms).
+        compute = plan.decision.estimates["compute_ms"]
+        assert 2_500 < compute < 3_500
+        home.in_flight = home.prefilling = 1
+        assert mode._load(home).prefill_wait_ms == pytest.approx(compute)
+
+    asyncio.run(main())
+
+
 def test_what_a_turn_measured_feeds_the_cost_model() -> None:
     mode = planned()
     t = turn()

@@ -44,6 +44,10 @@ class SessionPlace:
     tokens_current: bool = False
     turns_since_split: int | None = None
     expected_output: float = 0.0
+    # The last turn's prompt, tokens, and the size of the request that carried it (bytes of
+    # its JSON): a prompt not read is estimated at the same tokens per byte.
+    prompt_tokens: int = 0
+    request_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class TurnFacts:
     # The session's history after its last turn, tokens (0: none known); what a move holds
     # where the prompt is not tokenized.
     history_tokens: int = 0
+    # A prompt not read: its length estimated from its request's size (None: no estimate).
+    prompt_estimate: int | None = None
     # A push back is possible: the turn's history will be known, and it is not the last.
     can_push_back: bool = False
     # The engines share a tier below their caches, and the leading tokens of the prompt it

@@ -18,8 +18,8 @@ weighted mean per engine and bucket: online, bounded and following the load as i
   long context's token dearer); it includes the decode steps its steps carried;
 - decode: the turn's time after its first token per token, by the engine's batch as the turn
   ends (streamed turns only, which time their first token);
-- a prompt: the engine's timing of a prompt, whatever its length (`prompt_ms`): what a turn
-  whose prompt the router did not read is counted to hold up the prompts behind it;
+- a prompt: the engine's timing of a prompt, whatever its length (`prompt_ms`): what a prompt
+  neither read nor estimated is counted to hold up the prompts behind it;
 - a tier read: where part of a prompt came from the engine's tier, the engine's timing less
   what computing the rest costs there, per token read;
 - a split's tail: from the helper's answer to the home's first token, less the transfer: the
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 
 from turnkv_server.router.decisions import Choice, Decision, Priors, TurnFacts, Where
 
@@ -177,11 +178,8 @@ class TurnsInFlight:
         `pending` newest prompts (its requests whose answer has not begun: the engine
         computes prompts first come first served, so they are the newest), less the time
         since the oldest of them was placed."""
-        ahead: list[_TurnInFlight] = []
-        for turn in reversed(self._computing.get(engine, {})):
-            if len(ahead) >= pending:
-                break
-            ahead.append(self._turns[turn])
+        newest = islice(reversed(self._computing.get(engine, {})), max(0, pending))
+        ahead = [self._turns[turn] for turn in newest]
         if not ahead:
             return 0.0
         return max(0.0, sum(t.prefill_ms for t in ahead) - (now_s - ahead[-1].at_s) * 1000)
@@ -211,16 +209,21 @@ class Planner:
         helper as busy as the home would stall as many requests for longer."""
         if helper is None or not helper.healthy or not home.healthy:
             return False
-        return (pin is not None or home.overloaded or _splits_expected(facts)
-                or helper.less_busy_than(home))
+        since_split = facts.turns_since_split
+        return (pin is not None or home.overloaded or helper.less_busy_than(home)
+                or (since_split is not None and since_split < SPLIT_MEMORY_TURNS))
 
     def decide(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
                pin: Choice | None = None) -> Decision:
         """The turn's placement (`home`: the session's home, or a new session's; `helper`: the
         pair's other engine, None where there is none), with its prompt's estimated compute
-        (`estimates["compute_ms"]`; a prompt not read: what the engine's prompts measured)."""
+        (`estimates["compute_ms"]`; a prompt not read: its estimate's delta on the history,
+        else what the engine's prompts measured)."""
         decision = self._decide(home, helper, facts, pin)
-        decision.estimates.setdefault("compute_ms", self.costs.prompt_ms(decision.prefill))
+        guess, engine = facts.prompt_estimate, decision.prefill
+        delta = max(1, (guess or 0) - facts.history_tokens)
+        decision.estimates.setdefault("compute_ms", self.costs.prefill_ms(engine, guess, delta)
+                                      if guess else self.costs.prompt_ms(engine))
         return decision
 
     def _decide(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
@@ -266,10 +269,6 @@ class Planner:
         return receiver.fits(copy)
 
 
-def _splits_expected(facts: TurnFacts) -> bool:
-    return facts.turns_since_split is not None and facts.turns_since_split < SPLIT_MEMORY_TURNS
-
-
 # -- the cost model -------------------------------------------------------------------------
 
 # Weight of a new measurement: the mean follows a change of load within about ten turns, and
@@ -306,10 +305,8 @@ class Ewma:
 
     def nearest(self, bucket: int) -> float | None:
         """The bucket's mean, else the nearest measured bucket's (on a log scale), else None."""
-        if bucket in self._means:
-            return self._means[bucket]
-        if not self._means:
-            return None
+        if bucket in self._means or not self._means:
+            return self._means.get(bucket)
         near = min(self._means, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
         return self._means[near]
 
@@ -343,11 +340,14 @@ class CostModel:
         elif computed is not None and computed >= MIN_PREFILL_TOKENS:
             _add(self._prefill, engine, context_bucket(prompt_tokens), engine_ms / computed)
 
-    def observe_split_tail(self, home: str, tail_ms: float, received: int) -> None:
-        """A split's first token came `tail_ms` after its helper answered, `received` tokens
-        of KV written into `home`: the tail beyond the transfer is the split's fixed cost."""
+    def observe_split_tail(self, home: str, tail_ms: float, received: int,
+                           ahead_ms: float = 0.0) -> None:
+        """A split's first token came `tail_ms` after its helper answered, `received` tokens of
+        KV written into `home`, `ahead_ms` of its prompts still ahead of the turn then: the rest
+        is the split's fixed cost."""
         if tail_ms >= 0:
-            _add(self._split_tail, home, 0, max(0.0, tail_ms - self.transfer_ms(received)))
+            fixed = tail_ms - self.transfer_ms(received) - max(0.0, ahead_ms)
+            _add(self._split_tail, home, 0, max(0.0, fixed))
 
     def observe_decode(self, engine: str, batch: int, first_token_ms: float | None,
                        total_ms: float, completion_tokens: int) -> None:

@@ -7,12 +7,14 @@ A placement's cost is its own time to the first token, plus the time it stalls e
 request decoding on the engine that computes, plus the turn's decode at that engine's batch:
 the waiting it adds across all requests. Its time to the first token begins with the prompts
 the computing engine has ahead of it (`EngineLoad.prefill_wait_ms`: their estimates, as the
-router counts its turns in flight); and where an engine's cache cannot hold the turn beside
-the turns in flight there (as the router counts their KV), the turn first waits for them, about
-a turn's decode each. A split, which holds the prompt's KV on both engines at once, is taken only
-where both have that room. The cheapest goes, with the ITL target as a
-constraint: a placement that would stall others longer than the target is refused while one
-within it is possible. A `move` must beat staying by a margin, so that sessions do not bounce.
+router counts its turns in flight), and a split's or a pull's ends with a step of the engine
+that decodes it, after the prompts that engine has ahead. Where an engine's cache cannot hold
+the turn beside the turns in flight there (as the router counts their KV), the turn first
+waits for them, about a turn's decode each. A split, which holds the prompt's KV on both
+engines at once, is taken only where both have that room. The cheapest goes, with the ITL
+target as a constraint: a placement that would stall others longer than the target is refused
+while one within it is possible. A `move` must beat staying by a margin, so that sessions do
+not bounce.
 
 Memory is a constraint too: a placement that would have an engine take more KV than it has
 room for (`EngineLoad.room_tokens`: its cache less what the sessions' leases hold there, as the
@@ -73,6 +75,9 @@ class _Option:
     cost_ms: float  # waiting added across all requests
     fits: bool = True  # the engines have room for the KV it adds (see the module's text)
     compute_ms: float = 0.0  # of its prompt, on `prefill`: what later prompts there wait for
+    # Where the KV is written into the engine that decodes (a split, a pull): the prompts that
+    # engine had ahead of the turn, which its first token waits for.
+    home_wait_ms: float = 0.0
 
 
 class WeighingPlanner(Planner):
@@ -119,8 +124,11 @@ class WeighingPlanner(Planner):
         split_n, read_n = self._other_lacks(facts)
         split_compute = (costs.prefill_ms(other.name, prompt, split_n)
                          + costs.tier_read_ms(other.name, read_n))
-        split_ms = (other.prefill_wait_ms + split_compute + costs.transfer_ms(whole_n)
-                    + costs.split_overhead_ms(home.name))
+        # The home takes the KV in and gives the first token at a step of its own: only after
+        # the prompts it has ahead, which it computes first, a prompt in progress holding its
+        # steps (so a split does not get past a home's queue, it only adds no prompt to it).
+        split_ms = (max(other.prefill_wait_ms + split_compute + costs.transfer_ms(whole_n),
+                        home.prefill_wait_ms) + costs.split_overhead_ms(home.name))
         # Both engines hold the prompt's KV at once (the helper as it computes, the home as it
         # receives): under pressure that takes twice the room of any other placement, and a
         # write into a home that has none waits there holding the helper's blocks. Only where
@@ -128,11 +136,13 @@ class WeighingPlanner(Planner):
         both_room = not (home.waits_for_room(prompt + out) or other.waits_for_room(prompt))
         split = _Option("split", other, home, split_ms, _stall(split_compute, other),
                         split_ms + split_compute * other.in_flight + home_decode,
-                        fits=room(split_n + read_n) and both_room, compute_ms=split_compute)
+                        fits=room(split_n + read_n) and both_room, compute_ms=split_compute,
+                        home_wait_ms=home.prefill_wait_ms)
         # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
-        # the other engine, which decodes there from now on, at its own batch.
-        move_ms = (home.prefill_wait_ms + whole_ms + costs.transfer_ms(prompt)
-                   + costs.split_overhead_ms(other.name))
+        # the other engine, which decodes there from now on, at its own batch (and, as a
+        # split's home, after the prompts it has ahead).
+        move_ms = (max(home.prefill_wait_ms + whole_ms + costs.transfer_ms(prompt),
+                       other.prefill_wait_ms) + costs.split_overhead_ms(other.name))
         moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
         options: dict[Choice, _Option] = {"whole": whole, "split": split}
         if facts.helper_holds:
@@ -155,7 +165,8 @@ class WeighingPlanner(Planner):
             "move", home, other, move_ms, _stall(whole_ms, home),
             move_ms + whole_ms * home.in_flight + moved_decode,
             fits=(room(prompt + out) and both_room and other.less_busy_than(home)
-                  and other.homes_fewer_than(home)), compute_ms=whole_ms)
+                  and other.homes_fewer_than(home)), compute_ms=whole_ms,
+            home_wait_ms=other.prefill_wait_ms)
         if facts.tier_holds:
             # Move, over the shared tier: the other engine reads the history from the tier
             # both engines write to (what its own cache lacks of it) and computes the rest, as
@@ -230,7 +241,8 @@ class WeighingPlanner(Planner):
             estimates={"ttft_ms": round(option.ttft_ms, 2),
                        "stall_ms": round(option.stall_ms, 2),
                        "cost_ms": round(option.cost_ms, 2),
-                       "compute_ms": round(option.compute_ms, 2)})
+                       "compute_ms": round(option.compute_ms, 2),
+                       "home_wait_ms": round(option.home_wait_ms, 2)})
 
 
 def _stall(compute_ms: float, engine: EngineLoad) -> float:

@@ -126,9 +126,13 @@ class TurnkvRouting:
             expected_output=session.turns[turn].tokens_out,
             turns_since_split=None if place.last_split is None else turn - place.last_split,
             can_push_back=session.next_gap(turn) is not None, shared_tier=shared_tier,
-            tier_holds=min(session.prompts[turn], place.history) if shared_tier else 0)
+            tier_holds=min(session.prompts[turn], place.history) if shared_tier else 0,
+            history_tokens=place.history)
         if not Planner.needs_prompt(home_load, helper_load, facts):
-            facts = replace(facts, prompt_tokens=None)
+            # Not read: the router estimates its length from the request's size (here exact).
+            prompt = session.prompts[turn]
+            facts = replace(facts, prompt_tokens=None, prompt_estimate=prompt
+                            if place.history and prompt > place.history else None)
         return self.planner.decide(home_load, helper_load, facts)
 
     # -- the turn -----------------------------------------------------------------------------
@@ -151,7 +155,7 @@ class TurnkvRouting:
         prompt, out = session.prompts[turn], session.turns[turn].tokens_out
         keep = prompt + out
         start = env.now
-        received, tail_ms = 0, None
+        received, tail_ms, ahead_ms = 0, None, 0.0
         home.in_flight += 1
         yield from routing_work(home, self.name)
         if prefill is home:  # whole, or a move that recomputes
@@ -166,8 +170,14 @@ class TurnkvRouting:
             prefill.turn_ended()
             reserve(home, sid, keep, self.traffic)
             received = max(0, prompt - held)
-            tail_ms = home.costs.transfer_ms(received) + home.costs.split_overhead_ms
-            yield env.timeout(tail_ms / 1000)
+            answered = env.now
+            yield env.timeout(home.costs.transfer_ms(received) / 1000)
+            # The home's first token is a step of its own, after the prompts it has ahead.
+            with home.lane() as lane:
+                yield lane
+            yield env.timeout(home.costs.split_overhead_ms / 1000)
+            tail_ms = (env.now - answered) * 1000
+            ahead_ms = decision.estimates.get("home_wait_ms", 0.0) - (answered - start) * 1000
             self.traffic.kv_moved_tokens += received
         ttft_ms = (env.now - start) * 1000
         batch = home.batch + 1
@@ -178,7 +188,7 @@ class TurnkvRouting:
         home.turn_ended()
         self.in_flight.end((sid, turn))
         self._observe(prefill, home, prompt, done, batch, ttft_ms, decode_ms, out,
-                      None if tail_ms is None else (tail_ms, received))
+                      None if tail_ms is None else (tail_ms, received, ahead_ms))
         if decision.where == "split":
             place.last_split = turn
         helper = self.partner[home.name]
@@ -216,10 +226,10 @@ class TurnkvRouting:
 
     def _observe(self, prefill: SimEngine, home: SimEngine, prompt: int, done: PrefillDone,
                  batch: int, ttft_ms: float, decode_ms: float, out: int,
-                 tail: tuple[float, int] | None) -> None:
+                 tail: tuple[float, int, float] | None) -> None:
         """What the turn measured, fed to the planner's cost model as the router's `finish`
-        feeds it (`tail`: a split's or a pull's time after the helper's prefill, and the
-        tokens it wrote into the home)."""
+        feeds it (`tail`: a split's or a pull's time after the helper's prefill, the tokens it
+        wrote into the home, and the estimated prompts the home still had ahead then)."""
         costs = self.planner.costs
         costs.observe_prefill(prefill.name, prompt, done.computed, done.ms, done.from_tier)
         costs.observe_decode(home.name, batch, ttft_ms, ttft_ms + decode_ms, out)

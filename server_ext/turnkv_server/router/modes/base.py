@@ -68,6 +68,8 @@ class Turn:
     # How long it waited for admission, in ms (`admission.Admission`).
     queued_ms: float = 0.0
     planned_ms: float = 0.0  # the planning of the attempt that serves it
+    # The size of its request's JSON (where the mode measures it: a prompt grows with it).
+    request_bytes: int = 0
     # Which key named its session (`router.app.read_keys`), or "inferred".
     session_source: str | None = None
     # An inferred session's turn as `InferredSessions` knows it (`Inference.ticket`).

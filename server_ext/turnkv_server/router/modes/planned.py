@@ -11,10 +11,8 @@ the prompt (an idle home gets no /tokenize round trip) and for its decision, and
 `modes.turnkv`, the class the registry makes, which extends this one); `finish` feeds the cost
 model what the turn measured and keeps the session's place (`planner.SessionPlace`). Every
 request carries the session's lease (`lease_params`), as `affinity --engine-leases` tells its
-engines too.
-
-`--fixed-pools` keeps the P/D form, `--pair-pool` the pair as one pool (each session's home
-serves its turns whole): both skip the planner (`PdTurnkv._plan_unplanned`).
+engines too. `--fixed-pools` keeps the P/D form, `--pair-pool` the pair as one pool (each
+session's home serves its turns whole): both skip the planner (`PdTurnkv._plan_unplanned`).
 """
 
 from __future__ import annotations
@@ -23,6 +21,8 @@ import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import orjson
 
 from turnkv.protocol import CacheHints, RouterTurnStats
 from turnkv_server.engine.protocol import KEY, Receive, Send, TurnParams
@@ -109,14 +109,12 @@ class Backoff:
 
     def __init__(self, clock: Callable[[], float], first_s: float = BACKOFF_S,
                  max_s: float = BACKOFF_MAX_S) -> None:
-        self.first_s = first_s
-        self.max_s = max_s
+        self.first_s, self.max_s = first_s, max_s
         self._clock = clock
         self._until: dict[str, tuple[float, float]] = {}  # engine: (avoided until, backoff)
 
     def active(self, engine: str) -> bool:
-        until, _ = self._until.get(engine, (0.0, 0.0))
-        return self._clock() < until
+        return self._clock() < self._until.get(engine, (0.0, 0.0))[0]  # (until, backoff)
 
     def record(self, engine: str, missed: bool) -> float | None:
         """A try on `engine` missed (start or double its backoff: returns its length in
@@ -224,8 +222,12 @@ class Turnkv(Mode):
         home_load = self._load(home)
         other_load = self._load(other) if other is not None else None
         place = self._places.get(session.key) if session is not None else None
+        size = turn.request_bytes = len(orjson.dumps(turn.body))  # a prompt grows with it
+        guess = (place.prompt_tokens * size // place.request_bytes  # its last tokens per byte
+                 if place and place.request_bytes else 0)
         facts = TurnFacts(turns_since_split=place.turns_since_split if place else None,
-                          history_tokens=place.history_len if place else 0)
+                          history_tokens=place.history_len if place else 0,
+                          prompt_estimate=guess if place and guess > place.history_len else None)
         pin = self._pin(session)
         prompt_ids: list[int] | None = None
         if self.planner.needs_prompt(home_load, other_load, facts, pin):
@@ -236,7 +238,7 @@ class Turnkv(Mode):
                                can_push_back=self._can_push_back(turn),
                                shared_tier=self.ctx.shared_tier)
         decision = self.planner.decide(home_load, other_load, facts, pin)
-        kv = (facts.prompt_tokens or facts.history_tokens) + round(
+        kv = (facts.prompt_tokens or facts.prompt_estimate or facts.history_tokens) + round(
             place.expected_output if place else 0)
         self._in_flight.begin(id(turn), decision.home, kv, decision.prefill,
                               decision.estimates["compute_ms"], self.ctx.clock())
@@ -275,8 +277,7 @@ class Turnkv(Mode):
         if not engine.in_flight:
             self._in_flight.idle(engine.name)
         overloaded = self.ctx.pool is not None and engine.in_flight >= self.ctx.pool.max_in_flight
-        pressure = (self._pressure.active(engine.name)
-                    or self._no_push_back.active(engine.name))
+        pressure = self._pressure.active(engine.name) or self._no_push_back.active(engine.name)
         return EngineLoad(engine.name, engine.healthy, engine.in_flight, overloaded, pressure,
                           self._holdings.room(engine.name, engine.kv_tokens),
                           homed=self._homes.homed(engine.name), prefilling=engine.prefilling,
@@ -304,9 +305,8 @@ class Turnkv(Mode):
         if decision.where != "whole" or decision.push_back:
             return await self._move_kv(turn, decision, prompt_ids, facts, placement)
         home = self._engine(decision.home)  # alone, and keeps nothing to send
-        held = prompt_ids is not None and facts.home_holds > 0
-        alone = DecodeAlone(prompt_ids, len(prompt_ids) - facts.home_holds if prompt_ids
-                            else 0, held=held)
+        alone = DecodeAlone(prompt_ids, len(prompt_ids) - facts.home_holds if prompt_ids else 0,
+                            held=prompt_ids is not None and facts.home_holds > 0)
         return TurnPlan(Placement(home, home, placement.reason), prefill_params=None,
                         alone=alone, decode_params=self._params(turn), decision=decision)
 
@@ -327,19 +327,18 @@ class Turnkv(Mode):
         tokens, times = stats.prompt_tokens, stats.times
         decode = plan.placement.decode
         alone = plan.alone is not None
-        computed, restored, computing = ((tokens.decode_computed, tokens.decode_restored, decode)
-                                         if alone else (tokens.prefill_computed,
-                                                        tokens.prefill_restored,
-                                                        plan.placement.prefill))
+        computed, restored, computing = (
+            (tokens.decode_computed, tokens.decode_restored, decode) if alone
+            else (tokens.prefill_computed, tokens.prefill_restored, plan.placement.prefill))
         costs = self.planner.costs
         costs.observe_prefill(computing.name, tokens.total, computed, times.engine_prefill_ms,
                               restored or 0)
         costs.observe_decode(decode.name, decode.in_flight, times.first_token_ms,
                              times.total_ms, stats.completion_tokens)
         if computing is not decode and times.first_token_ms is not None:  # a split, a pull
-            costs.observe_split_tail(decode.name, times.first_token_ms - times.queue_ms
-                                     - times.plan_ms - times.prefill_ms,
-                                     stats.kv.to_decode_tokens or 0)
+            tail = times.first_token_ms - times.queue_ms - times.plan_ms - times.prefill_ms
+            ahead = decision.estimates.get("home_wait_ms", 0.0) - times.prefill_ms
+            costs.observe_split_tail(decode.name, tail, stats.kv.to_decode_tokens or 0, ahead)
         session = turn.session
         if session is None:
             return
@@ -356,6 +355,7 @@ class Turnkv(Mode):
             # pressure, and only holds push backs off for a while.)
             self._pressure.record(decode.name, True)
         history_len = tokens.total + stats.completion_tokens
+        place.prompt_tokens, place.request_bytes = tokens.total, turn.request_bytes
         place.tokens_current = turn.prompt_token_ids is not None
         place.turns_since_split = 0 if decision.where == "split" else (
             None if place.turns_since_split is None else place.turns_since_split + 1)
