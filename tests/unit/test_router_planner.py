@@ -636,3 +636,7 @@ def test_a_prompt_not_read_is_counted_at_its_estimated_delta_where_there_is_one(
     without = Planner(costs).decide(EngineLoad(HOME), EngineLoad(HELPER),
                                     dataclasses.replace(facts, prompt_estimate=None))
     assert without.estimates["compute_ms"] == costs.prompt_ms(HOME)
+    # The home down: the other engine recomputes the whole estimated prompt.
+    moved = Planner(costs).decide(EngineLoad(HOME, healthy=False), EngineLoad(HELPER), facts)
+    assert moved.where == "move" and moved.prefill == HELPER
+    assert moved.estimates["compute_ms"] == pytest.approx(3500 * 1.0)

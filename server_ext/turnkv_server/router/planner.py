@@ -217,13 +217,13 @@ class Planner:
                pin: Choice | None = None) -> Decision:
         """The turn's placement (`home`: the session's home, or a new session's; `helper`: the
         pair's other engine, None where there is none), with its prompt's estimated compute
-        (`estimates["compute_ms"]`; a prompt not read: its estimate's delta on the history,
-        else what the engine's prompts measured)."""
+        (`estimates["compute_ms"]`; unread: its estimate's tokens lacked, else `prompt_ms`)."""
         decision = self._decide(home, helper, facts, pin)
         guess, engine = facts.prompt_estimate, decision.prefill
-        delta = max(1, (guess or 0) - facts.history_tokens)
-        decision.estimates.setdefault("compute_ms", self.costs.prefill_ms(engine, guess, delta)
-                                      if guess else self.costs.prompt_ms(engine))
+        held = facts.history_tokens if engine == home.name else 0  # else a recompute
+        decision.estimates.setdefault("compute_ms", self.costs.prefill_ms(
+            engine, guess, tokens_to_compute(guess, held, None)) if guess
+            else self.costs.prompt_ms(engine))
         return decision
 
     def _decide(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
