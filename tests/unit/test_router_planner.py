@@ -179,9 +179,23 @@ def test_busy_home_asks_for_the_prompt_only_where_a_split_is_possible() -> None:
     # (it holds no copy): the turn is whole, and no /tokenize round trip is spent on it.
     assert not planner.needs_prompt(busy, EngineLoad(HELPER, in_flight=3), TurnFacts())
     assert planner.needs_prompt(busy, EngineLoad(HELPER, in_flight=2), TurnFacts())
-    # A session that split lately may push back: its history must be known.
-    assert planner.needs_prompt(EngineLoad(HOME), EngineLoad(HELPER),
+    # A session that split lately may push back: its history must be known, on a busy home.
+    assert planner.needs_prompt(EngineLoad(HOME, in_flight=1), EngineLoad(HELPER, in_flight=1),
                                 TurnFacts(turns_since_split=0))
+
+
+def test_idle_home_serves_a_splitting_session_whole_unread() -> None:
+    # Nothing ahead on the home and no one to stall there: no placement comes sooner than
+    # whole, so no /tokenize round trip is spent, even on a session that split lately. A turn
+    # not read keeps no copy on the other engine (the router tells it no push back can
+    # follow): the copy stays as it was, and the next turn read counts what it lacks.
+    planner = Planner(measured())
+    home, helper = EngineLoad(HOME), EngineLoad(HELPER, room_tokens=10_000)
+    facts = TurnFacts(turns_since_split=0, history_tokens=3_000, expected_output=40)
+    assert not planner.needs_prompt(home, helper, facts)
+    decision = planner.decide(home, helper, facts)
+    assert (decision.where, decision.home, decision.prefill) == ("whole", HOME, HOME)
+    assert not decision.push_back and "nothing in flight" in decision.why
 
 
 def test_short_delta_on_a_busy_home_stays_whole() -> None:

@@ -6,8 +6,7 @@ neither engine is fixed as prefill or decode. Per turn the planner places it who
 split (the other engine computes, the home decodes) or moved (`decisions.Where`, which says
 what each moves).
 
-Where the prompt's length is known, each placement is weighed by its cost, under the engines'
-room for its KV (`router.weighing`).
+Where the prompt's length is known, each placement is weighed by cost and room (`weighing`).
 
 The cost model (`CostModel`): what serving costs on each engine, as the turns measure it, fed
 once per served turn and read once per planned turn, in memory. Each figure is an exponentially
@@ -40,8 +39,7 @@ from turnkv_server.router.decisions import Choice, Decision, Priors, TurnFacts, 
 
 # Turns after a split during which the session still counts as one that splits.
 SPLIT_MEMORY_TURNS = 3
-# Of an engine's cache, the share leases may hold before it counts as full: the rest is
-# the running requests' (their prompts and the blocks they grow into).
+# Of an engine's cache, the share leases may hold before it is full: the rest is its requests'.
 LEASE_SHARE = 0.9
 
 
@@ -204,14 +202,16 @@ class Planner:
     def needs_prompt(home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
                      pin: Choice | None = None) -> bool:
         """Whether the decision needs the prompt's length (a /tokenize round trip): where a
-        split could pay (a helper less busy than the home), a push back may follow (the
-        session splits), or a placement is pinned. An idle home serves the turn whole, and a
-        helper as busy as the home would stall as many requests for longer."""
+        placement is pinned, or the home is busy and a split could pay (a helper less busy)
+        or a push back may follow (the session splits). An idle home serves the turn whole
+        (nothing ahead, no one to stall: no placement is sooner; a turn not read pushes no
+        copy back), and a helper as busy as the home would stall as many for longer."""
         if helper is None or not helper.healthy or not home.healthy:
             return False
         since_split = facts.turns_since_split
-        return (pin is not None or home.overloaded or helper.less_busy_than(home)
-                or (since_split is not None and since_split < SPLIT_MEMORY_TURNS))
+        splits = since_split is not None and since_split < SPLIT_MEMORY_TURNS
+        return (pin is not None or home.overloaded
+                or (home.in_flight > 0 and (helper.less_busy_than(home) or splits)))
 
     def decide(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
                pin: Choice | None = None) -> Decision:
@@ -257,8 +257,8 @@ class Planner:
                    facts: TurnFacts) -> bool:
         """Keep a copy of the history on the other engine after the turn, where it has room
         and neither engine is under pressure (the copy would cost another session its
-        history), so that a later turn can split computing only its delta, or move to the copy.
-        A pull leaves its copy on the old home; a shared tier serves the history instead."""
+        history), for a later turn to split computing only its delta, or move to the copy. A
+        pull leaves its copy on the old home; a shared tier serves the history instead."""
         if (pulled or not facts.can_push_back or facts.shared_tier or home.pressure
                 or other.pressure):
             return False
