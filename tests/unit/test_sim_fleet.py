@@ -149,18 +149,18 @@ def test_the_hit_rate_of_a_full_cache_follows_the_eviction_order(order: str,
     assert hit_rate == pytest.approx((320 - a_computes) / 928)
 
 
-@pytest.mark.parametrize(("routing", "computed"), [("affinity", 1211), ("turnkv", 203)])
-def test_a_lost_engines_sessions_recompute_elsewhere(routing: str, computed: int) -> None:
-    """The history is gone with engine-0; turnkv's planner had pushed a copy to the pair's
-    other engine after the first turn (1,011 tokens, 1,008 in whole blocks), so there the
-    second turn computes 1,211 - 1,008 = 203."""
+@pytest.mark.parametrize("routing", ["affinity", "turnkv"])
+def test_a_lost_engines_sessions_recompute_elsewhere(routing: str) -> None:
+    """The history is gone with engine-0, and the pair's other engine holds no copy: under
+    turnkv too, whose router reads no prompt on an idle home and so pushes no copy back after
+    it (`TurnkvRouting._decide`). The second turn computes all of its 1,211 tokens there."""
     spec = FleetSpec(routing, 2, costs(), lose=((0, 5.0),))  # type: ignore[arg-type]
     run = Fleet(spec).run([session("a", (1000, 11, 0.0), (200, 11, 10.0))])
     first, second = run.outcomes
     assert first.home == "engine-0"
     assert second.home == "engine-1"
-    assert second.computed == computed
-    assert second.ttft_ms == pytest.approx(10 + computed)
+    assert second.computed == 1211
+    assert second.ttft_ms == pytest.approx(10 + 1211)
 
 
 def test_admission_holds_a_new_session_while_the_live_ones_fill_the_budget() -> None:
@@ -204,9 +204,10 @@ def test_the_turnkv_planner_sees_the_room_the_sessions_histories_leave() -> None
     home = routing.places["a"].home
     other = routing.partner[home.name]
     assert routing.load(home).room_tokens == 9_000 - 1011
-    # The idle pair's turn was pushed back: the copy on the other engine counts there too.
-    assert other.cache.held("a") == 1008
-    assert routing.load(other).room_tokens == 9_000 - 1011
+    # An idle home's turn is not read, and pushes no copy back: the other engine's room is
+    # whole (as the router counts it, `planned.py`).
+    assert other.cache.held("a") == 0
+    assert routing.load(other).room_tokens == 9_000
 
 
 def test_a_tiers_stores_lengthen_the_steps_that_copy_them_a_block_a_step() -> None:
