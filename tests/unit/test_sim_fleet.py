@@ -210,6 +210,30 @@ def test_the_turnkv_planner_sees_the_room_the_sessions_histories_leave() -> None
     assert routing.load(other).room_tokens == 9_000
 
 
+def test_a_read_turns_copy_counts_on_the_other_engine() -> None:
+    """b decodes on engine-1 until about 8.5 s, c (from 2 s) on engine-0, a's home, until
+    about 11 s. a's second turn comes at 9 s: its home busy, the other engine idle, so the
+    router reads it; it is served whole (the other engine holds none of a's history: a split
+    would compute all of it there) and its history pushed back to engine-1, where the planner
+    then counts the copy: 9,000 tokens for leases, less a's 1,222 and b's 500, on each."""
+    fleet = Fleet(FleetSpec("turnkv", 2, costs(capacity=10_000)))
+    routing = fleet.routing
+    assert isinstance(routing, TurnkvRouting)
+    sessions = [session("a", (1000, 11, 0.0), (200, 11, 7.8), (50, 11, 30.0)),
+                session("b", (100, 400, 0.0), (100, 5, 30.0)),
+                session("c", (100, 400, 0.0), (100, 5, 30.0), start_s=2.0)]
+    for s in sessions:
+        fleet.env.process(fleet._session(s))  # the fleet's own loop, stopped mid-way
+    fleet.env.run(until=12.0)
+    second = next(o for o in fleet.outcomes if (o.session, o.turn) == ("a", 1))
+    assert (second.where, second.home) == ("whole", "engine-0")
+    home = routing.places["a"].home
+    other = routing.partner[home.name]
+    assert other.cache.held("a") == 1216  # 1,222 tokens, in whole blocks
+    assert routing.load(home).room_tokens == 9_000 - 1222 - 500
+    assert routing.load(other).room_tokens == 9_000 - 1222 - 500
+
+
 def test_a_tiers_stores_lengthen_the_steps_that_copy_them_a_block_a_step() -> None:
     # A tier below the cache, each block (16 tokens) copied to it 5 ms on the engine's step.
     # Turn 1 computes 1,000 tokens (1,010 ms: nothing waits to be stored yet); its 62 whole
