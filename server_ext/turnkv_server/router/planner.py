@@ -6,7 +6,9 @@ neither engine is fixed as prefill or decode. Per turn the planner places it who
 split (the other engine computes, the home decodes) or moved (`decisions.Where`, which says
 what each moves).
 
-Where the prompt's length is known, each placement is weighed by cost and room (`weighing`).
+Where the prompt's length is known, each placement is weighed by its cost, under the engines'
+room for its KV, and a copy may be pushed back after it (`router.weighing`); a turn not read
+is served whole on its home, or moved from an overloaded one, and keeps no copy.
 
 The cost model (`CostModel`): what serving costs on each engine, as the turns measure it, fed
 once per served turn and read once per planned turn, in memory. Each figure is an exponentially
@@ -35,11 +37,12 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 
-from turnkv_server.router.decisions import Choice, Decision, Priors, TurnFacts, Where
+from turnkv_server.router.decisions import Choice, Decision, Priors, TurnFacts
 
 # Turns after a split during which the session still counts as one that splits.
 SPLIT_MEMORY_TURNS = 3
-# Of an engine's cache, the share leases may hold before it is full: the rest is its requests'.
+# Of an engine's cache, the share leases may hold before it counts as full: the rest is
+# the running requests' (their prompts and the blocks they grow into).
 LEASE_SHARE = 0.9
 
 
@@ -244,29 +247,13 @@ class Planner:
                     f"writes the history to {other.name}"))
             why = (f"{home.name} has nothing in flight to stall" if not home.in_flight else
                    f"{other.name} is as busy as {home.name}: a split cannot pay")
-            return Decision("whole", home.name, home.name, push_back=self._push_back(
-                "whole", False, home, other, facts), why=why)
+            # Not read, it keeps no copy on the other engine: only a read prompt's is pushed back.
+            return Decision("whole", home.name, home.name, why=why)
         return self._weigh(home, other, facts, pin)
 
     def _weigh(self, home: EngineLoad, other: EngineLoad, facts: TurnFacts,
                pin: Choice | None) -> Decision:
         raise NotImplementedError  # a read prompt's placements by cost: `WeighingPlanner`
-
-    @staticmethod
-    def _push_back(where: Where, pulled: bool, home: EngineLoad, other: EngineLoad,
-                   facts: TurnFacts) -> bool:
-        """Keep a copy of the history on the other engine after the turn, where it has room
-        and neither engine is under pressure (the copy would cost another session its
-        history), for a later turn to split computing only its delta, or move to the copy. A
-        pull leaves its copy on the old home; a shared tier serves the history instead."""
-        if (pulled or not facts.can_push_back or facts.shared_tier or home.pressure
-                or other.pressure):
-            return False
-        receiver = home if where == "move" else other  # the engine left without it
-        copy = tokens_to_compute(facts.prompt_tokens or facts.history_tokens,
-                                 facts.helper_holds if where != "move"
-                                 else facts.home_holds, facts.block_size) + facts.expected_output
-        return receiver.fits(copy)
 
 
 # -- the cost model -------------------------------------------------------------------------

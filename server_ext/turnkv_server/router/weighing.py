@@ -22,7 +22,7 @@ router counts them, `Holdings`; or, where the engines share a tier that holds th
 its cache less its turns in flight, `TurnsInFlight`) is not taken. A session moves only to an
 engine less busy than its home (and, pulling its history, home to fewer sessions). A copy of
 the history is pushed to the other engine after a turn where it has room and there is no
-pressure and no shared tier (`Planner._push_back`).
+pressure and no shared tier (`WeighingPlanner._push_back`); a turn not read keeps none.
 """
 
 from __future__ import annotations
@@ -217,6 +217,22 @@ class WeighingPlanner(Planner):
                           f"~{best.stall_ms:.0f} ms, over the ITL target {target:g} ms")
         pick = min(stay, key=lambda o: o.stall_ms)
         return pick, f"every placement stalls over the ITL target {target:g} ms: the least"
+
+    @staticmethod
+    def _push_back(where: Where, pulled: bool, home: EngineLoad, other: EngineLoad,
+                   facts: TurnFacts) -> bool:
+        """Keep a copy of the history on the other engine after the turn, where it has room
+        and neither engine is under pressure (the copy would cost another session its
+        history), for a later turn to split computing only its delta, or move to the copy. A
+        pull leaves its copy on the old home; a shared tier serves the history instead."""
+        if (pulled or not facts.can_push_back or facts.shared_tier or home.pressure
+                or other.pressure):
+            return False
+        receiver = home if where == "move" else other  # the engine left without it
+        copy = tokens_to_compute(facts.prompt_tokens or 0,
+                                 facts.helper_holds if where != "move"
+                                 else facts.home_holds, facts.block_size) + facts.expected_output
+        return receiver.fits(copy)
 
     @staticmethod
     def _least_waiting(options: dict[Choice, _Option], best: _Option) -> str:

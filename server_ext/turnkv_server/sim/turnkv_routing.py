@@ -129,10 +129,9 @@ class TurnkvRouting:
             tier_holds=min(session.prompts[turn], place.history) if shared_tier else 0,
             history_tokens=place.history)
         if not Planner.needs_prompt(home_load, helper_load, facts):
-            # Not read: the router estimates its length from the request's size (here exact),
-            # and keeps no copy of a history it did not read.
+            # Not read: the router estimates its length from the request's size (here exact).
             prompt = session.prompts[turn]
-            facts = replace(facts, prompt_tokens=None, can_push_back=False, prompt_estimate=prompt
+            facts = replace(facts, prompt_tokens=None, prompt_estimate=prompt
                             if place.history and prompt > place.history else None)
         return self.planner.decide(home_load, helper_load, facts)
 
