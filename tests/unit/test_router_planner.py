@@ -654,3 +654,44 @@ def test_a_prompt_not_read_is_counted_at_its_estimated_delta_where_there_is_one(
     moved = Planner(costs).decide(EngineLoad(HOME, healthy=False), EngineLoad(HELPER), facts)
     assert moved.where == "move" and moved.prefill == HELPER
     assert moved.estimates["compute_ms"] == pytest.approx(3500 * 1.0)
+
+
+def test_a_busy_homes_turn_is_whole_unread_only_where_a_longer_delta_keeps_it_whole() -> None:
+    # Both engines compute at 1 ms a token and read their tier at 1 ms a token: on a home
+    # decoding three others, a delta of 1,000 tokens or more on a 3,000-token history splits.
+    costs = measured()
+    for name in (HOME, HELPER):
+        costs.observe_prefill(name, 2000, 1000, 2000.0, restored=1000)
+    planner = Planner(costs)
+    home, helper = EngineLoad(HOME, in_flight=3), EngineLoad(HELPER)
+
+    def read(prompt: int) -> TurnFacts:
+        return TurnFacts(prompt_tokens=prompt, home_holds=3000, block_size=16,
+                         expected_output=100, history_tokens=3000, shared_tier=True,
+                         tier_holds=3000)
+
+    def unread(estimate: int) -> TurnFacts:
+        return dataclasses.replace(read(estimate), prompt_tokens=None,
+                                   prompt_estimate=estimate)
+
+    assert planner.decide(home, helper, read(3200)).where == "whole"
+    decided = planner.decide_unread(home, helper, unread(3200))
+    assert decided is not None and decided.where == "whole" and not decided.push_back
+    assert decided.home == decided.prefill == HOME and "not read" in decided.why
+    # 800 new tokens read are whole, but taken half as long again they would split: the
+    # estimate is not sure enough to spare the read.
+    assert planner.decide(home, helper, read(3800)).where == "whole"
+    assert planner.decide(home, helper, read(3000 + 1200)).where == "split"
+    assert planner.decide_unread(home, helper, unread(3800)) is None
+    # Nor where a placement is pinned, the home is at its limit, there is no helper, or a
+    # copy could be pushed back after the turn (no shared tier).
+    assert planner.decide_unread(home, helper, unread(3200), pin="whole") is None
+    full = dataclasses.replace(home, overloaded=True)
+    assert planner.decide_unread(full, helper, unread(3200)) is None
+    assert planner.decide_unread(home, None, unread(3200)) is None
+    private = dataclasses.replace(unread(3200), shared_tier=False, tier_holds=0,
+                                  can_push_back=True)
+    assert planner.decide(home, helper, dataclasses.replace(read(3200), shared_tier=False,
+                                                            tier_holds=0,
+                                                            can_push_back=True)).push_back
+    assert planner.decide_unread(home, helper, private) is None

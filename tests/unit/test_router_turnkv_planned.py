@@ -339,6 +339,49 @@ def test_a_prompt_not_read_is_counted_ahead_at_its_estimated_delta() -> None:
     asyncio.run(main())
 
 
+class CountingTokenizer(Tokenizer):
+    """`Tokenizer`, counting the turns it rendered."""
+
+    calls = 0
+
+    async def tokenize(self, engine: Engine, body: dict[str, object]) -> list[int]:
+        self.calls += 1
+        return await super().tokenize(engine, body)
+
+
+def test_a_busy_homes_short_delta_is_whole_unread_where_no_copy_could_follow() -> None:
+    """A busy home's turn is read for a split, a move or a push back. Where its delta, as the
+    request's size estimates it, is short enough that whole is still the least waiting taken
+    half as long again, and no copy could be pushed back after it (the engines share a
+    tier), no /tokenize round trip is spent: the turn is whole, unread. A long delta is read,
+    and so is a short one where a copy could follow (no shared tier)."""
+    async def second_turn(new_bytes: int, shared_tier: bool) -> tuple[int, str, str]:
+        upstream = CountingTokenizer([1] * (1000 + new_bytes // 4))
+        mode = planned(upstream)
+        mode.ctx.shared_tier = shared_tier
+        for name in CHANNELS:  # both alike: 1 ms a token computed, 2 ms a token read
+            mode.planner.costs.observe_prefill(name, 1000, 1000, 1000.0)
+            mode.planner.costs.observe_prefill(name, 2000, 1000, 3000.0, restored=1000)
+        first = turn()
+        first.body["messages"] = [{"role": "user", "content": "x" * 4000}]
+        plan = await mode.plan(first, place(mode, first))
+        served(mode, first, plan, total=1000, computed=1000, engine_ms=1000.0)
+        plan.placement.decode.in_flight = 3  # other sessions decoding on the home
+        later = turn()
+        later.session = first.session
+        later.body["messages"] = [{"role": "user", "content": "x" * (4000 + new_bytes)}]
+        plan = await mode.plan(later, place(mode, later))
+        assert plan.decision is not None
+        return upstream.calls, plan.decision.where, plan.decision.why
+
+    calls, where, why = asyncio.run(second_turn(400, shared_tier=True))
+    assert (calls, where) == (0, "whole") and "not read" in why, why
+    calls, where, why = asyncio.run(second_turn(12_000, shared_tier=True))
+    assert calls == 1 and where != "whole", why
+    calls, where, why = asyncio.run(second_turn(400, shared_tier=False))
+    assert calls == 1 and where == "whole" and "not read" not in why, why
+
+
 def test_what_a_turn_measured_feeds_the_cost_model() -> None:
     mode = planned()
     t = turn()

@@ -1,7 +1,9 @@
 """The planner's weighing of a turn whose prompt's length it knows (`WeighingPlanner`, the
 planner the modes run): each placement's estimated cost from the cost model, the cheapest
 under the ITL target, and the decision that names it. A turn whose prompt is not read (an
-idle home's, served whole) is decided by `Planner.decide` alone (`router.planner`).
+idle home's, served whole) is decided by `Planner.decide` alone (`router.planner`); a busy
+home's is first weighed at its estimated length (`guessed_facts`), and read only where that
+could change the decision (`WeighingPlanner.decide_unread`).
 
 A placement's cost is its own time to the first token, plus the time it stalls each other
 request decoding on the engine that computes, plus the turn's decode at that engine's batch:
@@ -27,7 +29,8 @@ pressure and no shared tier (`WeighingPlanner._push_back`); a turn not read keep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from turnkv_server.router.decisions import Choice, Decision, SessionPlace, TurnFacts, Where
 from turnkv_server.router.engines import Engine
@@ -48,6 +51,22 @@ def read_facts(prompt_ids: list[int], session: Session | None, place: SessionPla
     if session is not None and place is not None:
         shared = (common_prefix_len(prompt_ids, session.tokens) if place.tokens_current
                   else min(prompt, place.history_len))
+    return _facts(prompt, shared, session, place, home, other, can_push_back, shared_tier)
+
+
+def guessed_facts(estimate: int, session: Session | None, place: SessionPlace | None,
+                  home: Engine, other: Engine | None, can_push_back: bool,
+                  shared_tier: bool = False) -> TurnFacts:
+    """`read_facts` of a prompt not read, `estimate` tokens long that keeps the session's
+    history (an edit is not seen: the home is counted as holding what it lost)."""
+    shared = min(estimate, place.history_len) if session is not None and place else 0
+    return replace(_facts(estimate, shared, session, place, home, other, can_push_back,
+                          shared_tier), prompt_tokens=None, prompt_estimate=estimate)
+
+
+def _facts(prompt: int, shared: int, session: Session | None, place: SessionPlace | None,
+           home: Engine, other: Engine | None, can_push_back: bool,
+           shared_tier: bool) -> TurnFacts:
     home_holds = shared if session is not None and session.decode == home.name else 0
     copy = place is not None and other is not None and place.copy_on == other.name
     return TurnFacts(
@@ -59,6 +78,9 @@ def read_facts(prompt_ids: list[int], session: Session | None, place: SessionPla
         history_tokens=place.history_len if place else 0, can_push_back=can_push_back,
         shared_tier=shared_tier, tier_holds=shared if shared_tier else 0)
 
+
+# A turn weighed unread is weighed with its delta this much longer than its estimate.
+GUESS_MARGIN = 0.5
 
 # A move must cost this fraction less than the best placement on the home: its benefit is
 # estimated from one turn, its cost (the history's KV over the link) is sure.
@@ -82,6 +104,26 @@ class _Option:
 
 class WeighingPlanner(Planner):
     """The planner, with its weighing of placements by their costs."""
+
+    def decide_unread(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
+                      pin: Choice | None = None) -> Decision | None:
+        """A turn `needs_prompt` would read, decided whole without reading it where that
+        cannot change the decision: weighed at its estimated length with its delta taken
+        `GUESS_MARGIN` longer (the request's size tells the length only as the session's last
+        tokens per byte do), whole is still the least waiting, and no copy is to be pushed
+        back after it. None: read the prompt (`facts`: `guessed_facts`)."""
+        guess = facts.prompt_estimate
+        if (guess is None or pin is not None or helper is None or not helper.healthy
+                or home.overloaded or not home.healthy):
+            return None
+        delta = max(0, guess - facts.history_tokens)
+        longer = replace(facts, prompt_tokens=facts.history_tokens
+                         + math.ceil(delta * (1 + GUESS_MARGIN)))
+        decision = self._weigh(home, helper, longer, None)
+        if decision.where != "whole" or decision.push_back:
+            return None
+        return replace(decision, why=f"{decision.why} (not read: ~{guess} tokens by its size, "
+                                     f"weighed with {longer.prompt_tokens})")
 
     def _weigh(self, home: EngineLoad, other: EngineLoad, facts: TurnFacts,
                pin: Choice | None) -> Decision:

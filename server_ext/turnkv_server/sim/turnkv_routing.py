@@ -128,12 +128,15 @@ class TurnkvRouting:
             can_push_back=session.next_gap(turn) is not None, shared_tier=shared_tier,
             tier_holds=min(session.prompts[turn], place.history) if shared_tier else 0,
             history_tokens=place.history)
+        # Not read, the router estimates its length from the request's size (here exact).
+        prompt = session.prompts[turn]
+        unread = replace(facts, prompt_tokens=None, prompt_estimate=prompt
+                         if place.history and prompt > place.history else None)
         if not Planner.needs_prompt(home_load, helper_load, facts):
-            # Not read: the router estimates its length from the request's size (here exact).
-            prompt = session.prompts[turn]
-            facts = replace(facts, prompt_tokens=None, prompt_estimate=prompt
-                            if place.history and prompt > place.history else None)
-        return self.planner.decide(home_load, helper_load, facts)
+            return self.planner.decide(home_load, helper_load, unread)
+        # Read, unless reading it could not change its decision.
+        return (self.planner.decide_unread(home_load, helper_load, unread)
+                or self.planner.decide(home_load, helper_load, facts))
 
     # -- the turn -----------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from turnkv_server.router.modes.base import (
 from turnkv_server.router.modes.engine_orders import EngineOrders
 from turnkv_server.router.planner import CostModel, EngineLoad, Holdings, TurnsInFlight
 from turnkv_server.router.sessions import LeasePolicy, Session, SessionKey
-from turnkv_server.router.weighing import WeighingPlanner, read_facts
+from turnkv_server.router.weighing import WeighingPlanner, guessed_facts, read_facts
 
 # Weight of a turn's output length in the session's expected output.
 OUTPUT_WEIGHT = 0.5
@@ -218,8 +218,7 @@ class Turnkv(Mode):
         if session is not None:
             session.mode_state.model = turn.body.get("model")
         home = self._home(session, placement)
-        other = self._other(home)
-        home_load = self._load(home)
+        other, home_load = self._other(home), self._load(home)
         other_load = self._load(other) if other is not None else None
         place = self._places.get(session.key) if session is not None else None
         size = turn.request_bytes = len(orjson.dumps(turn.body))  # a prompt grows with it
@@ -228,16 +227,19 @@ class Turnkv(Mode):
         facts = TurnFacts(turns_since_split=place.turns_since_split if place else None,
                           history_tokens=place.history_len if place else 0,
                           prompt_estimate=guess if place and guess > place.history_len else None)
-        pin = self._pin(session)
+        pin, tier = self._pin(session), self.ctx.shared_tier
         prompt_ids: list[int] | None = None
+        decision: Decision | None = None
         if self.planner.needs_prompt(home_load, other_load, facts, pin):
-            # Rendered where it waits least: the engine that is not the home.
-            prompt_ids = await tokenize(self.ctx.upstream, other or home, turn)
-        if prompt_ids is not None:
-            facts = read_facts(prompt_ids, session, place, home, other,
-                               can_push_back=self._can_push_back(turn),
-                               shared_tier=self.ctx.shared_tier)
-        decision = self.planner.decide(home_load, other_load, facts, pin)
+            push_back = self._can_push_back(turn)
+            if facts.prompt_estimate:  # whole unread, where reading it could not change that
+                decision = self.planner.decide_unread(home_load, other_load, guessed_facts(
+                    facts.prompt_estimate, session, place, home, other, push_back, tier), pin)
+            if decision is None:  # rendered where it waits least: not on the home
+                prompt_ids = await tokenize(self.ctx.upstream, other or home, turn)
+            if prompt_ids is not None:
+                facts = read_facts(prompt_ids, session, place, home, other, push_back, tier)
+        decision = decision or self.planner.decide(home_load, other_load, facts, pin)
         kv = (facts.prompt_tokens or facts.prompt_estimate or facts.history_tokens) + round(
             place.expected_output if place else 0)
         self._in_flight.begin(id(turn), decision.home, kv, decision.prefill,
@@ -295,8 +297,7 @@ class Turnkv(Mode):
         return lease_params(turn, self.ctx.session_policy, send, receive)
 
     def _can_push_back(self, turn: Turn) -> bool:
-        """The turn's history will be known (the engines give its token IDs) and another turn
-        may follow."""
+        """Its history will be known (the engines give its token IDs); another turn may follow."""
         return (turn.session is not None and not turn_hints(turn).final
                 and (turn.api is None or turn.api.gives_token_ids))
 
@@ -385,7 +386,6 @@ class Turnkv(Mode):
         self._holdings.drop(session.key)
 
     # -- what a pause ahead and a turn that moves KV add: `PdTurnkv`'s ------------------------
-
     async def _plan_unplanned(self, turn: Turn, placement: Placement) -> TurnPlan:
         raise NotImplementedError  # `--fixed-pools` (the P/D form), `--pair-pool`
 
