@@ -678,11 +678,11 @@ def test_a_busy_homes_turn_is_whole_unread_only_where_a_longer_delta_keeps_it_wh
     decided = planner.decide_unread(home, helper, unread(3200))
     assert decided is not None and decided.where == "whole" and not decided.push_back
     assert decided.home == decided.prefill == HOME and "not read" in decided.why
-    # 800 new tokens read are whole, but taken half as long again they would split: the
-    # estimate is not sure enough to spare the read.
-    assert planner.decide(home, helper, read(3800)).where == "whole"
+    # 600 new tokens read are whole, but taken twice as long they would split: the estimate
+    # is not sure enough to spare the read.
+    assert planner.decide(home, helper, read(3600)).where == "whole"
     assert planner.decide(home, helper, read(3000 + 1200)).where == "split"
-    assert planner.decide_unread(home, helper, unread(3800)) is None
+    assert planner.decide_unread(home, helper, unread(3600)) is None
     # Nor where a placement is pinned, the home is at its limit, there is no helper, or a
     # copy could be pushed back after the turn (no shared tier).
     assert planner.decide_unread(home, helper, unread(3200), pin="whole") is None

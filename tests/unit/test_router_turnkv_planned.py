@@ -352,7 +352,7 @@ class CountingTokenizer(Tokenizer):
 def test_a_busy_homes_short_delta_is_whole_unread_where_no_copy_could_follow() -> None:
     """A busy home's turn is read for a split, a move or a push back. Where its delta, as the
     request's size estimates it, is short enough that whole is still the least waiting taken
-    half as long again, and no copy could be pushed back after it (the engines share a
+    twice as long, and no copy could be pushed back after it (the engines share a
     tier), no /tokenize round trip is spent: the turn is whole, unread. A long delta is read,
     and so is a short one where a copy could follow (no shared tier)."""
     async def second_turn(new_bytes: int, shared_tier: bool) -> tuple[int, str, str]:

@@ -79,8 +79,11 @@ def _facts(prompt: int, shared: int, session: Session | None, place: SessionPlac
         shared_tier=shared_tier, tier_holds=shared if shared_tier else 0)
 
 
-# A turn weighed unread is weighed with its delta this much longer than its estimate.
-GUESS_MARGIN = 0.5
+# A turn weighed unread is weighed with its delta this much longer than its estimate: what a
+# home computes runs past the delta a request's size tells (a tool's output holds more tokens
+# per byte than the chat before it; a tool call re-rendered breaks the prefix before the
+# previous prompt's end).
+GUESS_MARGIN = 1.0
 
 # A move must cost this fraction less than the best placement on the home: its benefit is
 # estimated from one turn, its cost (the history's KV over the link) is sure.
