@@ -57,8 +57,8 @@ def read_facts(prompt_ids: list[int], session: Session | None, place: SessionPla
 def guessed_facts(estimate: int, session: Session | None, place: SessionPlace | None,
                   home: Engine, other: Engine | None, can_push_back: bool,
                   shared_tier: bool = False) -> TurnFacts:
-    """`read_facts` of a prompt not read, `estimate` tokens long that keeps the session's
-    history (an edit is not seen: the home is counted as holding what it lost)."""
+    """`read_facts` of a prompt not read, `estimate` tokens long, counted as keeping the
+    session's whole history (an edit is seen only by reading the prompt)."""
     shared = min(estimate, place.history_len) if session is not None and place else 0
     return replace(_facts(estimate, shared, session, place, home, other, can_push_back,
                           shared_tier), prompt_tokens=None, prompt_estimate=estimate)
@@ -79,10 +79,9 @@ def _facts(prompt: int, shared: int, session: Session | None, place: SessionPlac
         shared_tier=shared_tier, tier_holds=shared if shared_tier else 0)
 
 
-# A turn weighed unread is weighed with its delta this much longer than its estimate: what a
-# home computes runs past the delta a request's size tells (a tool's output holds more tokens
-# per byte than the chat before it; a tool call re-rendered breaks the prefix before the
-# previous prompt's end).
+# A turn weighed unread is weighed with its delta this much longer than its estimate: a
+# request's size tells its tokens at the session's last tokens per byte, and a tool's output
+# holds more of them per byte than the chat before it.
 GUESS_MARGIN = 1.0
 
 # A move must cost this fraction less than the best placement on the home: its benefit is
@@ -110,11 +109,11 @@ class WeighingPlanner(Planner):
 
     def decide_unread(self, home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
                       pin: Choice | None = None) -> Decision | None:
-        """A turn `needs_prompt` would read, decided whole without reading it where that
-        cannot change the decision: weighed at its estimated length with its delta taken
-        `GUESS_MARGIN` longer (the request's size tells the length only as the session's last
-        tokens per byte do), whole is still the least waiting, and no copy is to be pushed
-        back after it. None: read the prompt (`facts`: `guessed_facts`)."""
+        """A turn `needs_prompt` would read, decided whole without reading it where reading
+        could not change the decision: weighed at its estimated length with its delta taken
+        `1 + GUESS_MARGIN` times as long (the request's size tells the length only as the
+        session's last tokens per byte do), whole is still the least waiting, and no copy is
+        to be pushed back after it. None: read the prompt (`facts`: `guessed_facts`)."""
         guess = facts.prompt_estimate
         if (guess is None or pin is not None or helper is None or not helper.healthy
                 or home.overloaded or not home.healthy):
