@@ -342,6 +342,29 @@ def test_a_home_computing_a_prompt_is_busier_than_one_decoding() -> None:
     assert decision.where == "whole", decision.why
 
 
+def test_of_two_engines_computing_a_prompt_the_one_done_sooner_is_less_busy() -> None:
+    """Both engines compute a prompt: the home's is long (4 s of it ahead, as estimated),
+    the other's nearly done. Counted as prompts they are as busy, and the turn would wait out
+    the home's unread; by their prompts ahead the other engine is the less busy, so the
+    prompt is read and the turn moves over the shared tier to the engine done sooner. Within
+    a factor of two the estimates do not decide (they err by tens of percent): the counts do."""
+    planner = Planner(measured(home_ms=3.0, helper_ms=3.0))
+    home = EngineLoad(HOME, in_flight=1, prefilling=1, prefill_wait_ms=4000.0)
+    other = EngineLoad(HELPER, in_flight=1, prefilling=1, prefill_wait_ms=300.0)
+    assert other.less_busy_than(home) and not home.less_busy_than(other)
+    assert planner.needs_prompt(home, other, TurnFacts())
+    decision = planner.decide(home, other, shared_turn())
+    assert (decision.where, decision.home, decision.prefill) == ("move", HELPER, HELPER)
+    assert decision.estimates["ttft_ms"] < 4000.0
+    near = dataclasses.replace(other, prefill_wait_ms=2500.0)
+    assert not near.less_busy_than(home) and not home.less_busy_than(near)
+    assert not planner.needs_prompt(home, near, TurnFacts())
+    assert planner.decide(home, near, shared_turn()).where != "move"
+    # The estimates decide over the counts: two short prompts are done before a long one.
+    crowded = EngineLoad(HELPER, in_flight=2, prefilling=2, prefill_wait_ms=300.0)
+    assert crowded.less_busy_than(home)
+
+
 def test_without_another_engine_the_turn_stays_whole() -> None:
     planner = Planner(measured())
     facts = history_turn()

@@ -44,6 +44,9 @@ SPLIT_MEMORY_TURNS = 3
 # Of an engine's cache, the share leases may hold before it counts as full: the rest is
 # the running requests' (their prompts and the blocks they grow into).
 LEASE_SHARE = 0.9
+# An engine whose prompts ahead end in under this share of another's time is the less busy,
+# whatever their counts: the estimates err by tens of percent, not by half.
+BUSIER_QUEUE = 0.5
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,13 @@ class EngineLoad:
     prefill_wait_ms: float = 0.0
 
     def less_busy_than(self, other: EngineLoad) -> bool:
-        """Fewer prompts to compute, else as many and fewer requests in flight."""
+        """Its prompts ahead done in under half the other's time (as estimated: a count of
+        prompts says nothing of a long one against a short one), else fewer prompts to
+        compute, else as many and fewer requests in flight."""
+        if self.prefill_wait_ms < other.prefill_wait_ms * BUSIER_QUEUE:
+            return True
+        if other.prefill_wait_ms < self.prefill_wait_ms * BUSIER_QUEUE:
+            return False
         return (self.prefilling, self.in_flight) < (other.prefilling, other.in_flight)
 
     def homes_fewer_than(self, other: EngineLoad) -> bool:
