@@ -124,6 +124,38 @@ def test_cost_model_counts_a_tier_read_apart_from_the_computation() -> None:
     assert costs.tier_read_ms(HELPER, 400) == 10.0
 
 
+def test_a_prompt_that_shared_its_engine_only_lowers_what_it_is_believed_to_cost() -> None:
+    """A prompt sent while its engine had another unanswered may be timed with the other's
+    steps (a run's first prompts, two to an engine at once: 153 tokens timed 6,870 ms, 45 ms a
+    token against 4.5). Its figures are upper bounds: below the mean they teach, above it they
+    are left, and before any they teach nothing."""
+    costs = CostModel()
+    costs.observe_prefill(HOME, 2000, computed=150, engine_ms=6750.0, shared=True)
+    costs.observe_prefill(HOME, 2000, computed=150, engine_ms=675.0, shared=True,
+                          restored=1800)
+    assert not costs.measured(HOME) and costs.prompt_ms(HOME) == 0.0
+    costs.observe_prefill(HOME, 2000, computed=1000, engine_ms=4500.0)  # 4.5 ms a token
+    costs.observe_prefill(HOME, 2000, computed=150, engine_ms=6750.0, shared=True)
+    assert costs.prefill_ms_per_token(HOME, 2000) == (4.5, True)
+    assert costs.prompt_ms(HOME) == 4500.0
+    costs.observe_prefill(HOME, 2000, computed=1000, engine_ms=4000.0, shared=True)
+    assert costs.prefill_ms_per_token(HOME, 2000)[0] == pytest.approx(4.5 - 0.2 * 0.5)
+    # Alone, a dearer prompt raises it as before.
+    costs.observe_prefill(HOME, 2000, computed=1000, engine_ms=9000.0)
+    assert costs.prefill_ms_per_token(HOME, 2000)[0] > 4.5
+    # A tier read is an upper bound too: a read shared with another prompt's steps is left.
+    costs.observe_prefill(HOME, 2000, computed=200, engine_ms=3000.0, restored=1800,
+                          shared=True)
+    assert costs.tier_read_ms(HOME, 1800) == 1800 / costs.priors.tier_read_tokens_per_ms
+
+
+def test_turns_in_flight_say_whether_a_turns_prompt_shared_its_engine() -> None:
+    turns = TurnsInFlight()
+    turns.begin("a", HOME, 1000, HOME, 100.0, 0.0)
+    turns.begin("b", HOME, 1000, HOME, 100.0, 0.0, shared=True)
+    assert turns.end("b") and not turns.end("a") and not turns.end("a")
+
+
 def test_cost_model_learns_a_splits_tail_beyond_the_transfer() -> None:
     costs = CostModel(Priors(transfer_tokens_per_ms=50.0, split_overhead_ms=5.0))
     costs.observe_split_tail(HOME, tail_ms=90.0, received=500)  # 10 ms of it the transfer

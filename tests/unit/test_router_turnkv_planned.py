@@ -392,6 +392,29 @@ def test_what_a_turn_measured_feeds_the_cost_model() -> None:
     assert mode.planner.costs.prefill_ms_per_token(home, 1000) == (0.5, True)
 
 
+def test_a_prompt_sent_beside_another_on_its_engine_cannot_raise_its_cost() -> None:
+    """Two sessions' first turns reach one engine at once: the second is planned while the
+    first is unanswered there, and the engine's timing of it may hold the first's compute.
+    It teaches the cost model nothing upward; the first, alone, does."""
+    async def main() -> None:
+        mode = planned()
+        first, second = turn(), turn()
+        plan_1 = await mode.plan(first, place(mode, first))
+        home = plan_1.placement.decode
+        home.in_flight = home.prefilling = 1  # the first turn's request, unanswered
+        other = engine(mode, "prefill-0" if home.name == "decode-0" else "decode-0")
+        other.in_flight = other.prefilling = 1  # as busy: the turn goes whole, unread
+        assert second.session is not None
+        second.session.prefill = second.session.decode = home.name
+        plan_2 = await mode.plan(second, place(mode, second))
+        assert plan_2.placement.decode is home
+        served(mode, first, plan_1, total=1000, computed=1000, engine_ms=500.0)
+        served(mode, second, plan_2, total=1000, computed=100, engine_ms=600.0)
+        assert mode.planner.costs.prefill_ms_per_token(home.name, 1000) == (0.5, True)
+
+    asyncio.run(main())
+
+
 def test_a_splits_stats_teach_the_helpers_tier_read_and_the_homes_tail() -> None:
     """The helper computed 200 tokens and read 2,000 from its tier in 500 ms: at the 0.5 ms a
     token its prompts measured, 400 ms of reading. The home's first token came 100 ms after

@@ -1,32 +1,31 @@
-"""Where a turn runs and what moves: the `turnkv` mode's decision per turn, from measured costs
-(the cost model, `CostModel`, below).
+"""Where a turn runs and what moves: the `turnkv` mode's decision per turn, from measured costs (the
+cost model, `CostModel`, below).
 
 Each session has a home, the engine of its pair that holds its history and decodes its turns;
 neither engine is fixed as prefill or decode. Per turn the planner places it whole on the home,
-split (the other engine computes, the home decodes) or moved (`decisions.Where`, which says
-what each moves).
+split (the other engine computes, the home decodes) or moved (`decisions.Where`, which says what
+each moves).
 
-Where the prompt's length is known, each placement is weighed by its cost, under the engines'
-room for its KV, and a copy may be pushed back after it (`router.weighing`); a turn not read
-is served whole on its home, or moved from an overloaded one, and keeps no copy.
+Where the prompt's length is known, each placement is weighed by its cost, under the engines' room
+for its KV, and a copy may be pushed back after it (`router.weighing`); a turn not read is served
+whole on its home, or moved from an overloaded one, and keeps no copy.
 
-The cost model (`CostModel`): what serving costs on each engine, as the turns measure it, fed
-once per served turn and read once per planned turn, in memory. Each figure is an exponentially
-weighted mean per engine and bucket: online, bounded and following the load as it changes.
+The cost model (`CostModel`): what serving costs on each engine, as the turns measure it, fed once
+per served turn and read once per planned turn, in memory. Each figure is an exponentially weighted
+mean per engine and bucket: online, bounded and following the load as it changes.
 
 - prefill: the engine's own timing of the request that computed a prompt (vLLM's per-request
-  `engine_prefill_ms`) over the tokens it computed, by the prompt's length (attention makes a
-  long context's token dearer); it includes the decode steps its steps carried;
-- decode: the turn's time after its first token per token, by the engine's batch as the turn
-  ends (streamed turns only, which time their first token);
+  `engine_prefill_ms`) over the tokens it computed, by the prompt's length (attention makes a long
+  context's token dearer); it includes the decode steps its steps carried;
+- decode: the turn's time after its first token per token, by the engine's batch as the turn ends
+  (streamed turns only, which time their first token);
 - a prompt: the engine's timing of a prompt, whatever its length (`prompt_ms`): what a prompt
   neither read nor estimated is counted to hold up the prompts behind it;
-- a tier read: where part of a prompt came from the engine's tier, the engine's timing less
-  what computing the rest costs there, per token read;
-- a split's tail: from the helper's answer to the home's first token, less the transfer: the
-  home taking the KV in and its next step;
-- transfer: tokens of KV per ms between engines, a setting (`--transfer-tokens-per-ms`): the
-  engines report what moved, not how long it took.
+- a tier read: where part of a prompt came from the engine's tier, the engine's timing less what
+  computing the rest costs there, per token read;
+- a split's tail: from the helper's answer to the home's first token, less the transfer: the home
+  taking the KV in and its next step;
+- transfer: tokens of KV per ms between engines, a setting (`--transfer-tokens-per-ms`).
 
 A bucket not measured yet takes the nearest measured one of the engine's, then the prior.
 """
@@ -44,8 +43,7 @@ SPLIT_MEMORY_TURNS = 3
 # Of an engine's cache, the share leases may hold before it counts as full: the rest is
 # the running requests' (their prompts and the blocks they grow into).
 LEASE_SHARE = 0.9
-# An engine whose prompts ahead end in under this share of another's time is the less busy,
-# whatever their counts: the estimates err by tens of percent, not by half.
+# Its prompts ahead done in under this share of another's time, an engine is the less busy.
 BUSIER_QUEUE = 0.5
 
 
@@ -71,13 +69,11 @@ class EngineLoad:
     prefill_wait_ms: float = 0.0
 
     def less_busy_than(self, other: EngineLoad) -> bool:
-        """Its prompts ahead done in under half the other's time (as estimated: a count of
-        prompts says nothing of a long one against a short one), else fewer prompts to
-        compute, else as many and fewer requests in flight."""
-        if self.prefill_wait_ms < other.prefill_wait_ms * BUSIER_QUEUE:
-            return True
-        if other.prefill_wait_ms < self.prefill_wait_ms * BUSIER_QUEUE:
-            return False
+        """Its prompts ahead done in under half the other's time (as estimated, which errs by
+        less: one long prompt is no short one), else fewer prompts, else fewer requests."""
+        waits = sorted((self.prefill_wait_ms, other.prefill_wait_ms))
+        if waits[0] < waits[1] * BUSIER_QUEUE:
+            return self.prefill_wait_ms < other.prefill_wait_ms
         return (self.prefilling, self.in_flight) < (other.prefilling, other.in_flight)
 
     def homes_fewer_than(self, other: EngineLoad) -> bool:
@@ -140,6 +136,7 @@ class _TurnInFlight:
     prefill: str
     prefill_ms: float
     at_s: float
+    shared: bool  # sent while its engine had another prompt unanswered
 
 
 class TurnsInFlight:
@@ -158,22 +155,24 @@ class TurnsInFlight:
         self._max_turns = max_turns
 
     def begin(self, turn: Hashable, home: str, kv_tokens: int, prefill: str | None = None,
-              prefill_ms: float = 0.0, at_s: float = 0.0) -> None:
+              prefill_ms: float = 0.0, at_s: float = 0.0, shared: bool = False) -> None:
         self.end(turn)
         while len(self._turns) >= self._max_turns:
             self.end(next(iter(self._turns)))
-        record = _TurnInFlight(home, kv_tokens, prefill or home, prefill_ms, at_s)
+        record = _TurnInFlight(home, kv_tokens, prefill or home, prefill_ms, at_s, shared)
         self._turns[turn] = record
         self._kv[home] = self._kv.get(home, 0) + kv_tokens
         self._homed.setdefault(home, {})[turn] = None
         self._computing.setdefault(record.prefill, {})[turn] = None
 
-    def end(self, turn: Hashable) -> None:
+    def end(self, turn: Hashable) -> bool:
+        """Whether it was `shared`: sent while its engine had another prompt unanswered."""
         record = self._turns.pop(turn, None)
         if record is not None:
             self._kv[record.home] -= record.kv_tokens
             self._homed[record.home].pop(turn, None)
             self._computing[record.prefill].pop(turn, None)
+        return record is not None and record.shared
 
     def idle(self, engine: str) -> None:
         """`engine` has no request in flight: none of its turns holds KV or computes there."""
@@ -184,10 +183,9 @@ class TurnsInFlight:
         return self._kv.get(engine, 0)
 
     def prefill_wait_ms(self, engine: str, pending: int, now_s: float) -> float:
-        """The compute ahead of a prompt placed on `engine` now: the estimates of its
-        `pending` newest prompts (its requests whose answer has not begun: the engine
-        computes prompts first come first served, so they are the newest), less the time
-        since the oldest of them was placed."""
+        """The compute ahead of a prompt placed on `engine` now: the estimates of its `pending`
+        newest prompts (its requests whose answer has not begun: the engine computes prompts
+        first come first served, so they are the newest), less the time since the oldest's."""
         newest = islice(reversed(self._computing.get(engine, {})), max(0, pending))
         ahead = [self._turns[turn] for turn in newest]
         if not ahead:
@@ -283,8 +281,7 @@ def context_bucket(tokens: int) -> int:
 
 
 def batch_bucket(in_flight: int) -> int:
-    """The bucket of a batch of `in_flight` requests: 1, 2, 4, 8, ... (a step's cost grows with
-    the batch by far less than in proportion)."""
+    """The bucket of `in_flight` requests: 1, 2, 4, 8, ... (a step costs far less than linearly)."""
     return 1 << max(0, in_flight - 1).bit_length()
 
 
@@ -320,21 +317,24 @@ class CostModel:
         self._split_tail: dict[str, Ewma] = {}
 
     def observe_prefill(self, engine: str, prompt_tokens: int, computed: int | None,
-                        engine_ms: float | None, restored: int = 0) -> None:
-        """`engine` computed `computed` tokens of a `prompt_tokens`-token prompt, and read
-        `restored` from its tier, in `engine_ms` (None: not reported). A prompt of a few tokens
-        is mostly a step's fixed cost, not a cost per token: it counts for `prompt_ms` only.
-        What a read took is what computing the rest would not have, once the engine measured
-        its computing: a read's time is no computation's cost per token."""
+                        engine_ms: float | None, restored: int = 0, shared: bool = False) -> None:
+        """`engine` computed `computed` tokens of a `prompt_tokens`-token prompt and read
+        `restored` from its tier in `engine_ms` (None: not reported). A few tokens are mostly a
+        step's fixed cost: they count for `prompt_ms` only. A read took what computing the rest
+        would not have, once the engine measured its computing. A `shared` prompt (sent while
+        the engine had another unanswered) may be timed with the other's steps: its figures
+        are upper bounds, which teach only below the mean."""
         if engine_ms is None or engine_ms < 0:
             return
-        _add(self._prompt, engine, 0, engine_ms)
+        _add(self._prompt, engine, 0, engine_ms, shared)
         if restored > 0:
             if self.measured(engine):
                 compute_ms = self.prefill_ms(engine, prompt_tokens, computed or 0)
-                _add(self._tier_read, engine, 0, max(0.0, engine_ms - compute_ms) / restored)
+                _add(self._tier_read, engine, 0, max(0.0, engine_ms - compute_ms) / restored,
+                     shared)
         elif computed is not None and computed >= MIN_PREFILL_TOKENS:
-            _add(self._prefill, engine, context_bucket(prompt_tokens), engine_ms / computed)
+            _add(self._prefill, engine, context_bucket(prompt_tokens), engine_ms / computed,
+                 shared)
 
     def observe_split_tail(self, home: str, tail_ms: float, received: int,
                            ahead_ms: float = 0.0) -> None:
@@ -387,7 +387,11 @@ class CostModel:
         return engine in self._prefill
 
 
-def _add(table: dict[str, Ewma], engine: str, bucket: int, value: float) -> None:
+def _add(table: dict[str, Ewma], engine: str, bucket: int, value: float,
+         upper_bound: bool = False) -> None:
+    """`upper_bound`: the cost was at most `value`, which teaches only below the mean."""
+    if upper_bound and not value < (_mean(table, engine, bucket) or 0.0):
+        return
     table.setdefault(engine, Ewma()).add(bucket, value)
 
 

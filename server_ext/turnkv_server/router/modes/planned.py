@@ -109,8 +109,7 @@ class Backoff:
 
     def __init__(self, clock: Callable[[], float], first_s: float = BACKOFF_S,
                  max_s: float = BACKOFF_MAX_S) -> None:
-        self.first_s, self.max_s = first_s, max_s
-        self._clock = clock
+        self.first_s, self.max_s, self._clock = first_s, max_s, clock
         self._until: dict[str, tuple[float, float]] = {}  # engine: (avoided until, backoff)
 
     def active(self, engine: str) -> bool:
@@ -243,7 +242,8 @@ class Turnkv(Mode):
         kv = (facts.prompt_tokens or facts.prompt_estimate or facts.history_tokens) + round(
             place.expected_output if place else 0)
         self._in_flight.begin(id(turn), decision.home, kv, decision.prefill,
-                              decision.estimates["compute_ms"], self.ctx.clock())
+                              decision.estimates["compute_ms"], self.ctx.clock(),
+                              shared=self._engine(decision.prefill).prefilling > 0)
         if session is not None:
             decided = self._engine(decision.home)
             self._homes.home(session, Placement(decided, decided, "affinity"))
@@ -314,17 +314,17 @@ class Turnkv(Mode):
     # -- after it ----------------------------------------------------------------------------
 
     def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
-        self._in_flight.end(id(turn))
+        shared = self._in_flight.end(id(turn))
         decision = plan.decision
         if decision is not None and end.how == "complete" and end.stats is not None:
-            self._observe(turn, plan, decision, end.stats)
+            self._observe(turn, plan, decision, end.stats, shared)
         if plan.prefill_send or plan.decode_send or (plan.alone is not None and plan.alone.held):
             self._finish_pd(turn, plan, end)  # sends, a push back, a held delta judged
         elif end.how == "complete" and turn_hints(turn).next_turn_in is not None:
             self._schedule_prefetch(turn, plan)  # the home alone, a pause ahead
 
     def _observe(self, turn: Turn, plan: TurnPlan, decision: Decision,
-                 stats: RouterTurnStats) -> None:
+                 stats: RouterTurnStats, shared: bool = False) -> None:
         tokens, times = stats.prompt_tokens, stats.times
         decode = plan.placement.decode
         alone = plan.alone is not None
@@ -333,7 +333,7 @@ class Turnkv(Mode):
             else (tokens.prefill_computed, tokens.prefill_restored, plan.placement.prefill))
         costs = self.planner.costs
         costs.observe_prefill(computing.name, tokens.total, computed, times.engine_prefill_ms,
-                              restored or 0)
+                              restored or 0, shared)
         costs.observe_decode(decode.name, decode.in_flight, times.first_token_ms,
                              times.total_ms, stats.completion_tokens)
         if computing is not decode and times.first_token_ms is not None:  # a split, a pull
