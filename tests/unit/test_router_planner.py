@@ -257,6 +257,21 @@ def test_split_pays_only_where_the_helper_holds_the_history_or_is_idle() -> None
     assert decision.where == "whole"
 
 
+def test_a_split_recomputing_the_homes_history_must_save_a_fifth() -> None:
+    """A helper holding nothing of the history (no copy, no shared tier) recomputes it: that
+    cost is sure, the waiting it spares the home's other requests estimated, so, as a move, it
+    must cost a fifth less than whole. A helper holding a copy computes the delta alone."""
+    planner = Planner(measured())
+    helper, busy = EngineLoad(HELPER), EngineLoad(HOME, in_flight=4)
+    facts = history_turn(prompt=4096, delta=1000, helper_holds=0)
+    options = planner._options(busy, helper, facts)
+    assert options["split"].cost_ms < options["whole"].cost_ms < options["split"].cost_ms * 1.25
+    near = planner.decide(busy, helper, facts)
+    assert near.where == "whole" and "saves too little" in near.why
+    assert planner.decide(EngineLoad(HOME, in_flight=6), helper, facts).where == "split"
+    assert planner.decide(busy, helper, history_turn(prompt=4096, delta=1000)).where == "split"
+
+
 def test_itl_target_refuses_a_whole_turn_that_stalls_the_home_over_it() -> None:
     costs = measured(home_ms=0.05, helper_ms=0.05)
     facts = history_turn(delta=400, helper_holds=0)

@@ -16,7 +16,7 @@ waits for them, about a turn's decode each. A split, which holds the prompt's KV
 engines at once, is taken only where both have that room. The cheapest goes, with the ITL
 target as a constraint: a placement that would stall others longer than the target is refused
 while one within it is possible. A `move` must beat staying by a margin, so that sessions do
-not bounce.
+not bounce, and so must a split whose helper recomputes history the home holds.
 
 Memory is a constraint too: a placement that would have an engine take more KV than it has
 room for (`EngineLoad.room_tokens`: its cache less what the sessions' leases hold there, as the
@@ -85,7 +85,8 @@ def _facts(prompt: int, shared: int, session: Session | None, place: SessionPlac
 GUESS_MARGIN = 1.0
 
 # A move must cost this fraction less than the best placement on the home: its benefit is
-# estimated from one turn, its cost (the history's KV over the link) is sure.
+# estimated from one turn, its cost (the history's KV over the link) is sure. So must a split
+# whose helper recomputes history the home holds (no copy there, no shared tier).
 MOVE_MARGIN = 0.2
 
 
@@ -102,6 +103,7 @@ class _Option:
     # Where the KV is written into the engine that decodes (a split, a pull): the prompts that
     # engine had ahead of the turn, which its first token waits for.
     home_wait_ms: float = 0.0
+    recomputes: bool = False  # computes more of the prompt than whole on the home would
 
 
 class WeighingPlanner(Planner):
@@ -181,7 +183,7 @@ class WeighingPlanner(Planner):
         split = _Option("split", other, home, split_ms, _stall(split_compute, other),
                         split_ms + split_compute * other.in_flight + home_decode,
                         fits=room(split_n + read_n) and both_room, compute_ms=split_compute,
-                        home_wait_ms=home.prefill_wait_ms)
+                        home_wait_ms=home.prefill_wait_ms, recomputes=split_n > whole_n)
         # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
         # the other engine, which decodes there from now on, at its own batch (and, as a
         # split's home, after the prompts it has ahead).
@@ -246,14 +248,17 @@ class WeighingPlanner(Planner):
     def _choose(self, options: dict[Choice, _Option]) -> tuple[_Option, str]:
         stay = [o for o in (options["whole"], options["split"]) if o.fits]
         best = min(stay, key=lambda o: o.cost_ms)
+        whole, reason = options["whole"], None
+        if best.recomputes and whole.fits and best.cost_ms > whole.cost_ms * (1 - MOVE_MARGIN):
+            best, reason = whole, "a split recomputing what the home holds saves too little"
         moves = [o for o in (options.get("move-copy"), options["move"],
                              options.get("move-tier")) if o and o.fits]
         move = min(moves, key=lambda o: o.cost_ms) if moves else None
         if move is not None and move.cost_ms < best.cost_ms * (1 - MOVE_MARGIN):
-            best = move
+            best, reason = move, None
         target = self.itl_target_ms
         if target is None or best.stall_ms <= target:
-            return best, self._least_waiting(options, best)
+            return best, reason or self._least_waiting(options, best)
         within = [o for o in (*stay, *moves) if o.stall_ms <= target]
         if within:
             pick = min(within, key=lambda o: o.cost_ms)
