@@ -132,8 +132,7 @@ def hello(agent: str, engine_id: str) -> sc.Hello:
 
 
 def answered(client: SideChannelClient, frames: list[bytes]) -> bool:
-    client.send(frames)
-    return client.answer(1.0) is not None
+    return client.send(frames) and client.answer(1.0) is not None
 
 
 @pytest.mark.parametrize("age_s", [sc.MAX_AGE_S + 30, -(sc.MAX_AGE_S + 30)])

@@ -188,6 +188,9 @@ class SilentSender:
         self.context.term()
 
 
+SEND_TIMEOUT_MS = 2000
+
+
 class SideChannelClient:
     """A raw connection to a sender's side channel, as a cluster member's would be (the
     cluster's keys, unless not `encrypted`); frames are sent as given, so they may be stale,
@@ -197,12 +200,19 @@ class SideChannelClient:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         if encrypted:
             ClusterKeys(SECRET).connect(self.socket)
         self.socket.connect(f"tcp://{address}")
 
-    def send(self, frames: list[bytes]) -> None:
-        self.socket.send_multipart(frames)
+    def send(self, frames: list[bytes]) -> bool:
+        """Whether the frames left: a connection the side channel refused (its handshake
+        failed) may have no pipe to queue them on, and a DEALER's send then waits for one."""
+        try:
+            self.socket.send_multipart(frames)
+        except zmq.Again:
+            return False
+        return True
 
     def answer(self, timeout_s: float) -> list[bytes] | None:
         if not self.socket.poll(int(timeout_s * 1000)):
