@@ -152,7 +152,7 @@ def test_a_turnkv_clusters_engines_share_a_file_tier_below_their_host_tiers(
         if spec.kv_transfer_config]
     assert len(belows) == 2
     for below in belows:
-        assert [t["type"] for t in below] == ["CheckedDiskTier", "fs"]
+        assert [t["type"] for t in below] == ["CheckedDiskTier", "SharedFileTier"]
         assert below[1] == shared_tier(str(run / "tier-shared"))
     assert "--shared-tier" in cluster.router_command()
     (run / "tier-shared").mkdir()

@@ -42,6 +42,8 @@ TIER_CONNECTOR_MODULE = "turnkv_server.tier.offloading_connector"
 TIER_CONNECTOR_CLASS = "HostTierConnector"
 DISK_TIER_MODULE = "turnkv_server.tier.disk"
 DISK_TIER_CLASS = "CheckedDiskTier"
+SHARED_TIER_MODULE = "turnkv_server.tier.shared_files"
+SHARED_TIER_CLASS = "SharedFileTier"
 SESSION_ORDER_MODULE = "turnkv_server.tier.session_order"
 SESSION_ORDER_POLICY = "SessionOrderPolicy"
 
@@ -138,12 +140,14 @@ def disk_tier(root_dir: str, max_bytes: int) -> dict[str, Any]:
 def shared_tier(root_dir: str) -> dict[str, Any]:
     """A `secondary_tiers` entry for vLLM's file-system tier in `root_dir`, which every engine
     of a cluster names alike: a file per chunk, written to a temporary name and renamed, found
-    by its name (the chunk's block hash), read by any engine. It deletes no file: the launcher
+    by its name (the chunk's block hash), read by any engine; its lookups answered at once
+    (`tier.shared_files`: the folder is on this machine). It deletes no file: the launcher
     owns the folder (`launcher.cluster`), empties it at start and removes it at stop. Two
     threads each way, not vLLM's sixteen: an engine here has one or two cores."""
     if not root_dir:
         raise ValueError("the shared tier needs a root_dir")
-    return {"type": "fs", "root_dir": root_dir, "n_read_threads": 2, "n_write_threads": 2}
+    return {"type": SHARED_TIER_CLASS, "module_path": SHARED_TIER_MODULE, "root_dir": root_dir,
+            "n_read_threads": 2, "n_write_threads": 2}
 
 
 def host_tier(host_blocks: int, disk: dict[str, Any] | None = None,

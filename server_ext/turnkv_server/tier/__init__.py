@@ -15,8 +15,10 @@ gives it a worker that runs on CPU hosts. See docs/tier.md.
   also covers the blocks the turnkv connector's peer writes (loaded beside turnkv);
 - `disk`: `CheckedDiskTier`, a bounded, checksummed disk tier below host memory, loaded by
   vLLM's tiering as a secondary tier; its index (`disk_index`) and chunk files (`disk_files`)
-  are plain Python. `vllm_spec`, `offloading_connector` and `disk` are the only modules here
-  that import vLLM.
+  are plain Python;
+- `shared_files`: `SharedFileTier`, vLLM's file-system tier whose lookups are answered at once,
+  one folder below every engine of a cluster on one machine. `vllm_spec`,
+  `offloading_connector`, `disk` and `shared_files` are the only modules here that import vLLM.
 
 Importing this package imports nothing of vLLM.
 """
