@@ -75,6 +75,9 @@ TURNKV_BENCH_MODES: dict[str, BenchMode] = {
     "turnkv-own-tier": BenchMode(
         "turnkv", "turnkv whose engines' host tiers share no file tier: a session's history "
         "is read back only by its home (the other engine computes it)", host_tier=True),
+    "turnkv-no-hold": BenchMode(
+        "turnkv", "turnkv sending every prompt at once, even onto an engine where a turn that "
+        "moves KV has not landed (--no-landing-holds)", host_tier=True),
     "turnkv-end-write": BenchMode(
         "turnkv", "turnkv sending a prefill's KV in one write when it ends, not layer by "
         "layer"),

@@ -101,8 +101,8 @@ def test_every_tier_holds_what_bounds_cache_holds(tmp_path: Path) -> None:
                                approx_tokens)
     assert (blocks - len(agent.sessions) - 1) * BLOCK_TOKENS >= total_context_tokens(agent)
     assert {m for m in BENCH_MODES if has_host_tier(m)} == {
-        "affinity-offload", "affinity-tier", "turnkv", "turnkv-own-tier", "turnkv-tier",
-        "turnkv-pool"}
+        "affinity-offload", "affinity-tier", "turnkv", "turnkv-own-tier", "turnkv-no-hold",
+        "turnkv-tier", "turnkv-pool"}
     assert has_host_tier("affinity-offload-untagged") and not has_host_tier("affinity")
     # turnkv's engines share a file tier below their host tiers; turnkv-own-tier's do not.
     settings = BenchSettings(tier_host_blocks=64)
@@ -119,8 +119,8 @@ def test_the_default_is_every_baseline_beside_turnkv() -> None:
         "standard-nocache", "bidirectional", "push", "turnkv"]
     assert list(BENCH_BASELINES) == parse_modes(DEFAULT_BENCH_MODES)[:-1]
     assert set(TURNKV_BENCH_MODES) == {
-        "turnkv", "turnkv-own-tier", "turnkv-end-write", "turnkv-tier", "turnkv-pool",
-        "affinity-tier"}
+        "turnkv", "turnkv-own-tier", "turnkv-no-hold", "turnkv-end-write", "turnkv-tier",
+        "turnkv-pool", "affinity-tier"}
     described = describe_bench_modes()
     assert described.index("affinity-offload (2x1)") < described.index("turnkv (2x1)")
     assert described.index("turnkv (2x1)") < described.index("affinity-tier (2x1)")

@@ -76,6 +76,10 @@ def test_cluster_config_is_the_same_for_every_mode_but_the_mode(tmp_path: Path) 
     # The P/D form with the tier; plain turnkv is the planner.
     assert "--fixed-pools" in cluster_config("turnkv-tier", tiered, tmp_path).router_args
     assert "--fixed-pools" not in cluster_config("turnkv", tiered, tmp_path).router_args
+    # The ablation of the landing holds: turnkv's cluster, its router told to send at once.
+    no_hold = cluster_config("turnkv-no-hold", tiered, tmp_path)
+    assert no_hold.router_args == ("--no-landing-holds",) and no_hold.tier_host_blocks == 96
+    assert "--no-landing-holds" not in cluster_config("turnkv", tiered, tmp_path).router_args
     assert cluster_config("turnkv", tiered, tmp_path).tier_host_blocks == 96
     assert cluster_config("affinity", tiered, tmp_path).tier_host_blocks is None
     for mode in ("single", "standard", "bidirectional", "push", "turnkv"):

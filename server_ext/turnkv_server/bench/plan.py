@@ -159,6 +159,7 @@ def cluster_config(mode: str, settings: BenchSettings, run_dir: Path) -> Cluster
         short_delta_tokens=settings.short_delta_tokens,
         router_args=(*itl_target_args(settings.itl_target_ms),
                      *(["--pair-pool"] if mode == "turnkv-pool" else []),
+                     *(["--no-landing-holds"] if mode == "turnkv-no-hold" else []),
                      *(["--fixed-pools"] if mode == "turnkv-tier" else [])),
         connector_settings={"layer_writes": False} if mode == "turnkv-end-write" else {},
         tier_host_blocks=settings.tier_host_blocks if has_host_tier(mode) else None,

@@ -148,6 +148,10 @@ class RouterConfig:
         "turnkv mode: the engines share a tier below their caches (the launcher's file tier): "
         "the planner may move a session to another engine, which reads its history from "
         "that tier, rather than have its turn wait behind the home's"))
+    no_landing_holds: bool = field(default=False, metadata=cli(
+        "turnkv mode, for ablation: send every prompt at once, even onto an engine where a "
+        "turn that moves KV has not landed yet (by default a prompt that would hold it longer "
+        "than it waits for it waits: router/landings.py)"))
     pair_pool: bool = field(default=False, metadata=cli(
         "turnkv mode: the pair as one pool: each session lives on one engine of its pair, "
         "which serves its turns whole (no KV moves; the pair holds twice the histories, and a "
@@ -215,6 +219,8 @@ class RouterConfig:
             raise ValueError("--fixed-pools is for turnkv mode")
         if self.shared_tier and self.mode != "turnkv":
             raise ValueError("--shared-tier is for turnkv mode")
+        if self.no_landing_holds and self.mode != "turnkv":
+            raise ValueError("--no-landing-holds is for turnkv mode")
         if not self.transfer_tokens_per_ms > 0:
             raise ValueError("transfer_tokens_per_ms must be positive")
         pins = self.pins()

@@ -178,6 +178,7 @@ class Turns:
             decode = asyncio.create_task(self._open_decode(turn, plan, plan.decode_params))
         try:
             prefill = await self._prefill(turn, plan)
+            self.mode.prefilled(turn)
             turn.prompt_token_ids = prefill.prompt_token_ids
             turn_stats = stats.begin(turn, plan, prefill, self.mode_name, fallback, detail)
             if decode is None:
@@ -271,6 +272,7 @@ class Turns:
                 seen = relay.read(event)
                 if first_token_ms is None and seen.output:
                     first_token_ms = (time.perf_counter() - turn.accepted_at) * 1000
+                    self.mode.first_token(turn)
                 if seen.last and decode.state == "open":
                     answer = relay.answer
                     stats.finish(turn, decode.plan, turn_stats, len(turn.output_token_ids),

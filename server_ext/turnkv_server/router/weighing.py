@@ -307,6 +307,9 @@ class WeighingPlanner(Planner):
                        "stall_ms": round(option.stall_ms, 2),
                        "cost_ms": round(option.cost_ms, 2),
                        "compute_ms": round(option.compute_ms, 2),
+                       # Its prompt computed, on `prefill`: a split's helper part.
+                       "prefill_done_ms": round(option.prefill.prefill_wait_ms
+                                                + option.compute_ms, 2),
                        "home_wait_ms": round(option.home_wait_ms, 2)})
 
 

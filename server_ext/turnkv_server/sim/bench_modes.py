@@ -15,4 +15,5 @@ BENCH_ROUTINGS: dict[str, RoutingName] = {
     "turnkv": "turnkv",
     "turnkv-tier": "turnkv",
     "turnkv-own-tier": "turnkv",
+    "turnkv-no-hold": "turnkv",
 }

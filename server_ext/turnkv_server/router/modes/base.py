@@ -7,6 +7,8 @@ is replayed without reuse. Per turn, in this order:
 
 - `begin(turn)`: once, before the first attempt (after admission);
 - `plan(turn, placement)`: once per attempt, before the attempt's engine requests;
+- `prefilled(turn)`: once per attempt with a prefill request, when that request answered;
+- `first_token(turn)`: once per streamed attempt, when its first output reached the router;
 - `finish(turn, plan, end)`: once per attempt whose decode request went out, when it ended.
 
 Per session, outside its turns: `hinted` (hints sent between turns), `drop_session` (the
@@ -227,6 +229,8 @@ class ModeContext:
     pins: tuple[Choice, ...] = ()
     # turnkv: the engines share a tier below their caches (`--shared-tier`).
     shared_tier: bool = False
+    # turnkv: a prompt waits for a turn that moves KV to land on its engine (`router.landings`).
+    landing_holds: bool = True
     # The router's session TTLs (turnkv passes the engines the TTL a session's hints give it).
     session_policy: LeasePolicy = field(default_factory=LeasePolicy)
     # Counts each renew-only request sent for a hint between turns, by outcome ("sent",
@@ -250,7 +254,7 @@ class ModeContext:
                    itl_target_ms=config.itl_target_ms, engine_leases=config.engine_leases,
                    pair_pool=config.pair_pool, fixed_pools=config.fixed_pools,
                    transfer_tokens_per_ms=config.transfer_tokens_per_ms, pins=config.pins(),
-                   shared_tier=config.shared_tier,
+                   shared_tier=config.shared_tier, landing_holds=not config.no_landing_holds,
                    session_policy=LeasePolicy(config.default_ttl, config.max_ttl),
                    count_renewal=count_renewal)
 
@@ -296,6 +300,23 @@ class Mode:
         its plan left on the engines, a send kept for a receiver, ends by the engines'
         timers)."""
         raise NotImplementedError
+
+    def prefilled(self, turn: Turn) -> None:
+        """The attempt's prefill request answered (its decode request may be out already).
+
+        When: once per attempt whose plan has a prefill request, on the turn's task, after
+        that request ended well; never where it failed.
+        Does: notes the prompt as computed (`turnkv`: prompts held back for it go).
+        Must not: block or await, or raise."""
+
+    def first_token(self, turn: Turn) -> None:
+        """The attempt's first output reached the router, streamed.
+
+        When: at most once per streamed attempt, from the relay; never for a whole reply
+        (`finish` comes then), nor for an attempt cut before any output.
+        Does: notes the turn as landed on its decode engine (`turnkv`: prompts held back for
+        it go).
+        Must not: block or await, or raise."""
 
     def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
         """The attempt's decode request ended (`TurnEnd`): `complete` (with the decode engine's

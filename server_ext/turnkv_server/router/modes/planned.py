@@ -6,13 +6,13 @@ a new session's is the engine of its pair home to fewer sessions (`PairPool`). P
 waits for the session's prefetch where one is pending (`modes.prefetch`); `plan` reads the
 engines' load (requests in flight, recent misses, `Backoff`; the room each cache has beside
 what the sessions' leases hold there, `planner.Holdings`), asks the planner whether it needs
-the prompt (an idle home gets no /tokenize round trip) and for its decision, and carries it out:
-`whole`, the home alone, here; a `split` or a `move`, with the P/D machinery (`PdTurnkv` in
-`modes.turnkv`, the class the registry makes, which extends this one); `finish` feeds the cost
-model what the turn measured and keeps the session's place (`planner.SessionPlace`). Every
-request carries the session's lease (`lease_params`), as `affinity --engine-leases` tells its
-engines too. `--fixed-pools` keeps the P/D form, `--pair-pool` the pair as one pool (each
-session's home serves its turns whole): both skip the planner (`PdTurnkv._plan_unplanned`).
+the prompt (an idle home gets no /tokenize round trip) and for its decision, holds it back
+while a turn that moves KV lands where it would compute (`router.landings`), and carries it
+out: `whole`, the home alone, here; a `split` or a `move`, with the P/D machinery (`PdTurnkv`
+in `modes.turnkv`, the class the registry makes); `finish` feeds the cost model what the turn
+measured and keeps the session's place. Every request carries the session's lease
+(`lease_params`). `--fixed-pools` keeps the P/D form, `--pair-pool` the pair as one pool:
+both skip the planner (`PdTurnkv._plan_unplanned`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import orjson
 
 from turnkv.protocol import CacheHints, RouterTurnStats
 from turnkv_server.engine.protocol import KEY, Receive, Send, TurnParams
-from turnkv_server.router.decisions import Choice, Decision, Priors, SessionPlace, TurnFacts
+from turnkv_server.router.decisions import Decision, Priors, SessionPlace, TurnFacts
 from turnkv_server.router.engines import Engine, Placement
+from turnkv_server.router.landings import Landings
 from turnkv_server.router.modes import prefetch
 from turnkv_server.router.modes.base import (
     DecodeAlone,
@@ -129,8 +130,7 @@ class Backoff:
 
 # -- the homes, and the mode ---------------------------------------------------------------
 
-# The homes remembered, at most: a backstop (a session that leaves the router's table is
-# forgotten; a turn replayed after its session ended is placed anew).
+# The homes remembered, at most: a backstop (a session that leaves the router's table is gone).
 MAX_HOMES = 100_000
 
 
@@ -149,9 +149,8 @@ class PairPool:
     def home(self, session: Session, placement: Placement, others: Sequence[Engine] = ()
              ) -> Engine:
         """The engine that serves `session`: its home, where the placement kept it there (both
-        places name it), else the one of the pair (the placement's engines and `others`) home
-        to fewer sessions, now its home. (A new session's placement where its prefix is warm
-        names one engine too, but keeps nothing.)"""
+        places name it), else the one of the pair (the placement's engines and `others`) home to
+        fewer sessions, now its home (a warm prefix's placement names one engine, keeping none)."""
         kept = self._homes.get(session.key) == placement.decode.name
         if placement.prefill is placement.decode and (kept or not others):
             engine = placement.decode
@@ -192,6 +191,7 @@ class Turnkv(Mode):
         self._places: OrderedDict[SessionKey, SessionPlace] = OrderedDict()
         self._holdings = Holdings()
         self._in_flight = TurnsInFlight()
+        self._landings = Landings(ctx.clock)  # turns that move KV, until they land
         # Push backs, releases, give-ups, renewals and prefetches run on after their turn.
         self._orders = orders
         self._prefetches = prefetch.Prefetches(ctx.upstream, orders)
@@ -226,7 +226,8 @@ class Turnkv(Mode):
         facts = TurnFacts(turns_since_split=place.turns_since_split if place else None,
                           history_tokens=place.history_len if place else 0,
                           prompt_estimate=guess if place and guess > place.history_len else None)
-        pin, tier = self._pin(session), self.ctx.shared_tier
+        pins, tier = self.ctx.pins, self.ctx.shared_tier
+        pin = pins[(session.turns if session is not None else 0) % len(pins)] if pins else None
         prompt_ids: list[int] | None = None
         decision: Decision | None = None
         if self.planner.needs_prompt(home_load, other_load, facts, pin):
@@ -239,6 +240,8 @@ class Turnkv(Mode):
             if prompt_ids is not None:
                 facts = read_facts(prompt_ids, session, place, home, other, push_back, tier)
         decision = decision or self.planner.decide(home_load, other_load, facts, pin)
+        if self._landings.parts:  # a turn moving KV lands where this one would compute
+            decision = await self._landings.hold(decision)
         kv = (facts.prompt_tokens or facts.prompt_estimate or facts.history_tokens) + round(
             place.expected_output if place else 0)
         self._in_flight.begin(id(turn), decision.home, kv, decision.prefill,
@@ -250,9 +253,8 @@ class Turnkv(Mode):
         return await self._carry_out(turn, decision, prompt_ids, facts, placement)
 
     def _home(self, session: Session | None, placement: Placement) -> Engine:
-        """The session's home (even down: the planner moves it), else the engine of the pair
-        (the placement's and its other: a warm prefix's placement names one) home to fewer
-        sessions, then with fewer requests in flight."""
+        """The session's home (even down: the planner moves it), else the pair's engine (a warm
+        prefix's placement names one) home to fewer sessions, then with fewer requests in flight."""
         if session is not None and session.decode is not None:
             home = self.ctx.pool.named.get(session.decode) if self.ctx.pool else None
             if home is not None:
@@ -271,9 +273,8 @@ class Turnkv(Mode):
         return min(others, key=lambda e: e.in_flight) if others else None
 
     def _engine(self, name: str) -> Engine:
-        engine = self.ctx.pool.named.get(name) if self.ctx.pool else None
-        assert engine is not None, name
-        return engine
+        assert self.ctx.pool is not None and name in self.ctx.pool.named, name
+        return self.ctx.pool.named[name]
 
     def _load(self, engine: Engine) -> EngineLoad:
         if not engine.in_flight:
@@ -287,10 +288,6 @@ class Turnkv(Mode):
                           kv_in_flight=self._in_flight.kv_tokens(engine.name),
                           prefill_wait_ms=self._in_flight.prefill_wait_ms(
                               engine.name, engine.prefilling, self.ctx.clock()))
-
-    def _pin(self, session: Session | None) -> Choice | None:
-        pins = self.ctx.pins
-        return pins[(session.turns if session is not None else 0) % len(pins)] if pins else None
 
     def _params(self, turn: Turn, send: Send | None = None,
                 receive: Receive | None = None) -> dict[str, Any]:
@@ -313,7 +310,12 @@ class Turnkv(Mode):
 
     # -- after it ----------------------------------------------------------------------------
 
+    def first_token(self, turn: Turn) -> None:
+        if self._landings.parts:  # if it moved KV, it has landed
+            self._landings.end(id(turn))
+
     def finish(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
+        self.first_token(turn)  # whatever came, it has landed or never will
         shared = self._in_flight.end(id(turn))
         decision = plan.decision
         if decision is not None and end.how == "complete" and end.stats is not None:
@@ -350,10 +352,8 @@ class Turnkv(Mode):
         if (plan.alone is not None and not plan.alone.held and decision.where == "whole"
                 and place.history_len and session.decode == decode.name and computed is not None
                 and computed > tokens.total - place.history_len + HELD_TAIL_TOKENS):
-            # An untokenized turn that computed more than its delta: the home lost the
-            # history (memory pressure), as a held short delta tells (`_judge_short_delta`).
-            # (Its delta is counted as if the history was not edited: an edit reads as
-            # pressure, and only holds push backs off for a while.)
+            # An untokenized turn that computed more than its delta (counted as if the history
+            # was not edited): the home lost the history, as a held short delta tells.
             self._pressure.record(decode.name, True)
         history_len = tokens.total + stats.completion_tokens
         place.prompt_tokens, place.request_bytes = tokens.total, turn.request_bytes

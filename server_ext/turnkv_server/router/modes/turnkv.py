@@ -4,13 +4,13 @@ that skip the planner, the prefetch before a hinted return, and the session's le
 and released between turns. docs/architecture.md ("The P/D form") tells the whole path; per turn:
 
 1. plan: a planner's `split` (or a `move` that pulls) is the P/D plan with the other engine as
-   prefill engine: prefill and decode go out together under one transfer ID, and the prefill
-   engine writes the blocks the decode engine lacks beyond its prefix hit, layer by layer. With
-   `--fixed-pools` every turn is (`_plan_pd`), but a short delta (at most `short_delta_tokens`
-   new tokens, counted with the decode engine's /tokenize), which the decode engine computes
-   alone unless the ITL target (`modes.itl`) says its other requests cannot wait; while no
-   prefill engine is up, the decode engine serves every turn so. (`--pair-pool`: the home
-   serves every turn whole.)
+   prefill engine: prefill and decode go out together under one transfer ID, the prefill engine
+   writes the blocks the decode engine lacks, layer by layer, and a prompt sent after it to
+   either engine waits for it where it would wait longer for that prompt (`router.landings`).
+   With `--fixed-pools` every turn is (`_plan_pd`), but a short delta (at most
+   `short_delta_tokens` new tokens, by the decode engine's /tokenize), which the decode engine
+   computes alone unless the ITL target (`modes.itl`) says its other requests cannot wait, and
+   every turn while no prefill engine is up (`--pair-pool`: the home serves each turn whole).
 2. finish, after a whole reply: the decode engine keeps the turn's blocks, and the router
    pushes the history back to the other engine (a one-token request that receives them)
    during the agent's tool time, where the planner asked for it (always, with fixed pools).
@@ -68,8 +68,8 @@ log = logging.getLogger(__name__)
 # The next turn waits this long for the previous push back to land on the prefill engine.
 PUSH_BACK_WAIT_S = 5.0
 PUSH_BACK_TIMEOUT_S = 120.0
-# The decode engine's blocks are ready when the push back starts: a peer that does not answer
-# within this is gone, and the prefill engine recomputes instead of waiting.
+# The decode engine's blocks are ready when the push back starts: a peer silent this long is
+# gone, and the prefill engine recomputes.
 PUSH_BACK_RECEIVE_S = 10.0
 
 
@@ -193,6 +193,8 @@ class PdTurnkv(Turnkv):
 
     async def _move_kv(self, turn: Turn, decision: Decision, prompt_ids: list[int] | None,
                        facts: TurnFacts, placement: Placement) -> TurnPlan:
+        if decision.where != "whole" and self.ctx.landing_holds:  # later prompts may wait
+            self._landings.begin(id(turn), decision)
         home, prefill = self._engine(decision.home), self._engine(decision.prefill)
         # A push back names its receiver as the placement's prefill engine (`_finish_pd`
         # sends it there): the engine that computed a split, else the home's other engine.
@@ -233,17 +235,18 @@ class PdTurnkv(Turnkv):
 
     # -- after it ----------------------------------------------------------------------------
 
+    def prefilled(self, turn: Turn) -> None:
+        self._landings.prefilled(id(turn))  # a split's helper, or a pull's old home, is done
+
     def _finish_pd(self, turn: Turn, plan: TurnPlan, end: TurnEnd) -> None:
         prefill, decode = plan.placement.prefill, plan.placement.decode
         model = turn.body.get("model")
         if end.how == "refused":
-            # The decode engine will never register for the prefill engine's send (it refused
-            # a body the prefill engine accepted, say a `max_tokens` over the model's length).
+            # The decode engine refused a body the prefill engine took: it never registers.
             self._orders.abandon(prefill, model, plan.prefill_send)
             return
         if end.how == "cut":
-            # The push back comes only after a whole reply. (A request the engine aborted sends
-            # nothing anyway; one that finished just before the cut would wait for the timeout.)
+            # No push back after a cut (one that finished just before it would wait the timeout).
             self._orders.abandon(decode, model, plan.decode_send)
             if not turn.output_token_ids:
                 # Cut before any token: the decode engine may never have registered for the
