@@ -132,6 +132,24 @@ def test_long_overdue_parts_are_forgotten_and_the_table_is_bounded() -> None:
     asyncio.run(main())
 
 
+def test_a_replanned_attempt_ends_the_last_ones_parts_and_stale_parts_hold_nothing() -> None:
+    async def main() -> None:
+        clock = Clock()
+        landings = Landings(clock)
+        landings.begin("split", split(ttft_ms=500.0))
+        held = await pending(landings, whole("home", compute_ms=5000.0))
+        landings.begin("split", split(ttft_ms=500.0))  # the turn's next attempt
+        await asyncio.wait_for(held, 1.0)
+        assert "held_ms" in held.result().estimates
+        # An attempt whose end never comes: long past its due time, it holds no prompt.
+        clock.now += OVERDUE_S + 1.0
+        prompt = whole("home", compute_ms=60_000.0)
+        assert await asyncio.wait_for(landings.hold(prompt), 1.0) is prompt
+        assert not landings.parts
+
+    asyncio.run(main())
+
+
 def long_split_turn(mode: object, history: list[int]) -> Turn:
     t = turn()
     assert t.session is not None

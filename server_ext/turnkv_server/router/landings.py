@@ -29,9 +29,10 @@ from turnkv_server.router.decisions import Decision
 
 # Parts kept at most (a backstop: every part ends at its turn's first token or end).
 MAX_PARTS = 10_000
-# A part this long past its due time is forgotten: its turn's end was never told (an attempt
-# that was replanned) or it is stuck; the prompts it would hold go their way.
-OVERDUE_S = 60.0
+# A part this long past its due time is forgotten: it is stuck, or its turn's end was never
+# told (an attempt that failed before its decode request went out gets no `finish`); the
+# prompts it would hold go their way. Longer than the planner's estimates err by on a CPU.
+OVERDUE_S = 10.0
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Landings:
         (its estimates `prefill_done_ms` and `ttft_ms`; a move not weighed has only its
         prompt's compute, `compute_ms`)."""
         now, estimates = self._clock(), decision.estimates
+        self.end(turn)  # an attempt replanned: the last one's parts are over
         self._forget_overdue(now)
         while len(self.parts) >= self._max_parts:
             self.end(next(iter(self.parts)))
@@ -86,6 +88,7 @@ class Landings:
         than that is not done, that long at most. Its decision says how long it waited."""
         engine, compute_ms = decision.prefill, decision.estimates.get("compute_ms", 0.0)
         started = self._clock()
+        self._forget_overdue(started)
         waits = [part.done.wait() for part in self._on(engine)
                  if not part.done.is_set() and (part.due_s - started) * 1000 < compute_ms]
         if not waits:
