@@ -487,7 +487,7 @@ def test_a_split_the_helper_has_no_room_for_stays_whole() -> None:
     assert planner.decide(busy, EngineLoad(HELPER, room_tokens=8192), facts).where == "split"
     crowded = planner.decide(busy, EngineLoad(HELPER, room_tokens=1000), facts)
     assert crowded.where == "whole"
-    assert "room" in crowded.why
+    assert "split: would end leases" in crowded.why
     # A helper that holds a copy needs room for the delta only.
     copy = history_turn(delta=3000)
     assert planner.decide(busy, EngineLoad(HELPER, room_tokens=3100), copy).where == "split"
@@ -604,8 +604,32 @@ def test_a_turn_the_home_has_no_room_for_beside_its_turns_waits_for_one() -> Non
     full = dataclasses.replace(roomy, capacity_tokens=3200)
     alone = EngineLoad(HELPER, in_flight=1, capacity_tokens=8000, kv_in_flight=2800)
     with_room = planner.decide(roomy, alone, facts).estimates["ttft_ms"]
-    without = planner.decide(full, alone, facts).estimates["ttft_ms"]
-    assert without == pytest.approx(with_room + 30 * 40.0, rel=0.01)
+    # (The other engine as full: where it had room, the turn would move there.)
+    decision = planner.decide(full, dataclasses.replace(alone, capacity_tokens=3200), facts)
+    assert decision.where == "whole", decision.why
+    assert decision.estimates["ttft_ms"] == pytest.approx(with_room + 30 * 40.0, rel=0.01)
+
+
+def test_a_turn_its_home_has_no_room_for_moves_to_an_as_busy_engine_with_room() -> None:
+    """Both engines decode one turn and compute nothing: neither is the less busy, so by
+    their loads the session stays. But the home's cache cannot hold the turn beside its turn
+    in flight and the other's can: the turn would wait out a decode at home for room (a
+    count of KV, not an estimate), and the other engine, reading the history from the shared
+    tier, starts it at once. Where the other has no room either, it stays; the reason says
+    what the cheaper placements lacked."""
+    planner = Planner(decoding(1, 100 * 40.0, 1, 100 * 40.0))
+    facts = shared_turn()
+    full = EngineLoad(HOME, in_flight=1, capacity_tokens=3200, kv_in_flight=2800)
+    roomy = EngineLoad(HELPER, in_flight=1, capacity_tokens=8000, kv_in_flight=2800)
+    assert not roomy.less_busy_than(full) and not full.less_busy_than(roomy)
+    decision = planner.decide(full, roomy, facts)
+    assert (decision.where, decision.home, decision.prefill, decision.pull) == (
+        "move", HELPER, HELPER, False), decision.why
+    both_full = dataclasses.replace(roomy, capacity_tokens=3200)
+    stays = planner.decide(full, both_full, facts)
+    assert stays.where == "whole"
+    assert ("; split: no room beside the turns in flight; move: no room beside the turns in "
+            "flight, not to a busier engine)") in stays.why, stays.why
 
 
 def test_turns_in_flight_count_each_turns_kv_until_it_ends_or_its_engine_idles() -> None:

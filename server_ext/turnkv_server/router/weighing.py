@@ -22,9 +22,12 @@ Memory is a constraint too: a placement that would have an engine take more KV t
 room for (`EngineLoad.room_tokens`: its cache less what the sessions' leases hold there, as the
 router counts them, `Holdings`; or, where the engines share a tier that holds those leases' KV,
 its cache less its turns in flight, `TurnsInFlight`) is not taken. A session moves only to an
-engine less busy than its home (and, pulling its history, home to fewer sessions). A copy of
-the history is pushed to the other engine after a turn where it has room and there is no
-pressure and no shared tier (`WeighingPlanner._push_back`); a turn not read keeps none.
+engine less busy than its home, or to one with room for the turn beside its turns in flight
+where the home has none; pulling its history (which needs room on both), only to a less busy
+engine home to fewer sessions. A copy of the history is pushed to the other engine after a
+turn where it has room and there is no pressure and no shared tier
+(`WeighingPlanner._push_back`); a turn not read keeps none. Where a placement estimated cheaper
+was not taken, the decision's reason says what it lacked.
 """
 
 from __future__ import annotations
@@ -98,12 +101,22 @@ class _Option:
     ttft_ms: float  # to the first token
     stall_ms: float  # of each other request decoding on `prefill`
     cost_ms: float  # waiting added across all requests
-    fits: bool = True  # the engines have room for the KV it adds (see the module's text)
+    # What it needs and lacks (see the module's text): none, it fits.
+    refused: tuple[str, ...] = ()
     compute_ms: float = 0.0  # of its prompt, on `prefill`: what later prompts there wait for
     # Where the KV is written into the engine that decodes (a split, a pull): the prompts that
     # engine had ahead of the turn, which its first token waits for.
     home_wait_ms: float = 0.0
     recomputes: bool = False  # computes more of the prompt than whole on the home would
+
+    @property
+    def fits(self) -> bool:
+        return not self.refused
+
+
+def _unmet(needs: dict[str, bool]) -> tuple[str, ...]:
+    """Of a placement's needs, by what each says when unmet, those it lacks."""
+    return tuple(unmet for unmet, met in needs.items() if not met)
 
 
 class WeighingPlanner(Planner):
@@ -153,7 +166,9 @@ class WeighingPlanner(Planner):
         costs = self.costs
         # Room on the other engine: beside its leases, or where the engines share a tier
         # (whose copy of the leases' KV their sessions would read back), beside its requests.
-        room = other.fits_cache if facts.shared_tier else other.fits
+        fits = other.fits_cache if facts.shared_tier else other.fits
+        no_room = ("bigger than the other engine's cache" if facts.shared_tier
+                   else "would end leases")
         # Whole: the home computes what it lacks, stalling its other requests meanwhile.
         whole_n = tokens_to_compute(prompt, facts.home_holds, block)
         whole_ms = costs.prefill_ms(home.name, prompt, whole_n)
@@ -180,9 +195,17 @@ class WeighingPlanner(Planner):
         # write into a home that has none waits there holding the helper's blocks. Only where
         # both have room beside their turns in flight.
         both_room = not (home.waits_for_room(prompt + out) or other.waits_for_room(prompt))
+        # A session moves only to a less busy engine (below), or where its home has no room
+        # for the turn beside its turns in flight and the other has: the wait for room is a
+        # count of KV, not an estimate, and the other engine starts the turn at once.
+        idler = (other.less_busy_than(home) or (home.waits_for_room(prompt + out)
+                                                and not other.waits_for_room(prompt + out)))
+        in_flight_room = "no room beside the turns in flight"
         split = _Option("split", other, home, split_ms, _stall(split_compute, other),
                         split_ms + split_compute * other.in_flight + home_decode,
-                        fits=room(split_n + read_n) and both_room, compute_ms=split_compute,
+                        refused=_unmet({no_room: fits(split_n + read_n),
+                                        in_flight_room: both_room}),
+                        compute_ms=split_compute,
                         home_wait_ms=home.prefill_wait_ms, recomputes=split_n > whole_n)
         # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
         # the other engine, which decodes there from now on, at its own batch (and, as a
@@ -200,7 +223,8 @@ class WeighingPlanner(Planner):
             options["move-copy"] = _Option(
                 "move", other, other, other_wait + copy_ms, _stall(copy_ms, other),
                 other_wait + copy_ms * (1 + other.in_flight) + moved_decode,
-                fits=room(copy_n + out) and other.less_busy_than(home), compute_ms=copy_ms)
+                refused=_unmet({no_room: fits(copy_n + out), "not to a busier engine": idler}),
+                compute_ms=copy_ms)
         # Only to a less busy engine: a decode step measured at a small batch includes the
         # steps that prefills held, so by its costs alone an engine measured while it started
         # its first prompts reads slower than a crowded one, and sessions would drain to it.
@@ -210,8 +234,10 @@ class WeighingPlanner(Planner):
         options["move"] = _Option(
             "move", home, other, move_ms, _stall(whole_ms, home),
             move_ms + whole_ms * home.in_flight + moved_decode,
-            fits=(room(prompt + out) and both_room and other.less_busy_than(home)
-                  and other.homes_fewer_than(home)), compute_ms=whole_ms,
+            refused=_unmet({no_room: fits(prompt + out), in_flight_room: both_room,
+                            "not to a busier engine": other.less_busy_than(home),
+                            "not to an engine home to as many": other.homes_fewer_than(home)}),
+            compute_ms=whole_ms,
             home_wait_ms=other.prefill_wait_ms)
         if facts.tier_holds:
             # Move, over the shared tier: the other engine reads the history from the tier
@@ -222,7 +248,8 @@ class WeighingPlanner(Planner):
             options["move-tier"] = _Option(
                 "move", other, other, other_wait + tier_ms, _stall(tier_ms, other),
                 other_wait + tier_ms * (1 + other.in_flight) + moved_decode,
-                fits=room(prompt + out) and other.less_busy_than(home), compute_ms=tier_ms)
+                refused=_unmet({no_room: fits(prompt + out), "not to a busier engine": idler}),
+                compute_ms=tier_ms)
         return options
 
     def _room_wait(self, engine: EngineLoad, tokens: int, out: int) -> float:
@@ -285,10 +312,10 @@ class WeighingPlanner(Planner):
 
     @staticmethod
     def _least_waiting(options: dict[Choice, _Option], best: _Option) -> str:
-        cheaper = [name for name, o in options.items()
+        cheaper = [f"{name}: {', '.join(o.refused)}" for name, o in options.items()
                    if not o.fits and o.cost_ms < best.cost_ms]
         if cheaper:
-            return f"the least waiting with room: {' and '.join(cheaper)} would end leases"
+            return f"the least waiting that may go; {'; '.join(cheaper)}"
         return "the least waiting"
 
     # -- the decision --------------------------------------------------------------------
