@@ -106,6 +106,23 @@ def test_a_one_engine_move_has_one_part_until_its_first_token() -> None:
     asyncio.run(main())
 
 
+def test_the_planner_is_told_the_time_each_part_not_done_has_left() -> None:
+    clock = Clock()
+    landings = Landings(clock)
+    landings.begin("split", split(prefill_done_ms=400.0, ttft_ms=900.0))
+    assert landings.left_ms("helper") == pytest.approx((400.0,))
+    assert landings.left_ms("home") == pytest.approx((900.0,))
+    clock.now += 0.5
+    landings.prefilled("split")
+    assert landings.left_ms("helper") == ()
+    assert landings.left_ms("home") == pytest.approx((400.0,))
+    clock.now += 1.0  # past its due time, not forgotten yet: due now
+    assert landings.left_ms("home") == (0.0,)
+    assert landings.left_ms("elsewhere") == ()
+    landings.end("split")
+    assert landings.left_ms("home") == ()
+
+
 def test_a_prompt_is_held_no_longer_than_its_own_compute() -> None:
     async def main() -> None:
         landings = Landings(asyncio.get_running_loop().time)

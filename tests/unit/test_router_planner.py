@@ -632,6 +632,29 @@ def test_a_turn_its_home_has_no_room_for_moves_to_an_as_busy_engine_with_room() 
             "flight, not to a busier engine)") in stays.why, stays.why
 
 
+def test_a_prompt_held_for_a_turn_landing_on_its_engine_counts_the_hold() -> None:
+    """A turn that moves KV lands on the home 1 s from now, as planned. A whole turn there,
+    whose prompt computes for 1.5 s, would be held until it lands (`router.landings`): its
+    estimate counts the second, and the split, a hair dearer than whole without it, goes
+    instead. A turn landing after the prompt's compute would be done holds nothing."""
+    planner = Planner(measured(home_ms=3.0, helper_ms=3.0))
+    facts = history_turn(delta=500)
+    home, helper = EngineLoad(HOME, in_flight=1), EngineLoad(HELPER, in_flight=1)
+    free = planner.decide(home, helper, facts)
+    assert free.where == "whole" and free.estimates["compute_ms"] == pytest.approx(1536.0)
+    landing = planner.decide(dataclasses.replace(home, landing_ms=(1000.0,)), helper, facts)
+    assert landing.where == "split", landing.why
+    assert "whole ~7072 ms" in landing.why  # 6,072 ms, and the second
+    late = planner.decide(dataclasses.replace(home, landing_ms=(5000.0,)), helper, facts)
+    assert late.where == "whole" and late.estimates == free.estimates
+    # Pinned whole, its estimates and reason say it.
+    held = planner.decide(dataclasses.replace(home, landing_ms=(1000.0, 200.0)), helper, facts,
+                          pin="whole")
+    assert held.estimates["ttft_ms"] == pytest.approx(free.estimates["ttft_ms"] + 1000.0)
+    assert held.estimates["prefill_done_ms"] == pytest.approx(2536.0)
+    assert "~1000 ms held for a landing" in held.why
+
+
 def test_turns_in_flight_count_each_turns_kv_until_it_ends_or_its_engine_idles() -> None:
     kv = TurnsInFlight(max_turns=3)
     kv.begin("a", HOME, 1000)

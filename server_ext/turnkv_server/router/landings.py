@@ -105,6 +105,12 @@ class Landings:
                                      f"landing on {engine}",
                        estimates={**decision.estimates, "held_ms": round(held_ms, 2)})
 
+    def left_ms(self, engine: str) -> tuple[float, ...]:
+        """The time each part on `engine` not done has left as planned (0: overdue)."""
+        now = self._clock()
+        return tuple(max(0.0, (part.due_s - now) * 1000) for part in self._on(engine)
+                     if not part.done.is_set())
+
     def _on(self, engine: str) -> list[_Part]:
         return [part for parts in self.parts.values() for part in parts
                 if part is not None and part.engine == engine]

@@ -45,6 +45,7 @@ SPLIT_MEMORY_TURNS = 3
 LEASE_SHARE = 0.9
 # Its prompts ahead done in under this share of another's time, an engine is the less busy.
 BUSIER_QUEUE = 0.5
+MAX_TURNS_IN_FLIGHT = 10_000  # counted at most: a backstop for turns that never end
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class EngineLoad:
     capacity_tokens: int | None = None
     kv_in_flight: int = 0
     prefill_wait_ms: float = 0.0
+    landing_ms: tuple[float, ...] = ()  # the time left to turns landing on it (`Landings`)
 
     def less_busy_than(self, other: EngineLoad) -> bool:
         """Its prompts ahead done in under half the other's time (as estimated, which errs by
@@ -124,9 +126,6 @@ class Holdings:
         if capacity_tokens is None:
             return None
         return max(0, int(capacity_tokens * LEASE_SHARE) - self.held(engine))
-
-
-MAX_TURNS_IN_FLIGHT = 10_000  # counted at most: a backstop for turns that never end
 
 
 @dataclass(frozen=True)

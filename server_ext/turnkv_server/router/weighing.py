@@ -107,6 +107,7 @@ class _Option:
     # Where the KV is written into the engine that decodes (a split, a pull): the prompts that
     # engine had ahead of the turn, which its first token waits for.
     home_wait_ms: float = 0.0
+    held_ms: float = 0.0  # held back, on `prefill`, for the turns landing there
     recomputes: bool = False  # computes more of the prompt than whole on the home would
 
     @property
@@ -175,11 +176,14 @@ class WeighingPlanner(Planner):
         home_decode = out * costs.decode_step_ms(home.name, home.in_flight + 1)
         # A turn waits for room where a cache cannot hold it beside the turns in flight there.
         # And behind the prompts each engine has ahead of it.
+        # And, a long prompt, held back for the turns that land there (`router.landings`).
         home_wait = self._room_wait(home, prompt + out, out) + home.prefill_wait_ms
         other_wait = self._room_wait(other, prompt + out, out) + other.prefill_wait_ms
-        whole = _Option("whole", home, home, home_wait + whole_ms, _stall(whole_ms, home),
-                        home_wait + whole_ms * (1 + home.in_flight) + home_decode,
-                        compute_ms=whole_ms)
+        whole_held = _held_ms(home, whole_ms)
+        whole = _Option("whole", home, home, home_wait + whole_held + whole_ms,
+                        _stall(whole_ms, home),
+                        home_wait + whole_held + whole_ms * (1 + home.in_flight) + home_decode,
+                        compute_ms=whole_ms, held_ms=whole_held)
         # What the other engine lacks: beyond its copy, or what it reads of the shared tier.
         # Split: the helper computes what it lacks and writes what the home lacks.
         split_n, read_n = self._other_lacks(facts)
@@ -188,8 +192,10 @@ class WeighingPlanner(Planner):
         # The home takes the KV in and gives the first token at a step of its own: only after
         # the prompts it has ahead, which it computes first, a prompt in progress holding its
         # steps (so a split does not get past a home's queue, it only adds no prompt to it).
-        split_ms = (max(other.prefill_wait_ms + split_compute + costs.transfer_ms(whole_n),
-                        home.prefill_wait_ms) + costs.split_overhead_ms(home.name))
+        split_held = _held_ms(other, split_compute)
+        split_ms = (max(other.prefill_wait_ms + split_held + split_compute
+                        + costs.transfer_ms(whole_n), home.prefill_wait_ms)
+                    + costs.split_overhead_ms(home.name))
         # Both engines hold the prompt's KV at once (the helper as it computes, the home as it
         # receives): under pressure that takes twice the room of any other placement, and a
         # write into a home that has none waits there holding the helper's blocks. Only where
@@ -205,12 +211,12 @@ class WeighingPlanner(Planner):
                         split_ms + split_compute * other.in_flight + home_decode,
                         refused=_unmet({no_room: fits(split_n + read_n),
                                         in_flight_room: both_room}),
-                        compute_ms=split_compute,
-                        home_wait_ms=home.prefill_wait_ms, recomputes=split_n > whole_n)
+                        compute_ms=split_compute, home_wait_ms=home.prefill_wait_ms,
+                        held_ms=split_held, recomputes=split_n > whole_n)
         # Move, pulling: the old home computes the delta and writes the whole prompt's KV to
         # the other engine, which decodes there from now on, at its own batch (and, as a
         # split's home, after the prompts it has ahead).
-        move_ms = (max(home.prefill_wait_ms + whole_ms + costs.transfer_ms(prompt),
+        move_ms = (max(home.prefill_wait_ms + whole_held + whole_ms + costs.transfer_ms(prompt),
                        other.prefill_wait_ms) + costs.split_overhead_ms(other.name))
         moved_decode = out * costs.decode_step_ms(other.name, other.in_flight + 1)
         options: dict[Choice, _Option] = {"whole": whole, "split": split}
@@ -220,11 +226,12 @@ class WeighingPlanner(Planner):
             # nothing crosses the link at the turn. A whole turn of the other engine's.
             copy_n = tokens_to_compute(prompt, facts.helper_holds, block)
             copy_ms = costs.prefill_ms(other.name, prompt, copy_n)
+            copy_wait = other_wait + _held_ms(other, copy_ms)
             options["move-copy"] = _Option(
-                "move", other, other, other_wait + copy_ms, _stall(copy_ms, other),
-                other_wait + copy_ms * (1 + other.in_flight) + moved_decode,
+                "move", other, other, copy_wait + copy_ms, _stall(copy_ms, other),
+                copy_wait + copy_ms * (1 + other.in_flight) + moved_decode,
                 refused=_unmet({no_room: fits(copy_n + out), "not to a busier engine": idler}),
-                compute_ms=copy_ms)
+                compute_ms=copy_ms, held_ms=copy_wait - other_wait)
         # Only to a less busy engine: a decode step measured at a small batch includes the
         # steps that prefills held, so by its costs alone an engine measured while it started
         # its first prompts reads slower than a crowded one, and sessions would drain to it.
@@ -237,19 +244,18 @@ class WeighingPlanner(Planner):
             refused=_unmet({no_room: fits(prompt + out), in_flight_room: both_room,
                             "not to a busier engine": other.less_busy_than(home),
                             "not to an engine home to as many": other.homes_fewer_than(home)}),
-            compute_ms=whole_ms,
-            home_wait_ms=other.prefill_wait_ms)
+            compute_ms=whole_ms, home_wait_ms=other.prefill_wait_ms, held_ms=whole_held)
         if facts.tier_holds:
             # Move, over the shared tier: the other engine reads the history from the tier
             # both engines write to (what its own cache lacks of it) and computes the rest, as
             # a whole turn of its own. Only to a less busy engine; not held back by the homes'
             # counts, as a pull is: the next turn can go back the same way, for a read.
-            tier_ms = split_compute
+            tier_ms, tier_wait = split_compute, other_wait + split_held
             options["move-tier"] = _Option(
-                "move", other, other, other_wait + tier_ms, _stall(tier_ms, other),
-                other_wait + tier_ms * (1 + other.in_flight) + moved_decode,
+                "move", other, other, tier_wait + tier_ms, _stall(tier_ms, other),
+                tier_wait + tier_ms * (1 + other.in_flight) + moved_decode,
                 refused=_unmet({no_room: fits(prompt + out), "not to a busier engine": idler}),
-                compute_ms=tier_ms)
+                compute_ms=tier_ms, held_ms=split_held)
         return options
 
     def _room_wait(self, engine: EngineLoad, tokens: int, out: int) -> float:
@@ -336,8 +342,14 @@ class WeighingPlanner(Planner):
                        "compute_ms": round(option.compute_ms, 2),
                        # Its prompt computed, on `prefill`: a split's helper part.
                        "prefill_done_ms": round(option.prefill.prefill_wait_ms
-                                                + option.compute_ms, 2),
+                                                + option.held_ms + option.compute_ms, 2),
                        "home_wait_ms": round(option.home_wait_ms, 2)})
+
+
+def _held_ms(engine: EngineLoad, compute_ms: float) -> float:
+    """How long a prompt of `compute_ms` on `engine` is held back for the turns landing there
+    (`router.landings`): until the last of those with less time left than that compute."""
+    return max((left for left in engine.landing_ms if left < compute_ms), default=0.0)
 
 
 def _stall(compute_ms: float, engine: EngineLoad) -> float:
@@ -352,6 +364,8 @@ def _estimates_text(option: _Option, facts: TurnFacts) -> str:
              if option.stall_ms else "")
     ahead = option.prefill.prefill_wait_ms
     queue = f" (~{ahead:.0f} ms of prompts ahead)" if ahead >= 1 else ""
+    if option.held_ms >= 1:
+        queue += f" (~{option.held_ms:.0f} ms held for a landing)"
     return (f"{facts.prompt_tokens} prompt tokens ({held}); prefill on {option.prefill.name}, "
             f"decode on {option.home.name}; ~{option.ttft_ms:.0f} ms to first token{queue}"
             f"{stall}")

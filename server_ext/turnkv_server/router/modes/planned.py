@@ -287,7 +287,9 @@ class Turnkv(Mode):
                           capacity_tokens=engine.kv_tokens,
                           kv_in_flight=self._in_flight.kv_tokens(engine.name),
                           prefill_wait_ms=self._in_flight.prefill_wait_ms(
-                              engine.name, engine.prefilling, self.ctx.clock()))
+                              engine.name, engine.prefilling, self.ctx.clock()),
+                          landing_ms=self._landings.left_ms(engine.name) if self._landings.parts
+                          else ())
 
     def _params(self, turn: Turn, send: Send | None = None,
                 receive: Receive | None = None) -> dict[str, Any]:
@@ -352,8 +354,7 @@ class Turnkv(Mode):
         if (plan.alone is not None and not plan.alone.held and decision.where == "whole"
                 and place.history_len and session.decode == decode.name and computed is not None
                 and computed > tokens.total - place.history_len + HELD_TAIL_TOKENS):
-            # An untokenized turn that computed more than its delta (counted as if the history
-            # was not edited): the home lost the history, as a held short delta tells.
+            # Unread, it computed more than its delta (the history unedited): the home lost it.
             self._pressure.record(decode.name, True)
         history_len = tokens.total + stats.completion_tokens
         place.prompt_tokens, place.request_bytes = tokens.total, turn.request_bytes
@@ -368,8 +369,7 @@ class Turnkv(Mode):
             place.copy_on, place.copy_tokens = plan.placement.prefill.name, tokens.total
         elif decision.where == "move" and decision.pull:
             place.copy_on, place.copy_tokens = None, 0
-        elif decision.where == "move":
-            # Moved to its copy: the old home keeps the history as it was.
+        elif decision.where == "move":  # to its copy: the old home keeps the history as it was
             old_home = self._other(decode)
             place.copy_on = old_home.name if old_home is not None else None
             place.copy_tokens = place.history_len
