@@ -15,7 +15,8 @@ from turnkv_server.router.config import RouterConfig, from_args, itl_target_args
 from turnkv_server.router.engines import Placement
 from turnkv_server.router.modes import make_mode
 from turnkv_server.router.modes.base import DecodeAlone, Mode, Turn, TurnEnd, TurnPlan
-from turnkv_server.router.modes.itl import WINDOW, ItlTarget, tokens_to_compute
+from turnkv_server.router.modes.itl import WINDOW, ItlTarget
+from turnkv_server.router.planner import tokens_to_compute
 
 from .test_router_turnkv_mode import Tokenizer, context, turn
 

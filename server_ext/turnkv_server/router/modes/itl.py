@@ -29,16 +29,6 @@ from collections import deque
 WINDOW = 16
 
 
-def tokens_to_compute(prompt_len: int, shared: int, block: int | None) -> int:
-    """Tokens an engine holding the first `shared` tokens of a `prompt_len`-token prompt
-    computes: prefix caching reuses whole blocks only, and vLLM computes the last prompt token
-    even when it holds it (`block` None: unknown, the tail not counted)."""
-    held = min(shared, prompt_len - 1)
-    if block:
-        held = held // block * block
-    return max(1, prompt_len - max(0, held))
-
-
 class ItlTarget:
     """Per decode engine, its measured prefill cost per token, and whether a short delta stays
     on it (`divert`)."""

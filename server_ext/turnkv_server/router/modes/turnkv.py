@@ -51,7 +51,7 @@ from turnkv_server.router.modes.base import (
     tokenize,
 )
 from turnkv_server.router.modes.engine_orders import EngineOrders
-from turnkv_server.router.modes.itl import ItlTarget, tokens_to_compute
+from turnkv_server.router.modes.itl import ItlTarget
 from turnkv_server.router.modes.planned import (
     HELD_TAIL_TOKENS,
     Turnkv,
@@ -60,6 +60,7 @@ from turnkv_server.router.modes.planned import (
     prefetch_lease,
     turn_hints,
 )
+from turnkv_server.router.planner import tokens_to_compute
 from turnkv_server.router.sessions import Session
 from turnkv_server.router.token_history import common_prefix_len
 
@@ -164,9 +165,8 @@ class PdTurnkv(Turnkv):
         delta = new_tokens(prompt_ids, session.tokens)
         if delta > self.ctx.short_delta_tokens:
             return None, None
-        # Read after /tokenize has ended: this turn's own requests are not in the count. (Only
-        # a prefill engine that is up can take the delta instead.) Without a target the
-        # policy's module is never entered.
+        # Read after /tokenize has ended: this turn's own requests are not in the count; only a
+        # prefill engine that is up can take the delta. No target: the policy is never entered.
         if self.ctx.itl_target_ms is not None and placement.prefill.healthy:
             tokens = tokens_to_compute(len(prompt_ids), len(prompt_ids) - delta,
                                        decode.block_size)
