@@ -653,6 +653,11 @@ def test_a_prompt_held_for_a_turn_landing_on_its_engine_counts_the_hold() -> Non
     assert held.estimates["ttft_ms"] == pytest.approx(free.estimates["ttft_ms"] + 1000.0)
     assert held.estimates["prefill_done_ms"] == pytest.approx(2536.0)
     assert "~1000 ms held for a landing" in held.why
+    # The hold and the prompts ahead overlap: a turn waits out the longer, not both.
+    queued = dataclasses.replace(home, landing_ms=(1000.0,), prefill_wait_ms=1200.0)
+    behind = planner.decide(queued, helper, facts, pin="whole")
+    assert behind.estimates["ttft_ms"] == pytest.approx(free.estimates["ttft_ms"] + 1200.0)
+    assert "held for a landing" not in behind.why
 
 
 def test_turns_in_flight_count_each_turns_kv_until_it_ends_or_its_engine_idles() -> None:

@@ -347,9 +347,12 @@ class WeighingPlanner(Planner):
 
 
 def _held_ms(engine: EngineLoad, compute_ms: float) -> float:
-    """How long a prompt of `compute_ms` on `engine` is held back for the turns landing there
-    (`router.landings`): until the last of those with less time left than that compute."""
-    return max((left for left in engine.landing_ms if left < compute_ms), default=0.0)
+    """How much longer than its prompts ahead a prompt of `compute_ms` on `engine` waits, held
+    back for the turns landing there (`router.landings`) until the last of those with less time
+    left than that compute: the two overlap (a split's helper part is one of the prompts ahead,
+    and a home's landing comes after them)."""
+    latest = max((left for left in engine.landing_ms if left < compute_ms), default=0.0)
+    return max(0.0, latest - engine.prefill_wait_ms)
 
 
 def _stall(compute_ms: float, engine: EngineLoad) -> float:
