@@ -16,7 +16,6 @@ already reads (`input_tokens_details.cached_tokens`).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from dataclasses import dataclass
 from typing import Any
@@ -77,8 +76,11 @@ async def converse(base_url: str, model: str, api_key: str = "unused",
 
 
 def main() -> None:
-    args = _parser().parse_args()
-    base_url, model = _endpoint(args)
+    # Here, not at the top: the tests import this module as `examples.agents_sdk`.
+    from _endpoint import endpoint, endpoint_parser
+
+    args = endpoint_parser(__doc__, max_tokens=None, ttl=False).parse_args()
+    base_url, model = endpoint(args)
     runs = asyncio.run(converse(base_url, model, args.api_key, args.max_tokens))
     for question, calls in zip((QUESTION, FOLLOW_UP), runs, strict=True):
         print(f"user: {question}")
@@ -91,30 +93,6 @@ def main() -> None:
                 print(f"  model: {text}")
             print(f"  ({call.input_tokens} prompt tokens, {call.cached_tokens} not computed "
                   "again)")
-
-
-def _endpoint(args: argparse.Namespace) -> tuple[str, str]:
-    """The OpenAI base URL and model: given, or those of the cluster `turnkv up` started."""
-    if args.base_url and args.model:
-        return args.base_url, args.model
-    from turnkv_server.launcher import current_state
-
-    state = current_state()
-    if args.base_url is None and (state is None or not state.router):
-        raise SystemExit("no cluster is running: start one with `turnkv up`, or pass "
-                         "--base-url and --model")
-    assert state is not None
-    return args.base_url or f"{state.router}/v1", args.model or state.served_model_name
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", help="a turnkv router's OpenAI URL (http://HOST:PORT/v1)")
-    parser.add_argument("--model", help="the model to use (default: the cluster's)")
-    parser.add_argument("--api-key", default="unused")
-    parser.add_argument("--max-tokens", type=int, default=None)
-    return parser
 
 
 if __name__ == "__main__":

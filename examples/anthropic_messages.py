@@ -16,7 +16,6 @@ router's stats of the turn ride on the stream's `message_delta` event as `turnkv
 
 from __future__ import annotations
 
-import argparse
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -71,33 +70,12 @@ def _streamed(events: Any) -> Reply:
 
 
 def main() -> None:
-    args = _parser().parse_args()
-    base_url, model = _endpoint(args)
+    # Here, not at the top: the tests import this module as `examples.anthropic_messages`.
+    from _endpoint import endpoint, endpoint_parser
+
+    args = endpoint_parser(__doc__, ttl=False, path="").parse_args()
+    base_url, model = endpoint(args, path="")
     converse(base_url, model, args.api_key, args.max_tokens)
-
-
-def _endpoint(args: argparse.Namespace) -> tuple[str, str]:
-    """The router's URL and model: given, or those of the cluster `turnkv up` started."""
-    if args.base_url and args.model:
-        return args.base_url, args.model
-    from turnkv_server.launcher import current_state
-
-    state = current_state()
-    if args.base_url is None and (state is None or not state.router):
-        raise SystemExit("no cluster is running: start one with `turnkv up`, or pass "
-                         "--base-url and --model")
-    assert state is not None
-    return args.base_url or state.router, args.model or state.served_model_name
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", help="a turnkv router's URL (http://HOST:PORT)")
-    parser.add_argument("--model", help="the model to use (default: the cluster's)")
-    parser.add_argument("--api-key", default="unused")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    return parser
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ response's ID instead: the router keeps the Responses state, and that chain is o
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
@@ -68,36 +67,15 @@ def converse(base_url: str, model: str, api_key: str = "unused",
 
 
 def main() -> None:
-    args = _parser().parse_args()
-    base_url, model = _endpoint(args)
+    # Here, not at the top: the tests import this module as `examples.langchain_responses`.
+    from _endpoint import endpoint, endpoint_parser
+
+    args = endpoint_parser(__doc__, max_tokens=None, ttl=False).parse_args()
+    base_url, model = endpoint(args)
     for question, reply in zip(QUESTIONS, converse(base_url, model, args.api_key,
                                                    args.max_tokens), strict=True):
         print(f"user: {question}\n  model: {reply.text}\n  ({reply.prompt_tokens} prompt "
               f"tokens, {reply.cached_tokens} not computed again)")
-
-
-def _endpoint(args: argparse.Namespace) -> tuple[str, str]:
-    """The OpenAI base URL and model: given, or those of the cluster `turnkv up` started."""
-    if args.base_url and args.model:
-        return args.base_url, args.model
-    from turnkv_server.launcher import current_state
-
-    state = current_state()
-    if args.base_url is None and (state is None or not state.router):
-        raise SystemExit("no cluster is running: start one with `turnkv up`, or pass "
-                         "--base-url and --model")
-    assert state is not None
-    return args.base_url or f"{state.router}/v1", args.model or state.served_model_name
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", help="a turnkv router's OpenAI URL (http://HOST:PORT/v1)")
-    parser.add_argument("--model", help="the model to use (default: the cluster's)")
-    parser.add_argument("--api-key", default="unused")
-    parser.add_argument("--max-tokens", type=int, default=None)
-    return parser
 
 
 if __name__ == "__main__":
