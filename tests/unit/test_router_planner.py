@@ -523,6 +523,33 @@ def test_no_push_back_to_a_helper_without_room_for_the_copy() -> None:
 
 # -- a tier both engines read (`--shared-tier`) ----------------------------------------------
 
+def test_no_move_to_a_copy_or_over_the_tier_to_an_engine_home_to_more_sessions() -> None:
+    """A move to the copy or over the shared tier is cheap to undo, so it may leave the
+    other engine home to two more sessions than the home (from an even pair), but not go to
+    an engine already home to more: one such move after another gathered every session of a
+    pair on one engine, where their turns queued behind each other's prompts. For room (the
+    home cannot hold the turn beside its turns in flight, the other can) it still may."""
+    planner = Planner(measured(home_ms=3.0, helper_ms=3.0))
+    busy = EngineLoad(HOME, in_flight=2, prefilling=1, capacity_tokens=3200,
+                      prefill_wait_ms=5000.0)
+    idle = EngineLoad(HELPER, capacity_tokens=3200)
+    copies = dataclasses.replace(shared_turn(), shared_tier=False, tier_holds=0,
+                                 helper_holds=2700)
+    for facts, option in ((shared_turn(), "move-tier"), (copies, "move-copy")):
+        even = planner.decide(dataclasses.replace(busy, homed=2),
+                              dataclasses.replace(idle, homed=2), facts)
+        assert (even.where, even.home) == ("move", HELPER), even.why
+        assert f"{option} ~" in even.why
+        crowded = planner.decide(dataclasses.replace(busy, homed=1),
+                                 dataclasses.replace(idle, homed=3), facts)
+        assert crowded.where != "move", crowded.why
+        assert "not to an engine home to more" in crowded.why, crowded.why
+    # For room: the home's cache cannot hold the turn beside its turns in flight.
+    full = dataclasses.replace(busy, homed=1, kv_in_flight=2800)
+    decision = planner.decide(full, dataclasses.replace(idle, homed=3), shared_turn())
+    assert (decision.where, decision.home) == ("move", HELPER), decision.why
+
+
 def shared_turn(prompt: int = 3000, delta: int = 300, **more: object) -> TurnFacts:
     """A turn adding `delta` tokens to a history its home holds and the shared tier too; the
     other engine holds no copy (with a shared tier nothing is pushed back)."""

@@ -78,9 +78,10 @@ class EngineLoad:
             return self.prefill_wait_ms < other.prefill_wait_ms
         return (self.prefilling, self.in_flight) < (other.prefilling, other.in_flight)
 
-    def homes_fewer_than(self, other: EngineLoad) -> bool:
-        """Whether a session moving here leaves the two no further apart in sessions."""
-        return self.homed is None or other.homed is None or self.homed < other.homed
+    def homes_fewer_than(self, other: EngineLoad, slack: int = 0) -> bool:
+        """Whether a session moving here leaves the two no further apart in sessions (with
+        `slack` 1: it leaves this one home to at most two more than the other)."""
+        return self.homed is None or other.homed is None or self.homed < other.homed + slack
 
     def fits(self, tokens: int) -> bool:
         return self.room_tokens is None or tokens <= self.room_tokens

@@ -204,8 +204,13 @@ class WeighingPlanner(Planner):
         # A session moves only to a less busy engine (below), or where its home has no room
         # for the turn beside its turns in flight and the other has: the wait for room is a
         # count of KV, not an estimate, and the other engine starts the turn at once.
-        idler = (other.less_busy_than(home) or (home.waits_for_room(prompt + out)
-                                                and not other.waits_for_room(prompt + out)))
+        for_room = home.waits_for_room(prompt + out) and not other.waits_for_room(prompt + out)
+        idler = other.less_busy_than(home) or for_room
+        # Nor, to a copy or over the tier, for a moment's lead, to an engine home to more
+        # sessions than the home already: one by one such moves gather every session on one
+        # engine, whose turns then queue behind each other's prompts. For room it may.
+        not_crowded = for_room or other.homes_fewer_than(home, slack=1)
+        crowded = "not to an engine home to more"
         in_flight_room = "no room beside the turns in flight"
         split = _Option("split", other, home, split_ms, _stall(split_compute, other),
                         split_ms + split_compute * other.in_flight + home_decode,
@@ -230,7 +235,8 @@ class WeighingPlanner(Planner):
             options["move-copy"] = _Option(
                 "move", other, other, copy_wait + copy_ms, _stall(copy_ms, other),
                 copy_wait + copy_ms * (1 + other.in_flight) + moved_decode,
-                refused=_unmet({no_room: fits(copy_n + out), "not to a busier engine": idler}),
+                refused=_unmet({no_room: fits(copy_n + out), "not to a busier engine": idler,
+                                crowded: not_crowded}),
                 compute_ms=copy_ms, held_ms=copy_wait - other_wait)
         # Only to a less busy engine: a decode step measured at a small batch includes the
         # steps that prefills held, so by its costs alone an engine measured while it started
@@ -248,13 +254,14 @@ class WeighingPlanner(Planner):
         if facts.tier_holds:
             # Move, over the shared tier: the other engine reads the history from the tier
             # both engines write to (what its own cache lacks of it) and computes the rest, as
-            # a whole turn of its own. Only to a less busy engine; not held back by the homes'
-            # counts, as a pull is: the next turn can go back the same way, for a read.
+            # a whole turn of its own. Only to a less busy engine; held back by the homes'
+            # counts less than a pull is: the next turn can go back the same way, for a read.
             tier_ms, tier_wait = split_compute, other_wait + split_held
             options["move-tier"] = _Option(
                 "move", other, other, tier_wait + tier_ms, _stall(tier_ms, other),
                 tier_wait + tier_ms * (1 + other.in_flight) + moved_decode,
-                refused=_unmet({no_room: fits(prompt + out), "not to a busier engine": idler}),
+                refused=_unmet({no_room: fits(prompt + out), "not to a busier engine": idler,
+                                crowded: not_crowded}),
                 compute_ms=tier_ms, held_ms=split_held)
         return options
 
