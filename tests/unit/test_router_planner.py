@@ -538,7 +538,8 @@ def test_no_move_to_a_copy_or_over_the_tier_to_an_engine_home_to_more_sessions()
     for facts, option in ((shared_turn(), "move-tier"), (copies, "move-copy")):
         even = planner.decide(dataclasses.replace(busy, homed=2),
                               dataclasses.replace(idle, homed=2), facts)
-        assert (even.where, even.home) == ("move", HELPER), even.why
+        # Served from the copy or the tier, not pulled over the link.
+        assert (even.where, even.home, even.pull) == ("move", HELPER, False), even.why
         assert f"{option} ~" in even.why
         crowded = planner.decide(dataclasses.replace(busy, homed=1),
                                  dataclasses.replace(idle, homed=3), facts)
