@@ -5,6 +5,7 @@ computing or has queued), against an aiohttp stand-in that answers when told to.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiohttp import web
 
@@ -49,6 +50,32 @@ def test_a_request_counts_as_prefilling_until_its_answer_begins() -> None:
         finally:
             first_token.set()
             last_token.set()
+            await upstream.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_an_engine_remembers_when_its_latest_answer_began() -> None:
+    """The prompt queued behind an answered one begins then (`TurnsInFlight.prefill_wait_ms`);
+    a /tokenize answer is the HTTP server's, not the engine's steps, and says nothing of it."""
+    async def main() -> None:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return web.json_response({"tokens": [1, 2, 3]})
+
+        runner, url = await start_engine_app(handle)
+        upstream = Upstream()
+        engine = Engine("decode-0", url, "decode")
+        try:
+            assert await upstream.tokenize(engine, {"prompt": "hi"}) == [1, 2, 3]
+            assert engine.answered_at == float("-inf")
+            before = time.monotonic()
+            stream = await upstream.open(engine, "/v1/completions", {"max_tokens": 1})
+            assert engine.answered_at == float("-inf")  # headers in, no answer read yet
+            await stream.read()
+            stream.close()
+            assert before <= engine.answered_at <= time.monotonic()
+        finally:
             await upstream.close()
             await runner.cleanup()
 

@@ -723,6 +723,20 @@ def test_turns_in_flight_count_the_prompts_ahead_where_they_are_computed() -> No
     assert turns.prefill_wait_ms(HELPER, pending=1, now_s=20.0) == 0
 
 
+def test_a_prompt_queued_behind_another_waits_in_full_until_the_engine_answers_that_one() -> None:
+    turns = TurnsInFlight()
+    turns.begin("a", HOME, 1000, HOME, prefill_ms=4000.0, at_s=10.0)
+    turns.begin("b", HOME, 500, HOME, prefill_ms=1000.0, at_s=11.0)
+    # At 16 s a took longer than its estimate and is not answered: b has not begun.
+    assert turns.prefill_wait_ms(HOME, pending=2, now_s=16.0) == pytest.approx(1000)
+    # a's answer began at 15 s: b is computed since then, not since it was placed at 11 s.
+    assert turns.prefill_wait_ms(HOME, pending=1, now_s=15.5,
+                                 answered_ago_s=0.5) == pytest.approx(500)
+    # An answer that began before b was placed: b is computed since it was placed.
+    assert turns.prefill_wait_ms(HOME, pending=1, now_s=11.5,
+                                 answered_ago_s=5.0) == pytest.approx(500)
+
+
 def test_a_split_to_a_helper_with_a_long_prompt_ahead_stays_whole() -> None:
     """The helper computes a long prompt of another session's (its estimate, counted by
     `TurnsInFlight`): a split there would wait for it, so the busy home computes the delta."""

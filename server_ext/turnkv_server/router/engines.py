@@ -10,10 +10,9 @@ grow, so a new session leaves its warm engine when that engine is home to more t
 trade with its balance thresholds). In the `standard` mode (the baseline) there is no affinity
 at all: plain round robin. An `affinity` router's aggregated engines: `aggregated`.
 
-HTTP: aiohttp rather than httpx here, for cost: an aiohttp request takes a fraction of the
-CPU of an `httpx.AsyncClient` one (docs/architecture.md, "What the router costs"), and the
-router makes two or three of them per turn on cores the engines also need. JSON goes through
-orjson for the same reason.
+HTTP: aiohttp and orjson rather than httpx and json, for cost: an aiohttp request takes a
+fraction of the CPU of an `httpx.AsyncClient` one (docs/architecture.md, "What the router
+costs"), and the router makes two or three per turn on cores the engines also need.
 
 Everything that means "the engine could not be reached or broke the connection" (refused,
 reset, a timeout, a truncated body) is raised as one exception, `EngineConnectionError`, naming
@@ -31,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -56,6 +56,7 @@ class Engine:
     # Of those, the requests that have not sent a byte of their answer yet: prompts it is
     # computing, or queued to (a streamed answer starts with the first token).
     prefilling: int = 0
+    answered_at: float = float("-inf")  # when its latest answer began (`time.monotonic`)
     consecutive_failures: int = 0
     # Its KV block size once a health probe has read it (stats explain reuse in whole blocks).
     block_size: int | None = None
@@ -99,8 +100,7 @@ class EnginePool:
     @classmethod
     def from_urls(cls, prefill: list[str], decode: list[str], max_in_flight: int = 64
                   ) -> EnginePool:
-        """Prefill and decode engines; aggregated ones (affinity mode) are
-        `aggregated.AggregatedPool`'s."""
+        """Prefill and decode engines (aggregated ones: `aggregated.AggregatedPool`)."""
         return cls(
             prefill=[Engine(f"prefill-{i}", u.rstrip("/"), "prefill")
                      for i, u in enumerate(prefill)],
@@ -237,15 +237,14 @@ class SseEvent:
 
 
 class Stream:
-    """A response whose headers are in and whose body is read by the caller, who closes it.
+    """A response whose headers are in and whose body the caller reads and closes. It owns
+    the engine request: the in-flight count taken when it was sent goes back at `close()`."""
 
-    It owns the engine request: the engine's in-flight count taken when the request was sent
-    is given back by the first `close()`.
-    """
-
-    def __init__(self, response: aiohttp.ClientResponse, engine: Engine) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, engine: Engine,
+                 computed: bool = True) -> None:
         self._response = response
         self.engine = engine
+        self._computed = computed  # an answer of the engine's steps (not a /tokenize one)
         self.status = response.status
         self.closed = False
         self._prefilling = True  # counted in `engine.prefilling` until the answer begins
@@ -254,6 +253,8 @@ class Stream:
         if self._prefilling:
             self._prefilling = False
             self.engine.prefilling -= 1
+            if self._computed:
+                self.engine.answered_at = time.monotonic()
 
     async def read(self) -> bytes:
         try:
@@ -300,8 +301,7 @@ class Stream:
         if self.closed:
             return
         self.closed = True
-        # Closing before the end drops the connection, which makes vLLM abort the request
-        # and free its KV.
+        # Closing early drops the connection: vLLM aborts the request and frees its KV.
         self._response.close()
         self._answer_began()
         self.engine.in_flight -= 1
@@ -367,7 +367,7 @@ class Upstream:
             if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
                 raise EngineConnectionError(engine, _describe(exc)) from exc
             raise
-        return Stream(response, engine)
+        return Stream(response, engine, computed=not path.endswith("tokenize"))
 
     async def tokenize(self, engine: Engine, request: dict[str, Any]) -> list[int]:
         """The prompt of a `/tokenize` request (`engine.requests.tokenize_request`) as `engine`

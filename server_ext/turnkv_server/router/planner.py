@@ -12,7 +12,8 @@ whole on its home, or moved from an overloaded one, and keeps no copy.
 
 The cost model (`CostModel`): what serving costs on each engine, as the turns measure it, fed once
 per served turn and read once per planned turn, in memory. Each figure is an exponentially weighted
-mean per engine and bucket: online, bounded and following the load as it changes.
+mean per engine and bucket: online, bounded and following the load as it changes; a bucket not
+measured yet takes the nearest measured one of the engine's, then the prior.
 
 - prefill: the engine's own timing of the request that computed a prompt (vLLM's per-request
   `engine_prefill_ms`) over the tokens it computed, by the prompt's length (attention makes a long
@@ -26,12 +27,11 @@ mean per engine and bucket: online, bounded and following the load as it changes
 - a split's tail: from the helper's answer to the home's first token, less the transfer: the home
   taking the KV in and its next step;
 - transfer: tokens of KV per ms between engines, a setting (`--transfer-tokens-per-ms`).
-
-A bucket not measured yet takes the nearest measured one of the engine's, then the prior.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from itertools import islice
@@ -140,11 +140,10 @@ class _TurnInFlight:
 
 
 class TurnsInFlight:
-    """What each engine's turns in flight hold and owe, as the router counts them: a turn's
-    KV (prompt and expected output) on the engine that decodes it, from plan to end
-    (`EngineLoad.waits_for_room`), and its prompt's compute as the planner estimated it, on
-    the engine that computes it (`EngineLoad.prefill_wait_ms`). A turn whose end is never
-    told (an attempt replanned) is forgotten when its engine is idle; the table is bounded."""
+    """What each engine's turns in flight hold and owe, as the router counts them: a turn's KV
+    (prompt and expected output) on the engine that decodes it, from plan to end, and its
+    prompt's estimated compute on the engine that computes it (`EngineLoad`). A turn whose end
+    is never told (an attempt replanned) is forgotten when its engine idles; it is bounded."""
 
     def __init__(self, max_turns: int = MAX_TURNS_IN_FLIGHT) -> None:
         self._turns: dict[Hashable, _TurnInFlight] = {}
@@ -182,21 +181,23 @@ class TurnsInFlight:
     def kv_tokens(self, engine: str) -> int:
         return self._kv.get(engine, 0)
 
-    def prefill_wait_ms(self, engine: str, pending: int, now_s: float) -> float:
+    def prefill_wait_ms(self, engine: str, pending: int, now_s: float,
+                        answered_ago_s: float = math.inf) -> float:
         """The compute ahead of a prompt placed on `engine` now: the estimates of its `pending`
         newest prompts (its requests whose answer has not begun: the engine computes prompts
-        first come first served, so they are the newest), less the time since the oldest's."""
+        first come first served, so they are the newest), in full but the oldest's, computed
+        since it was placed or the engine's last answer began (`answered_ago_s`), if later."""
         newest = islice(reversed(self._computing.get(engine, {})), max(0, pending))
         ahead = [self._turns[turn] for turn in newest]
         if not ahead:
             return 0.0
-        return max(0.0, sum(t.prefill_ms for t in ahead) - (now_s - ahead[-1].at_s) * 1000)
+        since = min(now_s - ahead[-1].at_s, answered_ago_s)
+        return max(0.0, ahead[-1].prefill_ms - since * 1000) + sum(t.prefill_ms for t in ahead[:-1])
 
 
 def tokens_to_compute(prompt_len: int, held: int, block: int | None) -> int:
-    """Tokens an engine holding the first `held` tokens of a `prompt_len`-token prompt
-    computes: prefix caching reuses whole blocks only, and vLLM computes the last prompt token
-    even when it holds it (`block` None: unknown, no tail counted)."""
+    """Tokens an engine holding the first `held` of a `prompt_len`-token prompt computes: whole
+    blocks only are reused, and the last token always computed (`block` None: unknown)."""
     held = min(held, prompt_len - 1)
     if block:
         held = held // block * block
@@ -396,5 +397,4 @@ def _add(table: dict[str, Ewma], engine: str, bucket: int, value: float,
 
 
 def _mean(table: dict[str, Ewma], engine: str, bucket: int) -> float | None:
-    found = table.get(engine)
-    return found.nearest(bucket) if found else None
+    return table[engine].nearest(bucket) if engine in table else None

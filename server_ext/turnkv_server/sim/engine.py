@@ -61,6 +61,7 @@ class SimEngine:
         self._steps = 0.0  # decode steps taken since the start
         self._at = 0.0  # when `_steps` was last brought up to date
         self._prefilling = 0
+        self.answered_s = float("-inf")  # when its latest prompt was done: its answer began
         self._chunk_ms = 0.0  # the running prefill's time per chunk
         self._stores = 0.0  # blocks waiting to be copied to the tier, a block a step
         self._decoding: list[tuple[float, int, simpy.Event]] = []
@@ -100,6 +101,7 @@ class SimEngine:
         yield self.env.timeout(ms / 1000)
         self._advance()
         self._prefilling -= 1
+        self.answered_s = self.env.now
         self._chunk_ms = 0.0
         self.prefill_busy_s += ms / 1000
         self._reschedule()

@@ -102,7 +102,8 @@ class TurnkvRouting:
                           capacity_tokens=engine.cache.capacity,
                           kv_in_flight=self.in_flight.kv_tokens(engine.name),
                           prefill_wait_ms=self.in_flight.prefill_wait_ms(
-                              engine.name, engine.prompts, self.env.now))
+                              engine.name, engine.prompts, self.env.now,
+                              self.env.now - engine.answered_s))
 
     def _under_pressure(self, engine: SimEngine) -> bool:
         cache = engine.cache

@@ -18,6 +18,7 @@ both skip the planner (`PdTurnkv._plan_unplanned`).
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -172,9 +173,7 @@ class PairPool:
             self._uncount(home)
 
     def _uncount(self, engine: str) -> None:
-        self._homed[engine] -= 1
-        if not self._homed[engine]:
-            del self._homed[engine]
+        self._homed -= Counter((engine,))  # and an engine home to none leaves the count
 
 
 class Turnkv(Mode):
@@ -287,7 +286,8 @@ class Turnkv(Mode):
                           capacity_tokens=engine.kv_tokens,
                           kv_in_flight=self._in_flight.kv_tokens(engine.name),
                           prefill_wait_ms=self._in_flight.prefill_wait_ms(
-                              engine.name, engine.prefilling, self.ctx.clock()),
+                              engine.name, engine.prefilling, self.ctx.clock(),
+                              time.monotonic() - engine.answered_at),
                           landing_ms=self._landings.left_ms(engine.name) if self._landings.parts
                           else ())
 
