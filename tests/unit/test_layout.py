@@ -13,7 +13,7 @@ Edges are the imports as written, resolved to the deepest project module they na
 packages that Python initialises on the way to a submodule are not edges of their own:
 otherwise every package whose `__init__` re-exports a submodule would form "a cycle" with it.
 
-The rules (issue 16):
+The rules:
 - no import cycle among the project's own modules (`turnkv.*`, `turnkv_server.*`, the
   scripts');
 - the router and the KV connector never import each other, directly or through other

@@ -29,7 +29,7 @@ from turnkv_server.bench.workloads import (
 )
 
 _BASE: dict[str, dict[str, Any]] = {
-    # Real agents (issue 5): a shared system prompt with tool schemas (1,500 tokens),
+    # Real agents: a shared system prompt with tool schemas (1,500 tokens),
     # heavy-tailed tool results of 100-2,000 tokens (lognormal, median 250), short outputs,
     # seconds of tool time between turns, 5-10 turns, every session at once.
     "agent": dict(kind="agent", sessions=4, concurrency=4, turns=(5, 10), system_tokens=1500,

@@ -21,10 +21,10 @@ from turnkv_server.bench.results import (
 )
 
 # A gap between two output chunks longer than this many times the run's median gap counts as
-# a decode step that waited behind prompt work. On this project's CPU machine a decode step
-# takes about 150 ms and prompt tokens cost 6-14 ms each, so a step that also computed a
-# 32-token delta, or waited for a 1,000-token prefill, is at least twice as long; a factor
-# closer to 1 would count ordinary jitter of a 2-core machine as stalls.
+# a decode step that waited behind prompt work. On a CPU a prompt token costs a sizeable share
+# of a decode step, so a step that also computed a delta of several dozen tokens, or waited
+# for a long prefill, takes about twice as long or more; a factor closer to 1 would count the
+# ordinary jitter of a 2-core machine as stalls.
 STALL_FACTOR = 2.0
 
 # The engine counters of prompt tokens by source, by the `TokenTotals` field they fill.
