@@ -217,6 +217,60 @@ def test_the_mode_holds_a_long_prompt_for_its_engines_split_until_that_lands() -
     asyncio.run(main())
 
 
+def test_a_prompt_held_back_counts_ahead_on_its_engine_until_sent_or_dropped() -> None:
+    """A long prompt held for a landing is sent when that lands or when it has waited its own
+    compute: meanwhile its engine is not idle for the planner (in a benchmark, a short prompt
+    split onto that engine as if it were, estimated at ~0.5 s, waited 19 s behind it)."""
+    async def main() -> None:
+        history, delta = [1] * 3000, [2] * 3000
+        mode = planned(Tokenizer(history + delta))
+        load = mode._load  # type: ignore[attr-defined]
+        first = long_split_turn(mode, history)
+        home = engine(mode, "decode-0")
+        home.in_flight = 3
+        plan = await mode.plan(first, place(mode, first))
+        assert plan.decision is not None and plan.decision.where == "split"
+        mode.planner.costs.observe_prefill("decode-0", 2000, 2000, 9000.0)
+        helper = engine(mode, "prefill-0")
+        helper.in_flight = helper.prefilling = 5
+        second = other_session_turn("decode-0")
+        task = asyncio.ensure_future(mode.plan(second, place(mode, second)))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not task.done()
+        # Held, not sent: no request of its own on the home, and not one it answers.
+        assert (home.in_flight, home.prefilling) == (3, 0)
+        assert load(home).prefill_wait_ms == pytest.approx(9000.0)
+        home.in_flight = 0  # the home idles meanwhile: the held prompt is still to come
+        assert load(home).prefill_wait_ms == pytest.approx(9000.0)
+        mode.first_token(first)
+        later = await asyncio.wait_for(task, 1.0)
+        assert later.decision is not None and later.decision.prefill == "decode-0"
+        # Sent: one of the home's prompts not answered, as its requests count them.
+        home.in_flight = home.prefilling = 1  # its compute counted since sent (a real clock)
+        assert load(home).prefill_wait_ms == pytest.approx(9000.0, abs=500)
+        home.prefilling = 0
+        assert load(home).prefill_wait_ms == 0
+        # A prompt held and then cancelled (its client left) is never sent: it counts no more.
+        home.in_flight, helper.in_flight, helper.prefilling = 3, 0, 0
+        again = long_split_turn(mode, history)
+        plan = await mode.plan(again, place(mode, again))
+        assert plan.decision is not None and plan.decision.where == "split"
+        helper.in_flight = helper.prefilling = 5
+        third = other_session_turn("decode-0")
+        task = asyncio.ensure_future(mode.plan(third, place(mode, third)))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert load(home).prefill_wait_ms == pytest.approx(9000.0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert load(home).prefill_wait_ms == 0
+        await asyncio.gather(*mode._orders._background, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 def test_without_landing_holds_the_mode_registers_nothing_and_holds_nothing() -> None:
     """`--no-landing-holds` (the ablation): the split goes out as before, the next prompt at
     once."""

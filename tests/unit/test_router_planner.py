@@ -737,6 +737,24 @@ def test_a_prompt_queued_behind_another_waits_in_full_until_the_engine_answers_t
                                  answered_ago_s=5.0) == pytest.approx(500)
 
 
+def test_a_prompt_held_back_counts_in_full_until_it_is_sent() -> None:
+    turns = TurnsInFlight()
+    turns.begin("a", HOME, 1000, HOME, prefill_ms=4000.0, at_s=10.0)
+    turns.begin("b", HELPER, 500, HOME, prefill_ms=3000.0, held=True)
+    # Held (not among the engine's requests): in full, beside a's rest of the one pending.
+    assert turns.prefill_wait_ms(HOME, pending=1, now_s=12.0) == pytest.approx(5000)
+    assert turns.prefill_wait_ms(HOME, pending=0, now_s=12.0) == pytest.approx(3000)
+    turns.idle(HOME)  # nothing in flight there: a goes, b is still to be sent
+    assert turns.prefill_wait_ms(HOME, pending=0, now_s=12.0) == pytest.approx(3000)
+    assert turns.kv_tokens(HELPER) == 500 and turns.kv_tokens(HOME) == 0
+    turns.sent("b", at_s=13.0, shared=True)
+    assert turns.prefill_wait_ms(HOME, pending=0, now_s=13.5) == 0
+    assert turns.prefill_wait_ms(HOME, pending=1, now_s=13.5) == pytest.approx(2500)
+    assert turns.end("b") is True  # sent while another prompt was unanswered
+    turns.sent("b", at_s=14.0, shared=False)  # ended: nothing to send
+    assert turns.prefill_wait_ms(HOME, pending=1, now_s=14.0) == 0
+
+
 def test_a_split_to_a_helper_with_a_long_prompt_ahead_stays_whole() -> None:
     """The helper computes a long prompt of another session's (its estimate, counted by
     `TurnsInFlight`): a split there would wait for it, so the busy home computes the delta."""

@@ -1,10 +1,8 @@
 """Where a turn runs and what moves: the `turnkv` mode's decision per turn, from measured costs (the
-cost model, `CostModel`, below).
-
-Each session has a home, the engine of its pair that holds its history and decodes its turns;
-neither engine is fixed as prefill or decode. Per turn the planner places it whole on the home,
-split (the other engine computes, the home decodes) or moved (`decisions.Where`, which says what
-each moves).
+cost model, `CostModel`, below). Each session has a home, the engine of its pair that holds its
+history and decodes its turns; neither engine is fixed as prefill or decode. Per turn the planner
+places it whole on the home, split (the other engine computes, the home decodes) or moved
+(`decisions.Where`, which says what each moves).
 
 Where the prompt's length is known, each placement is weighed by its cost, under the engines' room
 for its KV, and a copy may be pushed back after it (`router.weighing`); a turn not read is served
@@ -12,20 +10,17 @@ whole on its home, or moved from an overloaded one, and keeps no copy.
 
 The cost model (`CostModel`): what serving costs on each engine, as the turns measure it, fed once
 per served turn and read once per planned turn, in memory. Each figure is an exponentially weighted
-mean per engine and bucket: online, bounded and following the load as it changes; a bucket not
-measured yet takes the nearest measured one of the engine's, then the prior.
-
+mean per engine and bucket (online, bounded, following the load); a bucket not measured yet takes
+the nearest measured one of the engine's, then the prior.
 - prefill: the engine's own timing of the request that computed a prompt (vLLM's per-request
   `engine_prefill_ms`) over the tokens it computed, by the prompt's length (attention makes a long
   context's token dearer); it includes the decode steps its steps carried;
 - decode: the turn's time after its first token per token, by the engine's batch as the turn ends
   (streamed turns only, which time their first token);
 - a prompt: the engine's timing of a prompt, whatever its length (`prompt_ms`): what a prompt
-  neither read nor estimated is counted to hold up the prompts behind it;
-- a tier read: where part of a prompt came from the engine's tier, the engine's timing less what
-  computing the rest costs there, per token read;
-- a split's tail: from the helper's answer to the home's first token, less the transfer: the home
-  taking the KV in and its next step;
+  neither read nor estimated counts as;
+- a tier read: per token read from the engine's tier, its timing less computing the rest there;
+- a split's tail: from the helper's answer to the home's first token, less the transfer;
 - transfer: tokens of KV per ms between engines, a setting (`--transfer-tokens-per-ms`).
 """
 
@@ -33,18 +28,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 from turnkv_server.router.decisions import Choice, Decision, Priors, TurnFacts
 
-# Turns after a split during which the session still counts as one that splits.
-SPLIT_MEMORY_TURNS = 3
-# Of an engine's cache, the share leases may hold before it counts as full: the rest is
-# the running requests' (their prompts and the blocks they grow into).
+SPLIT_MEMORY_TURNS = 3  # turns after a split during which a session counts as one that splits
+# Of an engine's cache, the share leases may hold before it counts as full: the rest is its
+# running requests' (their prompts and the blocks they grow into).
 LEASE_SHARE = 0.9
-# Its prompts ahead done in under this share of another's time, an engine is the less busy.
-BUSIER_QUEUE = 0.5
+BUSIER_QUEUE = 0.5  # its prompts ahead done in under this share of another's: the less busy
 MAX_TURNS_IN_FLIGHT = 10_000  # counted at most: a backstop for turns that never end
 
 
@@ -98,9 +91,8 @@ class EngineLoad:
 
 class Holdings:
     """What the sessions' leases hold on each engine, counted from the placements (the router
-    placed every turn, so it need not ask the engines): the planner's view of memory pressure
-    (`EngineLoad.room_tokens`). It errs high: a lease an engine ended still counts until its
-    session ends or is forgotten, so turns stay whole a little sooner than they must."""
+    placed every turn): the planner's view of memory pressure (`EngineLoad.room_tokens`). It
+    errs high: a lease an engine ended counts until its session ends or is forgotten."""
 
     def __init__(self) -> None:
         self._by_session: dict[Hashable, dict[str, int]] = {}
@@ -137,16 +129,17 @@ class _TurnInFlight:
     prefill_ms: float
     at_s: float
     shared: bool  # sent while its engine had another prompt unanswered
+    held: bool = False  # not sent yet: held back while a turn lands there (`Landings`)
 
 
 class TurnsInFlight:
     """What each engine's turns in flight hold and owe, as the router counts them: a turn's KV
-    (prompt and expected output) on the engine that decodes it, from plan to end, and its
-    prompt's estimated compute on the engine that computes it (`EngineLoad`). A turn whose end
-    is never told (an attempt replanned) is forgotten when its engine idles; it is bounded."""
+    (prompt and expected output) on the engine that decodes it, and its prompt's estimated
+    compute on the engine that computes it (`EngineLoad`), from plan (`held` back until `sent`)
+    to end. One whose end is never told (an attempt replanned) goes when its engine idles."""
 
     def __init__(self, max_turns: int = MAX_TURNS_IN_FLIGHT) -> None:
-        self._turns: dict[Hashable, _TurnInFlight] = {}
+        self._turns: dict[Hashable, _TurnInFlight] = {}  # bounded: at most `max_turns`
         self._kv: dict[str, int] = {}
         # By engine, the turns it decodes, and those whose prompts it computes: oldest first.
         self._homed: dict[str, dict[Hashable, None]] = {}
@@ -154,11 +147,12 @@ class TurnsInFlight:
         self._max_turns = max_turns
 
     def begin(self, turn: Hashable, home: str, kv_tokens: int, prefill: str | None = None,
-              prefill_ms: float = 0.0, at_s: float = 0.0, shared: bool = False) -> None:
+              prefill_ms: float = 0.0, at_s: float = 0.0, shared: bool = False,
+              held: bool = False) -> None:
         self.end(turn)
         while len(self._turns) >= self._max_turns:
             self.end(next(iter(self._turns)))
-        record = _TurnInFlight(home, kv_tokens, prefill or home, prefill_ms, at_s, shared)
+        record = _TurnInFlight(home, kv_tokens, prefill or home, prefill_ms, at_s, shared, held)
         self._turns[turn] = record
         self._kv[home] = self._kv.get(home, 0) + kv_tokens
         self._homed.setdefault(home, {})[turn] = None
@@ -173,10 +167,15 @@ class TurnsInFlight:
             self._computing[record.prefill].pop(turn, None)
         return record is not None and record.shared
 
+    def sent(self, turn: Hashable, at_s: float, shared: bool) -> None:
+        if turn in self._turns:  # a turn `held` back is sent now
+            self._turns[turn] = replace(self._turns[turn], at_s=at_s, shared=shared, held=False)
+
     def idle(self, engine: str) -> None:
-        """`engine` has no request in flight: none of its turns holds KV or computes there."""
+        """`engine` has no request in flight: none of its turns sent holds KV or computes there."""
         for turn in [*self._homed.get(engine, ()), *self._computing.get(engine, ())]:
-            self.end(turn)
+            if turn in self._turns and not self._turns[turn].held:
+                self.end(turn)
 
     def kv_tokens(self, engine: str) -> int:
         return self._kv.get(engine, 0)
@@ -184,15 +183,19 @@ class TurnsInFlight:
     def prefill_wait_ms(self, engine: str, pending: int, now_s: float,
                         answered_ago_s: float = math.inf) -> float:
         """The compute ahead of a prompt placed on `engine` now: the estimates of its `pending`
-        newest prompts (its requests whose answer has not begun: the engine computes prompts
-        first come first served, so they are the newest), in full but the oldest's, computed
-        since it was placed or the engine's last answer began (`answered_ago_s`), if later."""
-        newest = islice(reversed(self._computing.get(engine, {})), max(0, pending))
-        ahead = [self._turns[turn] for turn in newest]
+        newest prompts sent (its requests whose answer has not begun: prompts are computed first
+        come first served), in full but the oldest's, computed since it was placed or the
+        engine's last answer began (`answered_ago_s`), if later; and those held back, in full:
+        one is sent at the latest when it has waited its own compute, and a prompt then passed
+        over for a step (a tier read pending, or itself held) waits for all of it."""
+        turns = [self._turns[turn] for turn in self._computing.get(engine, {})]
+        held_ms = sum(t.prefill_ms for t in turns if t.held)
+        ahead = list(islice(reversed([t for t in turns if not t.held]), max(0, pending)))
         if not ahead:
-            return 0.0
+            return held_ms
         since = min(now_s - ahead[-1].at_s, answered_ago_s)
-        return max(0.0, ahead[-1].prefill_ms - since * 1000) + sum(t.prefill_ms for t in ahead[:-1])
+        return (held_ms + max(0.0, ahead[-1].prefill_ms - since * 1000)
+                + sum(t.prefill_ms for t in ahead[:-1]))
 
 
 def tokens_to_compute(prompt_len: int, held: int, block: int | None) -> int:
@@ -212,11 +215,10 @@ class Planner:
     @staticmethod
     def needs_prompt(home: EngineLoad, helper: EngineLoad | None, facts: TurnFacts,
                      pin: Choice | None = None) -> bool:
-        """Whether the decision needs the prompt's length (a /tokenize round trip): where a
-        placement is pinned, or the home is busy and a split could pay (a helper less busy)
-        or a push back may follow (the session splits). An idle home serves the turn whole
-        (nothing ahead, no one to stall: no placement is sooner; a turn not read pushes no
-        copy back), and a helper as busy as the home would stall as many for longer."""
+        """Whether the decision needs the prompt's length (a /tokenize round trip): a placement
+        pinned, or a busy home and a split that could pay (a helper less busy) or a push back to
+        follow (the session splits). An idle home serves it whole (none is sooner; unread, it
+        pushes no copy back); a helper as busy would stall as many for longer."""
         if helper is None or not helper.healthy or not home.healthy:
             return False
         since_split = facts.turns_since_split
@@ -255,7 +257,6 @@ class Planner:
                     f"writes the history to {other.name}"))
             why = (f"{home.name} has nothing in flight to stall" if not home.in_flight else
                    f"{other.name} is as busy as {home.name}: a split cannot pay")
-            # Not read, it keeps no copy on the other engine: only a read prompt's is pushed back.
             return Decision("whole", home.name, home.name, why=why)
         return self._weigh(home, other, facts, pin)
 
@@ -321,10 +322,9 @@ class CostModel:
                         engine_ms: float | None, restored: int = 0, shared: bool = False) -> None:
         """`engine` computed `computed` tokens of a `prompt_tokens`-token prompt and read
         `restored` from its tier in `engine_ms` (None: not reported). A few tokens are mostly a
-        step's fixed cost: they count for `prompt_ms` only. A read took what computing the rest
-        would not have, once the engine measured its computing. A `shared` prompt (sent while
-        the engine had another unanswered) may be timed with the other's steps: its figures
-        are upper bounds, which teach only below the mean."""
+        step's fixed cost: they count for `prompt_ms` only; a read took what computing the rest
+        would not have, once computing is measured. A `shared` prompt (sent while another was
+        unanswered) may be timed with the other's steps: an upper bound, taught below the mean."""
         if engine_ms is None or engine_ms < 0:
             return
         _add(self._prompt, engine, 0, engine_ms, shared)

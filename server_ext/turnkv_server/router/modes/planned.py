@@ -51,9 +51,8 @@ OUTPUT_WEIGHT = 0.5
 # an engine that computed more beyond the delta had lost the session's KV to memory pressure.
 HELD_TAIL_TOKENS = 256
 # After such a miss, or a push back whose receive failed, the engine is under pressure for this
-# long, doubling while misses go on (`Backoff`).
-BACKOFF_S = 30.0
-BACKOFF_MAX_S = 600.0
+# long, doubling while misses go on (`Backoff`), up to the max.
+BACKOFF_S, BACKOFF_MAX_S = 30.0, 600.0
 
 
 # -- the session's lease, as its engines' connector is told it ---------------------------------
@@ -65,12 +64,9 @@ def lease_key(session: Session) -> str:
 
 
 def engine_ttl(policy: LeasePolicy, hints: CacheHints) -> float | None:
-    """The TTL the engines' leases get: the session's own (`LeasePolicy.ttl`) whenever a hint
-    shapes it, so that an engine keeps the KV as long as the router keeps the session (each
-    engine still caps it); None, each engine's own default, when no hint does."""
-    if hints.ttl is None and hints.next_turn_in is None:
-        return None
-    return policy.ttl(hints)
+    """The engines' leases' TTL: the session's (`LeasePolicy.ttl`, each engine caps it) where a
+    hint shapes it, kept as long as the router keeps the session; None (theirs) where none does."""
+    return None if hints.ttl is None and hints.next_turn_in is None else policy.ttl(hints)
 
 
 def turn_hints(turn: Turn) -> CacheHints:
@@ -118,8 +114,7 @@ class Backoff:
         return self._clock() < self._until.get(engine, (0.0, 0.0))[0]  # (until, backoff)
 
     def record(self, engine: str, missed: bool) -> float | None:
-        """A try on `engine` missed (start or double its backoff: returns its length in
-        seconds) or succeeded (end it: None)."""
+        """A try on `engine` missed (start or double its backoff: its length, s) or not (None)."""
         if not missed:
             self._until.pop(engine, None)
             return None
@@ -239,13 +234,18 @@ class Turnkv(Mode):
             if prompt_ids is not None:
                 facts = read_facts(prompt_ids, session, place, home, other, push_back, tier)
         decision = decision or self.planner.decide(home_load, other_load, facts, pin)
-        if self._landings.parts:  # a turn moving KV lands where this one would compute
-            decision = await self._landings.hold(decision)
         kv = (facts.prompt_tokens or facts.prompt_estimate or facts.history_tokens) + round(
             place.expected_output if place else 0)
         self._in_flight.begin(id(turn), decision.home, kv, decision.prefill,
-                              decision.estimates["compute_ms"], self.ctx.clock(),
-                              shared=self._engine(decision.prefill).prefilling > 0)
+                              decision.estimates["compute_ms"], held=True)  # counted from now
+        try:
+            if self._landings.parts:  # a turn moving KV lands where this one would compute
+                decision = await self._landings.hold(decision)
+        except BaseException:  # cancelled while held back: never sent
+            self._in_flight.end(id(turn))
+            raise
+        self._in_flight.sent(id(turn), self.ctx.clock(),
+                             shared=self._engine(decision.prefill).prefilling > 0)
         if session is not None:
             decided = self._engine(decision.home)
             self._homes.home(session, Placement(decided, decided, "affinity"))
