@@ -310,6 +310,75 @@ def test_a_planned_prompt_is_counted_ahead_on_its_engine_until_its_turn_ends() -
     asyncio.run(main())
 
 
+class GatedTokenizer(Tokenizer):
+    """Engines that render every prompt as `tokens`, each render answered when the test lets
+    it (`gates`, one per render asked, in order)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__(tokens)
+        self.gates: list[asyncio.Event] = []
+
+    async def tokenize(self, engine: Engine, body: dict[str, object]) -> list[int]:
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        await gate.wait()
+        return self.tokens
+
+
+def test_a_turn_planned_while_its_prompt_was_rendered_counts_in_the_decision() -> None:
+    """Two sessions' long deltas on one busy home, planned at once: each waits for its render
+    (/tokenize), and the one decided second weighs the first's prompt ahead on the helper,
+    as if they had come one after the other (in a benchmark both were decided onto one engine
+    at the same moment, neither counting the other)."""
+    history, delta = [1] * 3000, [2] * 3000
+
+    def session_turn(mode: Turnkv, name: str) -> Turn:
+        t = turn()
+        assert t.session is not None
+        t.session.key = SessionKey("tenant-a", name)
+        t.session.prefill = t.session.decode = "decode-0"
+        t.session.tokens = history
+        mode._places[t.session.key] = SessionPlace(history_len=len(history),
+                                                   tokens_current=True, turns_since_split=0)
+        return t
+
+    def busy(tokens: Upstream) -> Turnkv:
+        mode = planned(tokens)
+        mode.ctx.clock = lambda: 100.0
+        engine(mode, "decode-0").in_flight = 3  # other sessions decoding on the home
+        return mode
+
+    async def one_after_the_other() -> TurnPlan:
+        mode = busy(Tokenizer(history + delta))
+        first, second = session_turn(mode, "a"), session_turn(mode, "b")
+        assert (await mode.plan(first, place(mode, first))).decision.where == "split"
+        helper = engine(mode, "prefill-0")
+        helper.in_flight = helper.prefilling = 1  # the split's prefill request
+        return await mode.plan(second, place(mode, second))
+
+    async def at_once() -> TurnPlan:
+        tokens = GatedTokenizer(history + delta)
+        mode = busy(tokens)
+        first, second = session_turn(mode, "a"), session_turn(mode, "b")
+        planning = [asyncio.ensure_future(mode.plan(t, place(mode, t)))
+                    for t in (first, second)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(tokens.gates) == 2  # both read the engines' load, both wait for a render
+        tokens.gates[0].set()
+        assert (await planning[0]).decision.where == "split"
+        helper = engine(mode, "prefill-0")
+        helper.in_flight = helper.prefilling = 1
+        tokens.gates[1].set()
+        return await planning[1]
+
+    sequential, concurrent = asyncio.run(one_after_the_other()), asyncio.run(at_once())
+    assert sequential.decision is not None and concurrent.decision is not None
+    assert sequential.decision.where == "whole"  # the first's prompt ahead on the helper
+    assert concurrent.decision.where == sequential.decision.where
+    assert concurrent.decision.why == sequential.decision.why  # every option weighed alike
+
+
 def test_a_prompt_not_read_is_counted_ahead_at_its_estimated_delta() -> None:
     """An idle home's turn is not tokenized; its prompt's length is estimated at the session's
     last tokens per byte of request, and what it adds to the history is what a prompt placed

@@ -75,19 +75,15 @@ def turn_hints(turn: Turn) -> CacheHints:
 
 def lease_params(turn: Turn, policy: LeasePolicy, send: Send | None = None,
                  receive: Receive | None = None) -> dict[str, Any]:
-    """A request's `kv_transfer_params` for a turn: its transfers, and for a session the lease
-    its blocks leave behind. The hint rides on every request of the turn that leaves a lease
-    (prefill, decode, push back): each engine orders its evictions by it."""
-    session = turn.session
+    """A request's `kv_transfer_params`: its transfers, and a session's lease that its blocks
+    leave behind, with the hint by which each engine orders its evictions (on every request)."""
+    session, hints = turn.session, turn_hints(turn)
     if session is None:
-        params = TurnParams(receive=receive, send=send)
-    else:
-        hints = turn_hints(turn)
-        params = TurnParams(session=lease_key(session), ttl_s=engine_ttl(policy, hints),
-                            priority=hints.priority or 0, release=hints.final,
-                            receive=receive, send=send,
-                            next_turn_in_s=None if hints.final else hints.next_turn_in,
-                            epoch=session.epoch)
+        return {KEY: TurnParams(receive=receive, send=send).to_wire()}
+    params = TurnParams(session=lease_key(session), ttl_s=engine_ttl(policy, hints),
+                        priority=hints.priority or 0, release=hints.final, receive=receive,
+                        send=send, next_turn_in_s=None if hints.final else hints.next_turn_in,
+                        epoch=session.epoch)
     return {KEY: params.to_wire()}
 
 
@@ -231,6 +227,9 @@ class Turnkv(Mode):
                     facts.prompt_estimate, session, place, home, other, push_back, tier), pin)
             if decision is None:  # rendered where it waits least: not on the home
                 prompt_ids = await tokenize(self.ctx.upstream, other or home, turn)
+                # Turns planned meanwhile count: the engines' load is read again.
+                home_load = self._load(home)
+                other_load = self._load(other) if other is not None else None
             if prompt_ids is not None:
                 facts = read_facts(prompt_ids, session, place, home, other, push_back, tier)
         decision = decision or self.planner.decide(home_load, other_load, facts, pin)
