@@ -80,3 +80,43 @@ def test_an_engine_remembers_when_its_latest_answer_began() -> None:
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_render_in_flight_is_no_prompt_the_engine_computes() -> None:
+    """A /tokenize in flight counts among the engine's requests, not among its prompts: the
+    planner reads `prefilling` as that many of its newest planned prompts still ahead."""
+    async def main() -> None:
+        answer = asyncio.Event()
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if request.path.endswith("tokenize"):
+                await answer.wait()
+                return web.json_response({"tokens": [1, 2, 3]})
+            response = web.StreamResponse()
+            await response.prepare(request)  # headers go out at once, as vLLM's do
+            await answer.wait()
+            await response.write(b"{}")
+            return response
+
+        runner, url = await start_engine_app(handle)
+        upstream = Upstream()
+        engine = Engine("decode-0", url, "decode")
+        try:
+            render = asyncio.ensure_future(upstream.tokenize(engine, {"prompt": "hi"}))
+            while engine.in_flight == 0:
+                await asyncio.sleep(0.001)
+            assert (engine.in_flight, engine.prefilling) == (1, 0)
+            stream = await upstream.open(engine, "/v1/completions", {"max_tokens": 1})
+            assert (engine.in_flight, engine.prefilling) == (2, 1)  # headers in: a prompt
+            answer.set()
+            assert await render == [1, 2, 3]
+            assert (engine.in_flight, engine.prefilling) == (1, 1)
+            await stream.read()
+            stream.close()
+            assert (engine.in_flight, engine.prefilling) == (0, 0)
+        finally:
+            answer.set()
+            await upstream.close()
+            await runner.cleanup()
+
+    asyncio.run(main())

@@ -244,17 +244,15 @@ class Stream:
                  computed: bool = True) -> None:
         self._response = response
         self.engine = engine
-        self._computed = computed  # an answer of the engine's steps (not a /tokenize one)
         self.status = response.status
         self.closed = False
-        self._prefilling = True  # counted in `engine.prefilling` until the answer begins
+        self._prefilling = computed  # in `engine.prefilling` until its answer begins
 
     def _answer_began(self) -> None:
         if self._prefilling:
             self._prefilling = False
             self.engine.prefilling -= 1
-            if self._computed:
-                self.engine.answered_at = time.monotonic()
+            self.engine.answered_at = time.monotonic()
 
     async def read(self) -> bytes:
         try:
@@ -354,8 +352,9 @@ class Upstream:
         """POST a JSON body to `engine`; returns once the response headers are in. The caller
         owns the returned Stream and must close it; a request that fails (or is cancelled)
         before its headers are in is over when this raises."""
+        computed = not path.endswith("tokenize")  # its steps' (a /tokenize is its server's)
         engine.in_flight += 1
-        engine.prefilling += 1
+        engine.prefilling += int(computed)
         try:
             response = await self._http().post(
                 f"{engine.url}{path}", data=orjson.dumps(body),
@@ -363,11 +362,11 @@ class Upstream:
         except BaseException as exc:
             # aiohttp closes the connection of a request it did not finish.
             engine.in_flight -= 1
-            engine.prefilling -= 1
+            engine.prefilling -= int(computed)
             if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
                 raise EngineConnectionError(engine, _describe(exc)) from exc
             raise
-        return Stream(response, engine, computed=not path.endswith("tokenize"))
+        return Stream(response, engine, computed=computed)
 
     async def tokenize(self, engine: Engine, request: dict[str, Any]) -> list[int]:
         """The prompt of a `/tokenize` request (`engine.requests.tokenize_request`) as `engine`
